@@ -1,0 +1,104 @@
+"""Attention kernels for groups of tiles that share a query block.
+
+A kernel computes, for queries ``q: [n_q, H, D]`` against the concatenated keys and values
+of several key/value blocks ``k, v: [n_k, H_kv, D]`` under a boolean mask ``[n_q, n_k]``
+(``None`` = all visible), the partial output and its log-sum-exp (forward), or the
+gradients given the final LSE and ``delta = rowsum(dO * O)`` (backward, FlashAttention-2
+style recomputation: Dao, "FlashAttention-2", 2023, Algorithm 2). GQA: query head ``h``
+uses key/value head ``h // (H / H_kv)``.
+
+Rows that see no key get output 0 and LSE ``-inf``, and no gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+__all__ = ["AttentionKernel", "ReferenceKernel", "get_kernel"]
+
+
+class AttentionKernel(Protocol):
+    """What the executor needs from a kernel; all results in ``acc_dtype``."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                scale: float, acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(out [n_q, H, D], lse [n_q, H])``."""
+        ...
+
+    def backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+                 delta: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                 acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns ``(dq [n_q, H, D], dk [n_k, H_kv, D], dv [n_k, H_kv, D])``."""
+        ...
+
+
+class ReferenceKernel:
+    """Exact attention in plain torch ops, on any device.
+
+    Computes in ``acc_dtype`` (float32, or float64 for float64 inputs); the scores of a group
+    are materialised (``[H, n_q, n_k]``), so it is meant for correctness and CPU runs.
+    """
+
+    name = "reference"
+
+    @staticmethod
+    def _scores(q, k, mask, scale, acc):
+        nq, h, d = q.shape
+        nk, hkv, _ = k.shape
+        g = h // hkv
+        qg = q.to(acc).reshape(nq, hkv, g, d)
+        s = torch.einsum("qhgd,khd->hgqk", qg, k.to(acc)) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask, -math.inf)
+        return qg, s
+
+    def forward(self, q, k, v, mask, scale, acc_dtype):
+        nq, h, d = q.shape
+        _, s = self._scores(q, k, mask, scale, acc_dtype)
+        lse = torch.logsumexp(s, dim=-1)  # [hkv, g, nq]
+        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        p = torch.exp(s - safe.unsqueeze(-1))
+        out = torch.einsum("hgqk,khd->qhgd", p, v.to(acc_dtype)).reshape(nq, h, d)
+        return out, lse.reshape(h, nq).transpose(0, 1)
+
+    def backward(self, q, k, v, do, lse, delta, mask, scale, acc_dtype):
+        nq, h, d = q.shape
+        nk, hkv, _ = k.shape
+        g = h // hkv
+        qg, s = self._scores(q, k, mask, scale, acc_dtype)
+        lse_g = lse.to(acc_dtype).transpose(0, 1).reshape(hkv, g, nq, 1)
+        safe = torch.where(torch.isinf(lse_g), torch.zeros_like(lse_g), lse_g)
+        p = torch.exp(s - safe)
+        if mask is not None:
+            p = p.masked_fill(~mask, 0.0)
+        dog = do.to(acc_dtype).reshape(nq, hkv, g, d)
+        vv = v.to(acc_dtype)
+        dv = torch.einsum("hgqk,qhgd->khd", p, dog)
+        dp = torch.einsum("qhgd,khd->hgqk", dog, vv)
+        delta_g = delta.to(acc_dtype).transpose(0, 1).reshape(hkv, g, nq, 1)
+        ds = p * (dp - delta_g)
+        dq = torch.einsum("hgqk,khd->qhgd", ds, k.to(acc_dtype)).reshape(nq, h, d) * scale
+        dk = torch.einsum("hgqk,qhgd->khd", ds, qg) * scale
+        return dq, dk, dv
+
+
+_KERNELS = {"reference": ReferenceKernel}
+
+
+def get_kernel(kernel: str | AttentionKernel | None) -> AttentionKernel:
+    """A kernel by name (``"reference"``), an instance as is, or the default for ``None``.
+
+    Raises:
+        ValueError: unknown kernel name.
+    """
+    if kernel is None:
+        return ReferenceKernel()
+    if isinstance(kernel, str):
+        try:
+            return _KERNELS[kernel]()
+        except KeyError:
+            raise ValueError(f"unknown kernel {kernel!r}; available: {sorted(_KERNELS)}") from None
+    return kernel

@@ -1,0 +1,33 @@
+"""Planners: every one maps a batch to a :class:`Placement` of blocks and tiles on ranks.
+
+Planners never import ``torch.distributed``: they are pure functions of the batch and the
+topology.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .base import Placement
+from .greedy import plan_greedy
+from .ring import plan_ring
+
+__all__ = ["Placement", "PLANNERS", "get_planner", "plan_greedy", "plan_ring"]
+
+#: name -> ``fn(batch, topology, block_size, **options) -> Placement``
+PLANNERS: dict[str, Callable[..., Placement]] = {
+    "greedy": plan_greedy,
+    "ring": plan_ring,
+}
+
+
+def get_planner(name: str) -> Callable[..., Placement]:
+    """The planner called ``name``.
+
+    Raises:
+        ValueError: unknown planner name.
+    """
+    try:
+        return PLANNERS[name]
+    except KeyError:
+        raise ValueError(f"unknown planner {name!r}; available: {sorted(PLANNERS)}") from None

@@ -1,0 +1,86 @@
+"""Division scheduling: group each rank's tiles into ``T`` divisions (DCP paper §4.3, Listing 3).
+
+Division 0 holds the tiles whose inputs are all local, so it runs while the first transfers
+are in flight. The remaining tiles are ordered so that tiles sharing a remote input are
+adjacent, and cut into divisions ``1 .. T-1`` that each fetch about ``1 / (T - 1)`` of the
+rank's remote input bytes; a remote block is fetched once, in the first division that needs
+it, and stays for later divisions. With ``T == 1`` everything is one division.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .planners.base import Placement
+
+__all__ = ["assign_divisions", "fetch_item_bytes"]
+
+
+def fetch_item_bytes(placement: Placement) -> tuple[np.ndarray, np.ndarray]:
+    """Forward bytes to fetch a remote query block and a remote key/value block.
+
+    Returns ``(q_bytes, kv_bytes)``, float64 ``[n_blocks]`` each.
+    """
+    wl = placement.workload
+    b = wl.batch
+    q = wl.block_len * float(b.n_heads * b.head_dim * b.elem_size)
+    kv = wl.block_len * float(2 * b.n_kv_heads * b.head_dim * b.elem_size)
+    return q, kv
+
+
+def assign_divisions(placement: Placement, divisions: int) -> np.ndarray:
+    """Division of every tile on its rank.
+
+    Args:
+        placement: blocks and tiles on ranks.
+        divisions: ``T >= 1``.
+
+    Returns:
+        int64 ``[n_tiles]`` in ``[0, T)``.
+
+    Raises:
+        ValueError: ``divisions`` is not a positive integer.
+    """
+    if isinstance(divisions, bool) or not isinstance(divisions, (int, np.integer)) or divisions < 1:
+        raise ValueError(f"divisions must be a positive integer, got {divisions!r}")
+    wl = placement.workload
+    n = wl.n_tiles
+    out = np.zeros(n, np.int64)
+    if divisions == 1 or n == 0:
+        return out
+    rank = placement.tile_rank
+    q_remote = placement.block_rank[wl.tile_q] != rank
+    kv_remote = placement.block_rank[wl.tile_kv] != rank
+    remote = np.nonzero(q_remote | kv_remote)[0]
+    if len(remote) == 0:
+        return out
+    q_bytes, kv_bytes = fetch_item_bytes(placement)
+    nb = wl.n_blocks
+    # remote inputs as integer keys; a local input gets a key that never counts
+    kv_key = np.where(kv_remote[remote], wl.tile_kv[remote], -1)
+    q_key = np.where(q_remote[remote], wl.tile_q[remote], -1)
+    r = rank[remote]
+    order = np.lexsort((q_key, kv_key, r))  # group by rank, then shared key/value input, then query
+    remote, kv_key, q_key, r = remote[order], kv_key[order], q_key[order], r[order]
+    n_r = len(remote)
+
+    def first_use_bytes(keys: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        # bytes of input `keys` charged at its first use on each rank (0 for local / repeats)
+        valid = keys >= 0
+        code = np.where(valid, r * (nb + 1) + keys, -1)
+        _, first = np.unique(code, return_index=True)
+        charge = np.zeros(n_r)
+        first = first[code[first] >= 0]
+        charge[first] = nbytes[keys[first]]
+        return charge
+
+    new_bytes = first_use_bytes(kv_key, kv_bytes) + first_use_bytes(q_key, q_bytes)
+    rank_start = np.searchsorted(r, r, side="left")
+    cum = np.cumsum(new_bytes)
+    before = np.concatenate(([0.0], cum))[rank_start]
+    cum_rank = cum - before  # inclusive cumulative bytes within the rank
+    total = np.bincount(r, weights=new_bytes, minlength=placement.world_size)[r]
+    frac = np.where(total > 0, (cum_rank - new_bytes) / np.where(total > 0, total, 1), 0.0)
+    div = 1 + np.floor(frac * (divisions - 1) + 1e-9).astype(np.int64)
+    out[remote] = np.clip(div, 1, divisions - 1)
+    return out

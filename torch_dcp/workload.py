@@ -1,0 +1,208 @@
+"""Workload: token blocks and the attention tiles a batch's mask needs (DCP paper §4.1).
+
+A token block is a span ``[start, end)`` of one document. A tile is a pair
+``(q_block, kv_block)`` of blocks of the same document whose (query, key) pairs are not all
+masked; tiles that the mask empties do not exist. FLOPs and bytes are counted exactly from
+the visible pairs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .batch import BatchSpec
+from .masks import count_visible_pairs
+
+__all__ = ["Workload", "FWD_FLOPS_PER_PAIR", "BWD_FLOPS_PER_PAIR", "spans_to_indices"]
+
+#: Forward attention FLOPs per visible (query, key) pair, per head and head-dim element:
+#: QK^T (2) + PV (2).
+FWD_FLOPS_PER_PAIR = 4
+#: Backward FLOPs per visible pair, per head and head-dim element: recomputed QK^T (2),
+#: dV (2), dP (2), dQ (2), dK (2) -- 2.5x forward, as FlashAttention counts.
+BWD_FLOPS_PER_PAIR = 10
+
+
+def spans_to_indices(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(starts[i], starts[i] + lengths[i])`` for all ``i`` (int64, vectorised)."""
+    starts = np.asarray(starts, np.int64)
+    lengths = np.asarray(lengths, np.int64)
+    first = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    return np.repeat(starts - first, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def _frozen(a: np.ndarray, dtype: Any = np.int64) -> np.ndarray:
+    a = np.ascontiguousarray(a, dtype=dtype)
+    a.setflags(write=False)
+    return a
+
+
+class Workload:
+    """Token blocks and needed tiles of a batch.
+
+    Blocks are kept sorted by global token offset (so block ids follow the global token
+    order) and partition every document. Use :meth:`uniform` for blocks of ``block_size``
+    tokens (the last block of a document may be short) or :meth:`from_spans` for any layout.
+
+    Attributes (all read-only NumPy arrays):
+        block_doc, block_start, block_end: int64 ``[n_blocks]``; document and document-local
+            span of each block.
+        block_offset: int64 ``[n_blocks]``, global token index of each block's first token.
+        block_len: int64 ``[n_blocks]``.
+        tile_q, tile_kv: int64 ``[n_tiles]``, block ids of each tile (same document), sorted
+            by ``(tile_q, tile_kv)``.
+        tile_pairs: int64 ``[n_tiles]``, visible (query, key) pairs, ``> 0``.
+        tile_full: bool ``[n_tiles]``, every pair of the tile visible.
+        tile_flops_fwd, tile_flops_bwd: float64 ``[n_tiles]``, FLOPs over all heads.
+    """
+
+    def __init__(self, batch: BatchSpec, block_doc: Any, block_start: Any, block_end: Any, *, block_size: int | None = None,
+                 _tiles: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
+        self.batch = batch
+        self.block_size = block_size
+        doc = np.asarray(block_doc, np.int64)
+        start = np.asarray(block_start, np.int64)
+        end = np.asarray(block_end, np.int64)
+        if not (doc.ndim == start.ndim == end.ndim == 1 and len(doc) == len(start) == len(end)):
+            raise ValueError("Workload: block_doc, block_start, block_end must be 1-D arrays of one length")
+        if len(doc) == 0:
+            raise ValueError("Workload: no blocks")
+        if np.any((doc < 0) | (doc >= batch.n_docs)):
+            raise ValueError(f"Workload: block_doc out of range [0, {batch.n_docs})")
+        if np.any(start >= end):
+            i = int(np.argmax(start >= end))
+            raise ValueError(f"Workload: block {i} is empty or reversed: [{start[i]}, {end[i]})")
+        order = np.lexsort((start, doc))
+        doc, start, end = doc[order], start[order], end[order]
+        first = np.ones(len(doc), bool)
+        first[1:] = doc[1:] != doc[:-1]
+        last = np.ones(len(doc), bool)
+        last[:-1] = doc[1:] != doc[:-1]
+        ok = np.all(start[first] == 0) and np.all(end[last] == batch.doc_lens[doc[last]])
+        ok = ok and np.all(start[~first] == end[np.nonzero(~first)[0] - 1])
+        ok = ok and len(np.unique(doc)) == batch.n_docs
+        if not ok:
+            raise ValueError("Workload: block spans must partition every document exactly (no gap, no overlap)")
+        self.block_doc = _frozen(doc)
+        self.block_start = _frozen(start)
+        self.block_end = _frozen(end)
+        self.block_len = _frozen(end - start)
+        self.block_offset = _frozen(batch.cu_seqlens[doc] + start)
+        if _tiles is None:
+            _tiles = self._needed_tiles()
+        tq, tkv, pairs = _tiles
+        self.tile_q = _frozen(tq)
+        self.tile_kv = _frozen(tkv)
+        self.tile_pairs = _frozen(pairs)
+        self.tile_full = _frozen(pairs == self.block_len[tq] * self.block_len[tkv], bool)
+        hd = batch.n_heads * batch.head_dim
+        self.tile_flops_fwd = _frozen(pairs * float(FWD_FLOPS_PER_PAIR * hd), np.float64)
+        self.tile_flops_bwd = _frozen(pairs * float(BWD_FLOPS_PER_PAIR * hd), np.float64)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def uniform(cls, batch: BatchSpec, block_size: int) -> "Workload":
+        """Blocks of ``block_size`` tokens per document; the last block of a document may be
+        shorter.
+
+        Raises:
+            ValueError: ``block_size`` is not a positive integer.
+        """
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        lens = batch.doc_lens
+        nb = -(-lens // block_size)
+        doc = np.repeat(np.arange(batch.n_docs), nb)
+        first = np.concatenate(([0], np.cumsum(nb)[:-1]))
+        idx = np.arange(nb.sum()) - np.repeat(first, nb)
+        start = idx * block_size
+        end = np.minimum(start + block_size, lens[doc])
+        return cls(batch, doc, start, end, block_size=int(block_size))
+
+    @classmethod
+    def from_spans(cls, batch: BatchSpec, block_doc: Any, block_start: Any, block_end: Any) -> "Workload":
+        """Blocks given as document-local spans (any sizes, any order).
+
+        Raises:
+            ValueError: the spans do not partition every document.
+        """
+        return cls(batch, block_doc, block_start, block_end)
+
+    # ------------------------------------------------------------------ tiles
+    def _needed_tiles(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        batch = self.batch
+        nb = len(self.block_doc)
+        doc_nb = np.bincount(self.block_doc, minlength=batch.n_docs)
+        doc_first = np.concatenate(([0], np.cumsum(doc_nb)[:-1]))
+        per_q = doc_nb[self.block_doc]
+        tile_q = np.repeat(np.arange(nb), per_q)
+        q_first = np.concatenate(([0], np.cumsum(per_q)[:-1]))
+        tile_kv = doc_first[self.block_doc][tile_q] + (np.arange(len(tile_q)) - q_first[tile_q])
+        # key ranges of every token of the batch, rows grouped by block
+        tok_doc, tok_pos = self.block_positions(np.arange(nb))
+        starts, ends = batch.key_ranges(tok_doc, tok_pos)
+        row_ptr = np.concatenate(([0], np.cumsum(self.block_len)))
+        pairs = count_visible_pairs(starts, ends, row_ptr, tile_q, self.block_start[tile_kv], self.block_end[tile_kv])
+        keep = pairs > 0
+        return tile_q[keep], tile_kv[keep], pairs[keep]
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def n_blocks(self) -> int:
+        return len(self.block_doc)
+
+    @property
+    def n_tiles(self) -> int:
+        return len(self.tile_q)
+
+    def token_bytes(self) -> int:
+        """Resident bytes per token of Q, K, V and O (the memory weight of a token block)."""
+        b = self.batch
+        return (2 * b.n_heads + 2 * b.n_kv_heads) * b.head_dim * b.elem_size
+
+    def block_bytes(self) -> np.ndarray:
+        """Resident bytes of each block (Q, K, V, O), float64 ``[n_blocks]``."""
+        return self.block_len * float(self.token_bytes())
+
+    def tokens_of_blocks(self, blocks: np.ndarray) -> np.ndarray:
+        """Global token indices of ``blocks`` (in the given block order), int64."""
+        blocks = np.asarray(blocks, np.int64)
+        return spans_to_indices(self.block_offset[blocks], self.block_len[blocks])
+
+    def block_positions(self, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(doc, pos)`` of every token of ``blocks``, document-local positions, int64."""
+        blocks = np.asarray(blocks, np.int64)
+        pos = spans_to_indices(self.block_start[blocks], self.block_len[blocks])
+        return np.repeat(self.block_doc[blocks], self.block_len[blocks]), pos
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays that define this workload (for serialisation)."""
+        return {
+            "block_doc": self.block_doc.astype(np.int32),
+            "block_start": self.block_start.astype(np.int64),
+            "block_end": self.block_end.astype(np.int64),
+            "tile_q": self.tile_q.astype(np.int32),
+            "tile_kv": self.tile_kv.astype(np.int32),
+            "tile_pairs": self.tile_pairs.astype(np.int64),
+        }
+
+    @classmethod
+    def from_arrays(cls, batch: BatchSpec, arrays: dict[str, np.ndarray], block_size: int | None = None) -> "Workload":
+        """Inverse of :meth:`arrays` (tiles taken as stored, not recomputed)."""
+        return cls(
+            batch,
+            arrays["block_doc"],
+            arrays["block_start"],
+            arrays["block_end"],
+            block_size=block_size,
+            _tiles=(
+                arrays["tile_q"].astype(np.int64),
+                arrays["tile_kv"].astype(np.int64),
+                arrays["tile_pairs"].astype(np.int64),
+            ),
+        )
+
+    def __repr__(self) -> str:
+        return f"Workload(n_blocks={self.n_blocks}, n_tiles={self.n_tiles}, block_size={self.block_size})"
