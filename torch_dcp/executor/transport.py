@@ -98,17 +98,19 @@ class TorchDistributedTransport(Transport):
         dist = self.dist
         ops = []
         bufs = {}
+        keep = []  # send buffers must outlive the asynchronous sends
         for peer, nbytes in recvs:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             bufs[peer] = buf
             ops.append(dist.P2POp(dist.irecv, buf, self._global(peer), self.group, tag=phase))
         for peer, msg in sends:
-            ops.append(dist.P2POp(dist.isend, msg.contiguous(), self._global(peer), self.group, tag=phase))
+            keep.append(msg.contiguous())
+            ops.append(dist.P2POp(dist.isend, keep[-1], self._global(peer), self.group, tag=phase))
         reqs = dist.batch_isend_irecv(ops) if ops else []
-        return reqs, bufs
+        return reqs, bufs, keep
 
     def wait(self, handle):
-        reqs, bufs = handle
+        reqs, bufs, _keep = handle
         for req in reqs:
             req.wait()
         return bufs

@@ -4,8 +4,9 @@ Documents are taken in descending attention FLOPs (longest-processing-time order
 document that fits on a rank -- within the token capacity ``(1 + eps_memory) * T / W`` and
 the compute capacity ``(1 + eps_compute) * F / W`` -- goes whole to the least-loaded such
 rank: pure data parallelism for it, no communication. A document that fits nowhere is cut
-into blocks of ``block_size``; its blocks go, heaviest query row first, to the least-loaded
-rank with token room, and its tiles, largest first, to the least-loaded rank that holds most
+into blocks of ``block_size`` and spread over the fewest least-loaded ranks that can hold its
+tokens and FLOPs; its blocks go, heaviest query row first, to the least-loaded of those
+ranks with token room, and its tiles, largest first, to the least-loaded rank that holds most
 of their data (the query side: Q, and O partials avoided; else the key/value side; else the
 least-loaded rank overall) while the compute capacity holds.
 """
@@ -40,8 +41,10 @@ def plan_greedy(
     wl = Workload.uniform(batch, block_size)
     flops = wl.tile_flops_fwd
     doc_flops = np.bincount(wl.block_doc[wl.tile_q], weights=flops, minlength=batch.n_docs)
-    cap_tokens = (1.0 + eps_memory) * batch.total_tokens / w
-    cap_flops = (1.0 + eps_compute) * flops.sum() / w
+    mean_tokens = batch.total_tokens / w
+    mean_flops = flops.sum() / w
+    cap_tokens = (1.0 + eps_memory) * mean_tokens
+    cap_flops = (1.0 + eps_compute) * mean_flops
     load = np.zeros(w)
     tokens = np.zeros(w)
     block_rank = np.full(wl.n_blocks, -1, np.int64)
@@ -72,11 +75,17 @@ def plan_greedy(
             load[r] += doc_flops[d]
             tokens[r] += length
             continue
-        # split: blocks by descending row FLOPs to the least (projected) loaded rank with room
+        # split over the fewest ranks that can hold it (the least-loaded ones): traffic grows
+        # with the number of ranks a document spans
+        k = max(-(-length // mean_tokens), -(-doc_flops[d] // mean_flops) if mean_flops > 0 else 1)
+        group = np.zeros(w, bool)
+        group[np.argsort(load + tokens * 1e-30, kind="stable")[: int(min(max(k, 2), w))]] = True
+        # blocks by descending row FLOPs to the least (projected) loaded group rank with room
         projected = load.copy()
         for b in blocks[np.argsort(-row_flops[blocks], kind="stable")]:
             room = tokens + wl.block_len[b] <= cap_tokens
-            r = int(np.argmin(np.where(room, projected, np.inf))) if room.any() else int(np.argmin(tokens))
+            pick = room & group if (room & group).any() else room
+            r = int(np.argmin(np.where(pick, projected, np.inf))) if pick.any() else int(np.argmin(tokens))
             block_rank[b] = r
             tokens[r] += wl.block_len[b]
             projected[r] += row_flops[b]

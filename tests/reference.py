@@ -1,0 +1,52 @@
+"""Dense masked attention reference (float64 on CPU) and helpers shared by the tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from torch_dcp import BatchSpec
+
+
+def dense_batch_mask(batch: BatchSpec) -> np.ndarray:
+    """bool [T, T]: the batch's masks inside each document, nothing across documents."""
+    T = batch.total_tokens
+    m = np.zeros((T, T), bool)
+    cu = batch.cu_seqlens
+    for d in range(batch.n_docs):
+        a, b = cu[d], cu[d + 1]
+        m[a:b, a:b] = batch.mask_of(d).dense(b - a)
+    return m
+
+
+def reference_attention(batch: BatchSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Dense attention over the whole packed batch. q: [T, H, D], k, v: [T, H_kv, D].
+
+    Computed in float64; rows that see no key give 0. Differentiable.
+    """
+    mask = torch.from_numpy(dense_batch_mask(batch))
+    g = batch.n_heads // batch.n_kv_heads
+    q64, k64, v64 = q.double(), k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = torch.einsum("qhd,khd->hqk", q64, k64) / q.shape[-1] ** 0.5
+    s = s.masked_fill(~mask, -float("inf"))
+    p = torch.softmax(s, -1)
+    p = torch.where(mask, p, torch.zeros_like(p))  # fully masked rows: NaN -> 0
+    return torch.einsum("hqk,khd->qhd", p, v64)
+
+
+def random_qkv(batch: BatchSpec, dtype=torch.float64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    T, H, Hkv, D = batch.total_tokens, batch.n_heads, batch.n_kv_heads, batch.head_dim
+    q = torch.randn(T, H, D, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(T, Hkv, D, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(T, Hkv, D, generator=g, dtype=torch.float64).to(dtype)
+    go = torch.randn(T, H, D, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v, go
+
+
+def reference_with_grads(batch: BatchSpec, q, k, v, go):
+    """(out, dq, dk, dv) of the dense reference, float64."""
+    q, k, v = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    out = reference_attention(batch, q, k, v)
+    out.backward(go.double())
+    return out.detach(), q.grad, k.grad, v.grad

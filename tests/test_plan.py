@@ -1,0 +1,207 @@
+"""Planners, schedule, plan compilation, validation, statistics and serialisation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import torch_dcp
+from torch_dcp import BatchSpec, BlockwiseCausal, Causal, Full, Lambda, Plan, PlanError, Ranges, SharedQuestion
+from torch_dcp._interleave import interleave
+from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor
+from torch_dcp.plan import CommLaunch
+from reference import dense_batch_mask, random_qkv
+
+
+def test_ring_reproduces_transformer_engine_zigzag_example():
+    batch = BatchSpec(cu_seqlens=[0, 12, 36, 42], n_heads=2, n_kv_heads=1, head_dim=8)
+    plan = torch_dcp.plan(batch, 3, planner="ring")
+    assert plan.token_indices(0).tolist() == [0, 1, 10, 11, 12, 13, 14, 15, 32, 33, 34, 35, 36, 41]
+    assert plan.token_indices(1).tolist() == [2, 3, 8, 9, 16, 17, 18, 19, 28, 29, 30, 31, 37, 40]
+    assert plan.token_indices(2).tolist() == [4, 5, 6, 7, 20, 21, 22, 23, 24, 25, 26, 27, 38, 39]
+    plan.validate()
+
+
+def test_greedy_beats_ring_on_many_short_documents_and_one_long(capsys):
+    batch = BatchSpec([512] * 48 + [16384], Causal(), n_heads=8, n_kv_heads=2, head_dim=128)
+    stats = {}
+    for planner in ("ring", "greedy"):
+        plan = torch_dcp.plan(batch, 8, planner=planner, block_size=1024)
+        plan.validate()
+        stats[planner] = plan.stats()
+    with capsys.disabled():
+        print(f"\ncomm_bytes ring={stats['ring']['comm_bytes']:,} greedy={stats['greedy']['comm_bytes']:,} "
+              f"(compute imbalance ring={stats['ring']['compute_imbalance']:.3f} "
+              f"greedy={stats['greedy']['compute_imbalance']:.3f})")
+    assert stats["greedy"]["comm_bytes"] < 0.5 * stats["ring"]["comm_bytes"]
+    assert stats["greedy"]["compute_imbalance"] <= 1.2
+
+
+# ---------------------------------------------------------------------- property tests
+@st.composite
+def batches(draw):
+    n_docs = draw(st.integers(1, 6))
+    lens = draw(st.lists(st.integers(1, 40), min_size=n_docs, max_size=n_docs))
+    kind = draw(st.sampled_from(["causal", "full", "lambda", "blockwise", "sq", "ranges", "mixed"]))
+
+    def one(n, k):
+        if k == "causal":
+            return Causal()
+        if k == "full":
+            return Full()
+        if k == "lambda":
+            return Lambda(sink=draw(st.integers(0, 4)), window=draw(st.integers(1, 8)))
+        if k == "blockwise":
+            return BlockwiseCausal(block=draw(st.integers(1, 5)), window_blocks=draw(st.integers(1, 3)),
+                                   sink_blocks=draw(st.integers(0, 2)))
+        if k == "sq":
+            return SharedQuestion(question_frac=draw(st.floats(0, 1)), n_answers=draw(st.integers(1, 5)))
+        rows = draw(st.lists(st.lists(st.tuples(st.integers(0, n), st.integers(0, n)).map(lambda t: (min(t), max(t))),
+                                      max_size=3), min_size=n, max_size=n))
+        return Ranges(rows)
+
+    if kind == "mixed":
+        masks = [one(n, draw(st.sampled_from(["causal", "full", "lambda", "blockwise", "sq", "ranges"]))) for n in lens]
+    elif kind == "ranges":
+        masks = [one(n, "ranges") for n in lens]
+    else:
+        masks = one(0, kind)
+    heads = draw(st.sampled_from([(2, 1), (2, 2), (4, 2)]))
+    return BatchSpec(lens, masks, n_heads=heads[0], n_kv_heads=heads[1], head_dim=4, dtype="float64")
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches(), world=st.integers(1, 8), block=st.integers(1, 9), divisions=st.integers(1, 5),
+       planner=st.sampled_from(["ring", "greedy"]))
+def test_plan_properties(batch, world, block, divisions, planner):
+    plan = torch_dcp.plan(batch, world, planner=planner, block_size=block, divisions=divisions)
+    plan.validate()  # inputs present, sends matched, every tile once, outputs complete
+    wl = plan.workload
+    # tiles are exactly the non-empty (q block, kv block) pairs of the dense mask
+    dense = dense_batch_mask(batch)
+    off, ln = wl.block_offset, wl.block_len
+    counts = np.add.reduceat(np.add.reduceat(dense, off, axis=0), off, axis=1)
+    want = {(i, j): int(counts[i, j]) for i, j in zip(*np.nonzero(counts))}
+    got = {(int(q), int(kv)): int(p) for q, kv, p in zip(wl.tile_q, wl.tile_kv, wl.tile_pairs)}
+    assert got == want
+    assert np.array_equal(wl.tile_full, wl.tile_pairs == ln[wl.tile_q] * ln[wl.tile_kv])
+    # every tile placed once and computed once, in its rank's program
+    seen = np.zeros(wl.n_tiles, int)
+    for r in range(world):
+        for ins in plan.program(r).instructions:
+            if hasattr(ins, "tile"):
+                seen[ins.tile] += 1
+    assert np.all(seen == 1)
+    # token layouts partition the batch
+    layout = np.concatenate([plan.token_indices(r) for r in range(world)])
+    assert np.array_equal(np.sort(layout), np.arange(batch.total_tokens))
+    assert sum(plan.local_tokens(r) for r in range(world)) == batch.total_tokens
+    # blocks of uniform planners are at most block_size long
+    if planner == "greedy":
+        assert wl.block_len.max() <= block
+    s = plan.stats()
+    assert s["compute_imbalance"] >= 1.0 - 1e-12 and s["memory_imbalance"] >= 1.0 - 1e-12
+    assert s["inter_node_bytes"] == 0  # one node
+
+
+def _run_all(plan, q, k, v, go):
+    mailbox = Mailbox()
+    execs = [RankExecutor(plan, r, InProcessTransport(mailbox, r)) for r in range(plan.world_size)]
+    idx = [torch.from_numpy(plan.token_indices(r)) for r in range(plan.world_size)]
+    fwd = interleave([e.forward_steps(q[i], k[i], v[i]) for e, i in zip(execs, idx)], lambda: mailbox.events)
+    interleave([e.backward_steps(q[i], k[i], v[i], o, lse, go[i]) for e, i, (o, lse) in zip(execs, idx, fwd)],
+               lambda: mailbox.events)
+    return execs
+
+
+@pytest.mark.parametrize("planner", ["ring", "greedy"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_stats_match_bytes_the_executor_moves(planner, dtype):
+    batch = BatchSpec([3, 17, 40, 9], Lambda(sink=2, window=6), n_heads=4, n_kv_heads=2, head_dim=8, dtype=dtype)
+    topo = torch_dcp.Topology(n_nodes=2, ranks_per_node=2)
+    plan = torch_dcp.plan(batch, topo, planner=planner, block_size=4, divisions=3)
+    q, k, v, go = random_qkv(batch, getattr(torch, dtype))
+    execs = _run_all(plan, q, k, v, go)
+    s = plan.stats()
+    assert s["comm_bytes"] == sum(e.bytes_sent for e in execs) == sum(e.bytes_received for e in execs)
+    assert s["max_rank_recv_bytes"] == max(e.bytes_received for e in execs)
+    assert 0 < s["inter_node_bytes"] <= s["comm_bytes"]
+    assert s["fwd_comm_bytes"] + s["bwd_comm_bytes"] == s["comm_bytes"]
+
+
+def test_serialisation_round_trip_and_digest():
+    lens = [5, 33, 12]
+    rows = [[(0, i + 1), (max(0, i - 2), min(12, i + 3))] for i in range(12)]
+    batch = BatchSpec(lens, [Causal(), Lambda(2, 4), Ranges(rows)], n_heads=4, n_kv_heads=2, head_dim=8)
+    topo = torch_dcp.Topology(n_nodes=2, ranks_per_node=2)
+    plan = torch_dcp.plan(batch, topo, planner="greedy", block_size=4, divisions=3)
+    data = plan.to_bytes()
+    back = Plan.from_bytes(data)
+    assert back.digest() == plan.digest()
+    assert back.batch == plan.batch and back.topology == plan.topology
+    for r in range(4):
+        assert back.program(r).describe() == plan.program(r).describe()
+        assert np.array_equal(back.token_indices(r), plan.token_indices(r))
+    # deterministic: planning again gives the same digest, another planner a different one
+    again = torch_dcp.plan(batch, topo, planner="greedy", block_size=4, divisions=3)
+    assert again.digest() == plan.digest()
+    assert torch_dcp.plan(batch, topo, planner="ring").digest() != plan.digest()
+    assert b"pickle" not in data and len(data) < 4096
+
+
+def test_from_bytes_rejects_garbage():
+    batch = BatchSpec([10, 3], n_heads=2, n_kv_heads=1, head_dim=4)
+    data = torch_dcp.plan(batch, 2, block_size=4).to_bytes()
+    with pytest.raises(PlanError, match="magic"):
+        Plan.from_bytes(b"not a plan")
+    bumped = data[:8] + (99).to_bytes(4, "little") + data[12:]
+    with pytest.raises(PlanError, match="version 99"):
+        Plan.from_bytes(bumped)
+    with pytest.raises(PlanError):
+        Plan.from_bytes(data[:40])
+
+
+def test_validate_catches_a_missing_transfer():
+    batch = BatchSpec([40], n_heads=2, n_kv_heads=1, head_dim=4)
+    plan = torch_dcp.plan(batch, 4, planner="ring", divisions=2)
+    plan.validate()
+    prog = plan.program(1)
+    # drop every send of rank 1's first launch: its peers wait forever
+    broken = tuple(
+        CommLaunch(ins.phase, (), ins.recvs) if isinstance(ins, CommLaunch) else ins for ins in prog.instructions
+    )
+    plan._programs[(1, False)] = type(prog)(prog.rank, prog.backward, broken, prog.local_rows, prog.buffer_rows)
+    with pytest.raises(PlanError, match="deadlock|never"):
+        plan.validate()
+
+
+def test_plan_rejects_bad_arguments():
+    batch = BatchSpec([10], n_heads=2, n_kv_heads=1, head_dim=4)
+    with pytest.raises(ValueError, match="unknown planner"):
+        torch_dcp.plan(batch, 2, planner="nope")
+    with pytest.raises(ValueError, match="block_size"):
+        torch_dcp.plan(batch, 2, block_size=0)
+    with pytest.raises(ValueError, match="divisions"):
+        torch_dcp.plan(batch, 2, divisions=0)
+    with pytest.raises(ValueError, match="topology"):
+        torch_dcp.plan(batch, 0)
+    plan = torch_dcp.plan(batch, 2, block_size=4)
+    with pytest.raises(ValueError, match="rank 2"):
+        plan.token_indices(2)
+
+
+def test_divisions_start_local_and_spread_traffic():
+    batch = BatchSpec([4096], Causal(), n_heads=8, n_kv_heads=2, head_dim=64)
+    plan = torch_dcp.plan(batch, 4, planner="ring", divisions=4)
+    pl, wl = plan.placement, plan.workload
+    local = (pl.block_rank[wl.tile_q] == pl.tile_rank) & (pl.block_rank[wl.tile_kv] == pl.tile_rank)
+    assert np.all(plan.tile_division[local] == 0)
+    assert np.all(plan.tile_division[~local] >= 1)
+    # every division 1..T-1 fetches something on every rank
+    t = plan._tables
+    for r in range(4):
+        divs = set(t["fetch_div"][t["fetch_rank"] == r].tolist())
+        assert divs == {1, 2, 3}
