@@ -45,9 +45,9 @@ def _batch(mask_name, heads, dtype="float64"):
     return BatchSpec(DOC_LENS, mask, n_heads=h, n_kv_heads=hkv, head_dim=d, dtype=dtype)
 
 
-def _check(plan, batch, tol=1e-10, seed=0):
+def _check(plan, batch, tol=1e-10, seed=0, kernel=None):
     q, k, v, go = random_qkv(batch, torch.float64, seed)
-    out, dq, dk, dv = torch_dcp.emulate(plan, q, k, v, go)
+    out, dq, dk, dv = torch_dcp.emulate(plan, q, k, v, go, kernel=kernel)
     ref = reference_with_grads(batch, q, k, v, go)
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):
         err = (got - want).abs().max().item()
@@ -64,6 +64,15 @@ def test_exact_forward_backward(planner, world_size, mask_name, heads):
     plan = torch_dcp.plan(batch, world_size, planner=planner, block_size=BLOCK, divisions=divisions)
     plan.validate()
     _check(plan, batch)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "sdpa"])
+@pytest.mark.parametrize("world_size", [1, 3, 8])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_exact_each_kernel(kernel, world_size, mask_name):
+    batch = _batch(mask_name, "gqa8/2-d32")
+    plan = torch_dcp.plan(batch, world_size, planner="greedy", block_size=BLOCK, divisions=3)
+    _check(plan, batch, kernel=kernel)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -1,7 +1,7 @@
 """Executor: runs a rank's plan with pluggable kernels and transports."""
 
 from .executor import RankExecutor, dcp_attention, emulate
-from .kernels import AttentionKernel, ReferenceKernel, get_kernel
+from .kernels import AttentionKernel, ReferenceKernel, SDPAKernel, get_kernel
 from .transport import InProcessTransport, Mailbox, TorchDistributedTransport, Transport
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "emulate",
     "AttentionKernel",
     "ReferenceKernel",
+    "SDPAKernel",
     "get_kernel",
     "Transport",
     "InProcessTransport",

@@ -46,7 +46,8 @@ class RankExecutor:
         rank: this rank in the DCP group.
         transport: how messages move (:class:`~torch_dcp.executor.transport.TorchDistributedTransport`
             on a process group, or an in-process one).
-        kernel: attention kernel (name or instance; default the reference kernel).
+        kernel: attention kernel (``"auto"``, ``"sdpa"``, ``"reference"`` or an instance;
+            default ``"auto"``).
         scale: softmax scale; default ``1 / sqrt(head_dim)``.
     """
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["AttentionKernel", "ReferenceKernel", "get_kernel"]
+__all__ = ["AttentionKernel", "ReferenceKernel", "SDPAKernel", "get_kernel"]
 
 
 class AttentionKernel(Protocol):
@@ -85,17 +85,86 @@ class ReferenceKernel:
         return dq, dk, dv
 
 
-_KERNELS = {"reference": ReferenceKernel}
+class SDPAKernel:
+    """PyTorch's fused CPU flash attention (``aten._scaled_dot_product_flash_attention_for_cpu``
+    and its backward), which returns the LSE and takes an additive mask; other devices use
+    :class:`ReferenceKernel` for now.
+
+    Inputs are cast to ``acc_dtype`` so partial outputs keep full precision for the LSE merge.
+    GQA key/value heads are expanded for the call and their gradients summed back.
+
+    The fused backward recomputes ``delta = rowsum(dO * O)`` from the output it is given; the
+    executor has ``delta`` (the final output never travels), so the kernel passes
+    ``O' = dO * delta / |dO|^2`` (``0`` where ``dO = 0``), whose ``rowsum(dO * O')`` is ``delta``.
+    """
+
+    name = "sdpa"
+
+    def __init__(self):
+        self._fallback = ReferenceKernel()
+
+    @staticmethod
+    def _heads_first(t, acc, groups=1):
+        if groups > 1:
+            t = t.repeat_interleave(groups, dim=1)
+        return t.to(acc).transpose(0, 1).unsqueeze(0)
+
+    @staticmethod
+    def _additive(mask, acc):
+        if mask is None:
+            return None
+        return torch.zeros(mask.shape, dtype=acc, device=mask.device).masked_fill(~mask, -math.inf)
+
+    def forward(self, q, k, v, mask, scale, acc_dtype):
+        if q.device.type != "cpu":
+            return self._fallback.forward(q, k, v, mask, scale, acc_dtype)
+        g = q.shape[1] // k.shape[1]
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            self._heads_first(q, acc_dtype), self._heads_first(k, acc_dtype, g), self._heads_first(v, acc_dtype, g),
+            0.0, False, attn_mask=self._additive(mask, acc_dtype), scale=scale)
+        out = out[0].transpose(0, 1)
+        lse = lse[0].transpose(0, 1).to(acc_dtype)
+        if mask is not None:
+            empty = ~mask.any(dim=1)
+            if bool(empty.any()):
+                lse = lse.masked_fill(empty[:, None], -math.inf)
+                out = out.masked_fill(empty[:, None, None], 0.0)
+        return out, lse
+
+    def backward(self, q, k, v, do, lse, delta, mask, scale, acc_dtype):
+        if q.device.type != "cpu":
+            return self._fallback.backward(q, k, v, do, lse, delta, mask, scale, acc_dtype)
+        nk, hkv, d = k.shape
+        g = q.shape[1] // hkv
+        do_acc = do.to(acc_dtype)
+        norm = (do_acc * do_acc).sum(-1)
+        coef = torch.where(norm > 0, delta.to(acc_dtype) / torch.where(norm > 0, norm, torch.ones_like(norm)),
+                           torch.zeros_like(norm))
+        out_like = do_acc * coef.unsqueeze(-1)
+        lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(acc_dtype)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            self._heads_first(do_acc, acc_dtype), self._heads_first(q, acc_dtype), self._heads_first(k, acc_dtype, g),
+            self._heads_first(v, acc_dtype, g), self._heads_first(out_like, acc_dtype),
+            lse_safe.transpose(0, 1).unsqueeze(0).contiguous(), 0.0, False,
+            attn_mask=self._additive(mask, acc_dtype), scale=scale)
+        dq = dq[0].transpose(0, 1)
+        dk = dk[0].transpose(0, 1).reshape(nk, hkv, g, d).sum(2)
+        dv = dv[0].transpose(0, 1).reshape(nk, hkv, g, d).sum(2)
+        return dq, dk, dv
+
+
+_KERNELS = {"reference": ReferenceKernel, "sdpa": SDPAKernel}
 
 
 def get_kernel(kernel: str | AttentionKernel | None) -> AttentionKernel:
-    """A kernel by name (``"reference"``), an instance as is, or the default for ``None``.
+    """A kernel by name (``"reference"``, ``"sdpa"``, ``"auto"``), an instance as is, or the
+    default (``"auto"``: the fused SDPA kernel) for ``None``.
 
     Raises:
         ValueError: unknown kernel name.
     """
-    if kernel is None:
-        return ReferenceKernel()
+    if kernel is None or kernel == "auto":
+        return SDPAKernel()
     if isinstance(kernel, str):
         try:
             return _KERNELS[kernel]()
