@@ -250,6 +250,14 @@ def _check_int(owner: str, name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def _sink_and_window(pos: np.ndarray, sink_end: int, window_start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Causal ranges ``[0, sink_end)`` and ``[window_start, pos]``, made disjoint (the window
+    starts at or after the sink)."""
+    end = pos + 1
+    s1 = np.minimum(np.maximum(sink_end, window_start), end)
+    return np.stack([np.zeros_like(pos), s1], axis=1), np.stack([np.minimum(sink_end, end), end], axis=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Lambda(MaskSpec):
     """λ-shaped mask (attention sink + sliding window), DCP paper §7.1.
@@ -268,11 +276,7 @@ class Lambda(MaskSpec):
         _check_int("Lambda", "window", self.window, 1)
 
     def _ranges(self, pos, length):
-        end = pos + 1
-        s0 = np.zeros_like(pos)
-        e0 = np.minimum(self.sink, end)
-        s1 = np.minimum(np.maximum(self.sink, pos - self.window + 1), end)
-        return np.stack([s0, s1], axis=1), np.stack([e0, end], axis=1)
+        return _sink_and_window(pos, self.sink, pos - self.window + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,13 +300,7 @@ class BlockwiseCausal(MaskSpec):
         _check_int("BlockwiseCausal", "sink_blocks", self.sink_blocks, 0)
 
     def _ranges(self, pos, length):
-        end = pos + 1
-        sink_end = self.sink_blocks * self.block
-        s0 = np.zeros_like(pos)
-        e0 = np.minimum(sink_end, end)
-        win_start = (pos // self.block - self.window_blocks + 1) * self.block
-        s1 = np.minimum(np.maximum(sink_end, win_start), end)
-        return np.stack([s0, s1], axis=1), np.stack([e0, end], axis=1)
+        return _sink_and_window(pos, self.sink_blocks * self.block, (pos // self.block - self.window_blocks + 1) * self.block)
 
 
 @dataclasses.dataclass(frozen=True)
