@@ -695,7 +695,8 @@ class _Symbolic:
 
     def fail(self, rank: int, ins: Any, msg: str) -> None:
         pas = "backward" if self.backward else "forward"
-        raise PlanError(f"{pas} program of rank {rank}, {type(ins).__name__}: {msg}")
+        where = f", {type(ins).__name__}" if ins is not None else ""
+        raise PlanError(f"{pas} program of rank {rank}{where}: {msg}")
 
     def run(self) -> None:
         plan = self.plan

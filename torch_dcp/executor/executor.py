@@ -49,10 +49,19 @@ class RankExecutor:
         kernel: attention kernel (``"auto"``, ``"sdpa"``, ``"reference"`` or an instance;
             default ``"auto"``).
         scale: softmax scale; default ``1 / sqrt(head_dim)``.
+
+    Attributes:
+        bytes_sent, bytes_received: bytes this executor has moved so far (all calls).
+
+    Raises:
+        ValueError: ``rank`` outside the plan, or a transport group of another size.
     """
 
     def __init__(self, plan: Plan, rank: int, transport: Transport, kernel: str | AttentionKernel | None = None,
                  scale: float | None = None):
+        group_size = getattr(transport, "world_size", None)
+        if group_size is not None and group_size != plan.world_size:
+            raise ValueError(f"the plan is for {plan.world_size} ranks, the transport's group has {group_size}")
         self.plan = plan
         self.rank = int(rank)
         self.transport = transport

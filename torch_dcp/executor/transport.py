@@ -88,6 +88,7 @@ class TorchDistributedTransport(Transport):
         self.dist = dist
         self.group = group
         self.device = torch.device(device)
+        self.world_size = dist.get_world_size(group)
 
     def _global(self, rank: int) -> int:
         if self.group is None:
