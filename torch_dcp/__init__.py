@@ -13,6 +13,7 @@ runs every rank's part of the attention, forward and backward, exactly.
 from . import masks
 from .api import plan
 from .batch import BatchSpec
+from .context import DCPContext, context_parallel, unshard
 from .executor import RankExecutor, dcp_attention, emulate
 from .masks import BlockwiseCausal, Causal, Full, Lambda, Ranges, SharedQuestion
 from .plan import Plan, PlanError
@@ -25,6 +26,9 @@ __version__ = "0.1.0"
 __all__ = [
     "masks",
     "plan",
+    "context_parallel",
+    "unshard",
+    "DCPContext",
     "BatchSpec",
     "Topology",
     "Workload",

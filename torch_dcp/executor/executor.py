@@ -81,33 +81,39 @@ class RankExecutor:
     def _check(self, name: str, t: torch.Tensor, heads: int) -> None:
         b = self.plan.batch
         want = (self.local_rows, heads, b.head_dim)
-        if tuple(t.shape) != want:
+        # keys/values may also come with their heads repeated to the query heads
+        ok = tuple(t.shape) == want or (heads == b.n_kv_heads and tuple(t.shape) == (self.local_rows, b.n_heads, b.head_dim))
+        if t.dim() != 3 or not ok:
             raise ValueError(f"{name}: expected shape {list(want)} ([S_local, heads, head_dim]) on rank {self.rank}, got {list(t.shape)}")
         if t.dtype != self.dtype:
             raise ValueError(f"{name}: expected dtype {self.dtype} (the plan's BatchSpec.dtype), got {t.dtype}")
 
     # ------------------------------------------------------------------ public API
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward attention of this rank's tokens; blocks on communication.
+
+        ``k``, ``v`` have ``H_kv`` heads, or ``H`` (heads repeated). ``scale`` overrides the
+        executor's softmax scale for this call.
 
         Returns ``(out [S_local, H, D] in q.dtype, lse [S_local, H])``.
 
         Raises:
             ValueError: wrong shapes or dtype.
         """
-        return _drain(self.forward_steps(q, k, v))
+        return _drain(self.forward_steps(q, k, v, scale))
 
-    def backward(self, q, k, v, out, lse, dout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(self, q, k, v, out, lse, dout, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of this rank's Q, K, V (complete: partials computed on other ranks are
         received and summed). Returns ``(dq, dk, dv)`` in the input dtype."""
-        return _drain(self.backward_steps(q, k, v, out, lse, dout))
+        return _drain(self.backward_steps(q, k, v, out, lse, dout, scale))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Differentiable forward: :func:`dcp_attention` with this executor."""
         return dcp_attention(q, k, v, self)
 
     # ------------------------------------------------------------------ programs
-    def forward_steps(self, q, k, v) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor]]:
+    def forward_steps(self, q, k, v, scale: float | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`forward` as a generator that yields while waiting for messages."""
         b = self.plan.batch
         self._check("q", q, b.n_heads)
@@ -116,10 +122,10 @@ class RankExecutor:
         prog = self.plan.program(self.rank, backward=False)
         dev = q.device
         rows = prog.buffer_rows
-        h, hkv, d = b.n_heads, b.n_kv_heads, b.head_dim
+        h, d = b.n_heads, b.head_dim
         ws = {
             "q": [q.new_empty(rows["qws"], h, d)],
-            "kv": [k.new_empty(rows["kvws"], hkv, d), v.new_empty(rows["kvws"], hkv, d)],
+            "kv": [k.new_empty(rows["kvws"], k.shape[1], d), v.new_empty(rows["kvws"], v.shape[1], d)],
             "opart": [torch.zeros(rows["opart"], h, d, dtype=self.acc, device=dev),
                       torch.full((rows["opart"], h), -math.inf, dtype=self.acc, device=dev)],
         }
@@ -127,10 +133,11 @@ class RankExecutor:
         out = torch.zeros(self.local_rows, h, d, dtype=self.acc, device=dev)
         lse = torch.full((self.local_rows, h), -math.inf, dtype=self.acc, device=dev)
         final = {"o": [out, lse]}
-        yield from self._run(prog, ws, local, final, backward=False)
+        yield from self._run(prog, ws, local, final, backward=False, scale=scale)
         return out.to(q.dtype), lse
 
-    def backward_steps(self, q, k, v, out, lse, dout) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def backward_steps(self, q, k, v, out, lse, dout,
+                       scale: float | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """:meth:`backward` as a generator that yields while waiting for messages."""
         b = self.plan.batch
         for name, t, heads in (("q", q, b.n_heads), ("k", k, b.n_kv_heads), ("v", v, b.n_kv_heads),
@@ -139,28 +146,28 @@ class RankExecutor:
         prog = self.plan.program(self.rank, backward=True)
         dev = q.device
         rows = prog.buffer_rows
-        h, hkv, d = b.n_heads, b.n_kv_heads, b.head_dim
+        h, d = b.n_heads, b.head_dim
         delta = (dout.to(self.acc) * out.to(self.acc)).sum(-1)
         ws = {
             "q": [q.new_empty(rows["qws"], h, d), dout.new_empty(rows["qws"], h, d),
                   torch.empty(rows["qws"], h, dtype=self.acc, device=dev),
                   torch.empty(rows["qws"], h, dtype=self.acc, device=dev)],
-            "kv": [k.new_empty(rows["kvws"], hkv, d), v.new_empty(rows["kvws"], hkv, d)],
+            "kv": [k.new_empty(rows["kvws"], k.shape[1], d), v.new_empty(rows["kvws"], v.shape[1], d)],
             "dq": [torch.zeros(rows["dqws"], h, d, dtype=self.acc, device=dev)],
-            "dkv": [torch.zeros(rows["dkvws"], hkv, d, dtype=self.acc, device=dev),
-                    torch.zeros(rows["dkvws"], hkv, d, dtype=self.acc, device=dev)],
+            "dkv": [torch.zeros(rows["dkvws"], k.shape[1], d, dtype=self.acc, device=dev),
+                    torch.zeros(rows["dkvws"], v.shape[1], d, dtype=self.acc, device=dev)],
         }
         local = {"q": [q, dout, lse.to(self.acc), delta], "kv": [k, v]}
         dq = torch.zeros(self.local_rows, h, d, dtype=self.acc, device=dev)
-        dk = torch.zeros(self.local_rows, hkv, d, dtype=self.acc, device=dev)
-        dv = torch.zeros_like(dk)
+        dk = torch.zeros(self.local_rows, k.shape[1], d, dtype=self.acc, device=dev)
+        dv = torch.zeros(self.local_rows, v.shape[1], d, dtype=self.acc, device=dev)
         final = {"dq": [dq], "dkv": [dk, dv]}
-        yield from self._run(prog, ws, local, final, backward=True)
+        yield from self._run(prog, ws, local, final, backward=True, scale=scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
     # ------------------------------------------------------------------ interpreter
     def _run(self, prog: Program, ws: dict[str, list[torch.Tensor]], local: dict[str, list[torch.Tensor]],
-             final: dict[str, list[torch.Tensor]], backward: bool) -> Generator[None, None, None]:
+             final: dict[str, list[torch.Tensor]], backward: bool, scale: float | None) -> Generator[None, None, None]:
         dev = ws["q"][0].device
         blen = self._blen
         pending: dict[int, tuple[Any, CommLaunch]] = {}
@@ -201,7 +208,7 @@ class RankExecutor:
                         offsets[tr.peer] += nbytes
                 self.bytes_received += sum(m.numel() for m in got.values())
             elif isinstance(ins, BlockwiseAttention):
-                self._attention(ins, ws, backward)
+                self._attention(ins, ws, backward, self.scale if scale is None else float(scale))
             elif isinstance(ins, BlockwiseReduction):
                 src = ws[bufname[ins.src]]
                 dst = final[ins.dst] if ins.dst in final else ws[bufname[ins.dst]]
@@ -234,7 +241,7 @@ class RankExecutor:
             self._mask_cache[key] = mask
         return mask
 
-    def _attention(self, ins: BlockwiseAttention, ws: dict[str, list[torch.Tensor]], backward: bool) -> None:
+    def _attention(self, ins: BlockwiseAttention, ws: dict[str, list[torch.Tensor]], backward: bool, scale: float) -> None:
         blen = self._blen
         dev = ws["q"][0].device
         for g in range(len(ins.q_block)):
@@ -249,12 +256,12 @@ class RankExecutor:
             o0 = int(ins.out_row[g])
             if not backward:
                 q = ws["q"][0][q0:q0 + n]
-                out, lse = self.kernel.forward(q, k, v, mask, self.scale, self.acc)
+                out, lse = self.kernel.forward(q, k, v, mask, scale, self.acc)
                 ws["opart"][0][o0:o0 + n] = out
                 ws["opart"][1][o0:o0 + n] = lse
             else:
                 q, do, lse, delta = (t[q0:q0 + n] for t in ws["q"])
-                dq, dk, dv = self.kernel.backward(q, k, v, do, lse, delta, mask, self.scale, self.acc)
+                dq, dk, dv = self.kernel.backward(q, k, v, do, lse, delta, mask, scale, self.acc)
                 ws["dq"][0][o0:o0 + n] += dq
                 ws["dkv"][0].index_add_(0, kidx, dk)
                 ws["dkv"][1].index_add_(0, kidx, dv)

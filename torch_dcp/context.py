@@ -1,0 +1,352 @@
+"""``torch_dcp.context_parallel``: run a model's SDPA calls under a DCP plan, model unchanged.
+
+The shape follows PyTorch's ``torch.distributed.tensor.experimental.context_parallel``:
+buffers with a sequence dimension are resharded in place to this rank's planned tokens, and
+attention is intercepted in two levels:
+
+1. ``F.scaled_dot_product_attention`` is wrapped: the wrapper checks the call against the
+   plan (mask, shapes, no ``attn_mask``, no dropout), turns the tensors into DTensors on the
+   mesh, calls the original function and hands plain tensors back to the model;
+2. DTensor custom op handlers for the aten SDPA ops (flash, efficient, cuDNN, the CPU flash
+   op, and their backward ops) run the plan's executor on the local tensors and return
+   DTensors, so autograd reaches the backward handlers.
+
+Everything is restored on exit, also when the body raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .api import plan as make_plan
+from .batch import BatchSpec
+from .executor import RankExecutor, TorchDistributedTransport
+from .executor.kernels import AttentionKernel
+from .plan import Plan
+from .topology import Topology
+
+__all__ = ["context_parallel", "unshard", "DCPContext"]
+
+aten = torch.ops.aten
+_FWD_OPS = {
+    "_scaled_dot_product_flash_attention_for_cpu": 2,
+    "_scaled_dot_product_flash_attention": 9,
+    "_scaled_dot_product_efficient_attention": 4,
+    "_scaled_dot_product_cudnn_attention": 9,
+}
+_BWD_OPS = {
+    "_scaled_dot_product_flash_attention_for_cpu_backward": 3,
+    "_scaled_dot_product_flash_attention_backward": 3,
+    "_scaled_dot_product_efficient_attention_backward": 4,
+    "_scaled_dot_product_cudnn_attention_backward": 3,
+}
+
+_active: "DCPContext | None" = None
+
+
+class DCPContext:
+    """What :func:`context_parallel` yields: the step's plan and this rank's executor.
+
+    Attributes:
+        plan: the plan every rank runs (same digest on all ranks).
+        rank: this rank in the mesh.
+        executor: the :class:`~torch_dcp.executor.RankExecutor` the SDPA handlers use.
+        mesh: the one-dimensional DCP mesh.
+    """
+
+    def __init__(self, mesh: Any, plan: Plan, executor: RankExecutor):
+        self.mesh = mesh
+        self.plan = plan
+        self.rank = executor.rank
+        self.executor = executor
+
+    def unshard(self, tensor: torch.Tensor, seq_dim: int = 0) -> torch.Tensor:
+        """:func:`unshard` with this context's plan and mesh."""
+        return unshard(tensor, self.plan, self.mesh, seq_dim)
+
+
+def _group(mesh: Any) -> Any:
+    if hasattr(mesh, "get_group"):
+        if mesh.ndim != 1:
+            raise ValueError(f"torch_dcp: the DCP mesh must be one-dimensional, got {mesh.ndim} dimensions "
+                             "(flatten the data and context dimensions into one)")
+        return mesh.get_group()
+    return mesh
+
+
+def _pytorch_cp_active() -> bool:
+    from torch.distributed.tensor import DTensor
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    ops = [getattr(aten, name).default for name in (*_FWD_OPS, *_BWD_OPS) if hasattr(aten, name)]
+    return any(op in handlers for op in ops)
+
+
+@contextlib.contextmanager
+def context_parallel(
+    mesh: Any,
+    *,
+    buffers: Sequence[torch.Tensor] | None = None,
+    buffer_seq_dims: Sequence[int] | None = None,
+    no_restore_buffers: set[torch.Tensor] | None = None,
+    batch: BatchSpec | None = None,
+    plan: Plan | None = None,
+    planner: str = "greedy",
+    block_size: int = 1024,
+    divisions: int = 4,
+    topology: Topology | None = None,
+    kernel: str | AttentionKernel | None = None,
+) -> Iterator[DCPContext]:
+    """Run the body's ``F.scaled_dot_product_attention`` calls with dynamic context parallelism.
+
+    Args:
+        mesh: one-dimensional ``DeviceMesh`` of the DCP group (all ranks that share the
+            global batch; DCP unifies data and context parallelism in this one dimension).
+        buffers: tensors of the global batch, identical on every rank (token ids, labels,
+            position ids, ...), each with a sequence dimension of ``batch.total_tokens``.
+            On entry each is resized in place to this rank's tokens, in
+            ``plan.token_indices(rank)`` order.
+        buffer_seq_dims: the sequence dimension of every buffer.
+        no_restore_buffers: buffers (by identity) left sharded on exit; the others are restored.
+        batch: the step's :class:`BatchSpec` (planned on entry with ``planner``,
+            ``block_size``, ``divisions``, ``topology``), or
+        plan: a precomputed :class:`Plan` (give exactly one of ``batch`` and ``plan``).
+        topology: ranks per node and links, for planning (default: all ranks on one node).
+        kernel: the executor's attention kernel (default ``"auto"``).
+
+    Inside, the model calls ``F.scaled_dot_product_attention(q, k, v, is_causal=...)`` with
+    ``q: [1, H, S_local, D]`` and ``k, v: [1, H_kv, S_local, D]`` (``enable_gqa=True``) or
+    ``[1, H, S_local, D]`` (repeated heads). The mask applied is the batch's mask spec inside
+    every document.
+
+    Yields:
+        A :class:`DCPContext` (plan, executor, ``unshard``).
+
+    Raises:
+        ValueError: bad arguments (both or neither of ``batch``/``plan``, buffers and seq dims
+            of different lengths, a buffer whose sequence length is not the batch's, a
+            ``no_restore_buffers`` entry that is not a buffer, a plan for another world size,
+            a mesh that is not one-dimensional); inside the body, an SDPA call that
+            contradicts the plan (see :func:`_check_call`).
+        RuntimeError: another torch_dcp or PyTorch context-parallel context is active, or the
+            ranks hold different plans.
+    """
+    global _active
+    import torch.distributed as dist
+
+    if _active is not None:
+        raise RuntimeError("torch_dcp.context_parallel: another torch_dcp context is already active (they do not nest)")
+    if _pytorch_cp_active():
+        raise RuntimeError("torch_dcp.context_parallel: a PyTorch context_parallel context (or other SDPA DTensor "
+                           "handlers) is active; exit it first")
+    if (batch is None) == (plan is None):
+        raise ValueError("torch_dcp.context_parallel: give exactly one of batch= and plan=")
+    buffers = list(buffers or [])
+    seq_dims = list(buffer_seq_dims or [])
+    if len(buffers) != len(seq_dims):
+        raise ValueError(f"torch_dcp.context_parallel: {len(buffers)} buffers but {len(seq_dims)} buffer_seq_dims")
+    no_restore = list(no_restore_buffers or [])
+    for b in no_restore:
+        if not any(b is x for x in buffers):
+            raise ValueError("torch_dcp.context_parallel: no_restore_buffers must be a subset of buffers")
+    group = _group(mesh)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if plan is None:
+        topo = topology if topology is not None else Topology.single_node(world)
+        plan = make_plan(batch, topo, planner=planner, block_size=block_size, divisions=divisions)
+    if plan.world_size != world:
+        raise ValueError(f"torch_dcp.context_parallel: the plan is for {plan.world_size} ranks, the mesh has {world}")
+    digests: list[Any] = [None] * world
+    dist.all_gather_object(digests, plan.digest(), group=group)
+    if len(set(digests)) != 1:
+        mine = plan.digest()
+        differ = [r for r, d in enumerate(digests) if d != mine]
+        raise RuntimeError(f"torch_dcp.context_parallel: ranks hold different plans (rank {rank} differs from ranks "
+                           f"{differ}); build the batch identically on every rank")
+    total = plan.batch.total_tokens
+    for i, (b, d) in enumerate(zip(buffers, seq_dims)):
+        if not -b.dim() <= d < b.dim():
+            raise ValueError(f"torch_dcp.context_parallel: buffer {i} has {b.dim()} dims, seq dim {d} is out of range")
+        if b.shape[d] != total:
+            raise ValueError(f"torch_dcp.context_parallel: buffer {i} has sequence length {b.shape[d]}, "
+                             f"the batch has {total} tokens")
+
+    device = buffers[0].device if buffers else torch.device("cpu")
+    executor = RankExecutor(plan, rank, TorchDistributedTransport(group, device=device), kernel=kernel)
+    ctx = DCPContext(mesh, plan, executor)
+    idx = torch.from_numpy(plan.token_indices(rank)).to(device)
+    originals = [None if any(b is x for x in no_restore) else b.clone() for b in buffers]
+    from torch.distributed.tensor import DTensor
+
+    saved_handlers = DTensor._op_dispatcher._custom_op_handlers
+    saved_sdpa = F.scaled_dot_product_attention
+    try:
+        for b, d in zip(buffers, seq_dims):
+            shard = b.index_select(d, idx.to(b.device))
+            b.resize_(shard.shape)
+            b.copy_(shard)
+        handlers = dict(saved_handlers)
+        for name in (*_FWD_OPS, *_BWD_OPS):
+            if hasattr(aten, name):
+                handlers[getattr(aten, name).default] = _handler
+        DTensor._op_dispatcher._custom_op_handlers = handlers
+        F.scaled_dot_product_attention = _make_wrapper(saved_sdpa, ctx)
+        _active = ctx
+        yield ctx
+    finally:
+        _active = None
+        F.scaled_dot_product_attention = saved_sdpa
+        DTensor._op_dispatcher._custom_op_handlers = saved_handlers
+        for b, orig in zip(buffers, originals):
+            if orig is not None:
+                b.resize_(orig.shape)
+                b.copy_(orig)
+
+
+def _check_call(ctx: DCPContext, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> None:
+    """Raise when an SDPA call contradicts the plan (never compute a silently wrong answer)."""
+    b = ctx.plan.batch
+    s_local = ctx.plan.local_tokens(ctx.rank)
+    if attn_mask is not None:
+        raise ValueError("torch_dcp: SDPA got an explicit attn_mask; under torch_dcp the mask is the BatchSpec's mask "
+                         "spec with document boundaries (remove attn_mask)")
+    if dropout_p:
+        raise ValueError(f"torch_dcp: attention dropout (dropout_p={dropout_p}) is not supported")
+    if bool(is_causal) != b.is_causal:
+        if is_causal:
+            raise ValueError("torch_dcp: SDPA called with is_causal=True, but the batch's mask lets a query see a later "
+                             "key (Full or a forward-looking Ranges mask)")
+        raise ValueError("torch_dcp: SDPA called with is_causal=False, but the batch's mask is causal; pass "
+                         "is_causal=True (the BatchSpec's masks decide the exact pattern)")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != 1:
+            raise ValueError(f"torch_dcp: SDPA {name} must be [1, heads, S_local, head_dim] (one packed sequence), "
+                             f"got {list(getattr(t, 'shape', []))}")
+        if t.shape[2] != s_local:
+            raise ValueError(f"torch_dcp: SDPA {name} has sequence length {t.shape[2]}, but rank {ctx.rank} holds "
+                             f"{s_local} tokens of the plan (shard the inputs with buffers=...)")
+        if t.shape[3] != b.head_dim:
+            raise ValueError(f"torch_dcp: SDPA {name} head_dim {t.shape[3]} differs from the batch's {b.head_dim}")
+    if query.shape[1] != b.n_heads:
+        raise ValueError(f"torch_dcp: SDPA query has {query.shape[1]} heads, the batch {b.n_heads}")
+    hkv = key.shape[1]
+    if value.shape[1] != hkv or hkv not in (b.n_kv_heads, b.n_heads):
+        raise ValueError(f"torch_dcp: SDPA key/value have {hkv}/{value.shape[1]} heads; expected {b.n_kv_heads} "
+                         f"(GQA) or {b.n_heads} (repeated)")
+    if hkv != query.shape[1] and not enable_gqa:
+        raise ValueError("torch_dcp: key/value have fewer heads than query; pass enable_gqa=True")
+
+
+def _make_wrapper(original: Any, ctx: DCPContext) -> Any:
+    from torch.distributed.tensor import DTensor, Shard
+
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                      enable_gqa=False):
+        _check_call(ctx, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        args = [DTensor.from_local(t, ctx.mesh, [Shard(2)], run_check=False) if not isinstance(t, DTensor) else t
+                for t in (query, key, value)]
+        out = original(*args, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]
+    scaled_dot_product_attention.__doc__ = original.__doc__
+    return scaled_dot_product_attention
+
+
+def _bind(op_call: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    names = [a.name for a in op_call._schema.arguments]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
+    """DTensor custom op handler of the aten SDPA ops: run the active plan's executor."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    ctx = _active
+    if ctx is None:  # pragma: no cover - handlers are installed only inside the context
+        raise RuntimeError("torch_dcp: SDPA handler called outside torch_dcp.context_parallel")
+    name = op_call._schema.name.split("::")[-1]
+    a = _bind(op_call, args, kwargs)
+    mesh = ctx.mesh
+
+    def wrap(t: torch.Tensor) -> Any:
+        return DTensor.from_local(t, mesh, [Shard(2)], run_check=False)
+
+    def placeholder() -> Any:
+        return DTensor.from_local(torch.empty(0, device=_local(a["query"]).device), mesh, [Replicate()], run_check=False)
+
+    scale = a.get("scale")
+    q, k, v = (_local(a[n])[0].transpose(0, 1) for n in ("query", "key", "value"))
+    if name in _FWD_OPS:
+        if a.get("attn_mask") is not None or a.get("attn_bias") is not None or a.get("dropout_p", 0.0):
+            raise ValueError(f"torch_dcp: {name} called with a mask or dropout, which the plan does not support")
+        out, lse = ctx.executor.forward(q, k, v, scale)
+        results = [wrap(out.transpose(0, 1).unsqueeze(0)), wrap(lse.transpose(0, 1).unsqueeze(0))]
+        n_out = _FWD_OPS[name]
+        if n_out == 4:  # efficient: philox seed, offset
+            results += [placeholder(), placeholder()]
+        elif n_out == 9:  # flash/cudnn: cum_seq_q, cum_seq_k, max_q, max_k, philox seed, offset, debug mask
+            s = q.shape[0]
+            results += [placeholder(), placeholder(), s, s, placeholder(), placeholder(), placeholder()]
+        return tuple(results)
+    if name in _BWD_OPS:
+        out = _local(a["out"])[0].transpose(0, 1)
+        lse = _local(a["logsumexp"])[0].transpose(0, 1)
+        dout = _local(a["grad_out"])[0].transpose(0, 1)
+        dq, dk, dv = ctx.executor.backward(q, k, v, out, lse, dout, scale)
+        grads = [wrap(g.transpose(0, 1).unsqueeze(0)) for g in (dq, dk, dv)]
+        if _BWD_OPS[name] == 4:
+            grads.append(None)
+        return tuple(grads)
+    raise NotImplementedError(f"torch_dcp: no handler for {name}")  # pragma: no cover
+
+
+@torch.no_grad()
+def unshard(tensor: torch.Tensor, plan: Plan, mesh: Any, seq_dim: int = 0) -> torch.Tensor:
+    """Gather every rank's local tensor back to global token order (the inverse of the
+    buffer sharding of :func:`context_parallel`).
+
+    Args:
+        tensor: this rank's tensor, ``plan.local_tokens(rank)`` long in ``seq_dim``.
+        plan: the step's plan.
+        mesh: the DCP mesh (or its process group).
+        seq_dim: the sequence dimension.
+
+    Returns:
+        The global tensor (``plan.batch.total_tokens`` long in ``seq_dim``), on every rank.
+
+    Raises:
+        ValueError: the tensor's sequence length is not this rank's token count.
+    """
+    import torch.distributed as dist
+
+    group = _group(mesh)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if plan.world_size != world:
+        raise ValueError(f"torch_dcp.unshard: the plan is for {plan.world_size} ranks, the mesh has {world}")
+    n = plan.local_tokens(rank)
+    if tensor.shape[seq_dim] != n:
+        raise ValueError(f"torch_dcp.unshard: rank {rank} holds {n} tokens, the tensor has {tensor.shape[seq_dim]} "
+                         f"in dim {seq_dim}")
+    t = tensor.detach().movedim(seq_dim, 0).contiguous()
+    longest = max(plan.local_tokens(r) for r in range(world))
+    padded = t.new_zeros((longest, *t.shape[1:]))
+    padded[:n] = t
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    out = t.new_empty((plan.batch.total_tokens, *t.shape[1:]))
+    for r in range(world):
+        idx = torch.from_numpy(plan.token_indices(r)).to(out.device)
+        out[idx] = parts[r][: len(idx)]
+    return out.movedim(0, seq_dim)
+
