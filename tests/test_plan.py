@@ -36,8 +36,9 @@ def test_greedy_beats_ring_on_many_short_documents_and_one_long(capsys):
         print(f"\ncomm_bytes ring={stats['ring']['comm_bytes']:,} greedy={stats['greedy']['comm_bytes']:,} "
               f"(compute imbalance ring={stats['ring']['compute_imbalance']:.3f} "
               f"greedy={stats['greedy']['compute_imbalance']:.3f})")
-    assert stats["greedy"]["comm_bytes"] < 0.5 * stats["ring"]["comm_bytes"]
+    assert stats["greedy"]["comm_bytes"] < 0.75 * stats["ring"]["comm_bytes"]
     assert stats["greedy"]["compute_imbalance"] <= 1.2
+    assert stats["greedy"]["memory_imbalance"] <= 1.1 + 1e-9
 
 
 # ---------------------------------------------------------------------- property tests

@@ -1,17 +1,18 @@
 """A fast dynamic planner: short documents stay whole on one rank, long ones are split.
 
 Documents are taken in descending attention FLOPs (longest-processing-time order). A
-document that fits on a rank -- within the token capacity ``(1 + eps_memory) * T / W`` and
-the compute capacity ``(1 + eps_compute) * F / W`` -- goes whole to the least-loaded such
-rank: pure data parallelism for it, no communication. A document that fits nowhere is cut
-into blocks of ``block_size`` and spread over the fewest least-loaded ranks that can hold its
-tokens and FLOPs; its blocks go, heaviest query row first, to the least-loaded of those
-ranks with token room, and its tiles, largest first, to the least-loaded rank that holds most
-of their data (the query side: Q, and O partials avoided; else the key/value side; else the
+document whose FLOPs fit in the compute capacity ``(1 + eps_compute) * F / W`` goes whole to
+the least-loaded rank with room for its tokens (token capacity ``(1 + eps_memory) * T / W``):
+pure data parallelism for it, no communication. Any other document is cut into blocks of
+``block_size`` and spread zig-zag (as ring attention, but only over the fewest least-loaded
+ranks that can hold its tokens and FLOPs), and its tiles go, largest first, to the
+least-loaded rank that holds most of their data (the query side: Q, and O partials avoided; else the key/value side; else the
 least-loaded rank overall) while the compute capacity holds.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -41,10 +42,8 @@ def plan_greedy(
     wl = Workload.uniform(batch, block_size)
     flops = wl.tile_flops_fwd
     doc_flops = np.bincount(wl.block_doc[wl.tile_q], weights=flops, minlength=batch.n_docs)
-    mean_tokens = batch.total_tokens / w
-    mean_flops = flops.sum() / w
-    cap_tokens = (1.0 + eps_memory) * mean_tokens
-    cap_flops = (1.0 + eps_compute) * mean_flops
+    cap_tokens = (1.0 + eps_memory) * batch.total_tokens / w
+    cap_flops = (1.0 + eps_compute) * flops.sum() / w
     load = np.zeros(w)
     tokens = np.zeros(w)
     block_rank = np.full(wl.n_blocks, -1, np.int64)
@@ -67,8 +66,8 @@ def plan_greedy(
         length = batch.doc_lens[d]
         blocks = np.arange(doc_first[d], doc_first[d] + doc_nb[d])
         tiles = tile_order[doc_tile_first[d]:doc_tile_first[d + 1]]
-        fits = (tokens + length <= cap_tokens) & (load + doc_flops[d] <= cap_flops)
-        if fits.any():
+        fits = tokens + length <= cap_tokens
+        if fits.any() and doc_flops[d] <= cap_flops:
             r = int(np.argmin(np.where(fits, load + tokens * 1e-30, np.inf)))
             block_rank[blocks] = r
             tile_rank[tiles] = r
@@ -77,18 +76,17 @@ def plan_greedy(
             continue
         # split over the fewest ranks that can hold it (the least-loaded ones): traffic grows
         # with the number of ranks a document spans
-        k = max(-(-length // mean_tokens), -(-doc_flops[d] // mean_flops) if mean_flops > 0 else 1)
-        group = np.zeros(w, bool)
-        group[np.argsort(load + tokens * 1e-30, kind="stable")[: int(min(max(k, 2), w))]] = True
-        # blocks by descending row FLOPs to the least (projected) loaded group rank with room
-        projected = load.copy()
-        for b in blocks[np.argsort(-row_flops[blocks], kind="stable")]:
-            room = tokens + wl.block_len[b] <= cap_tokens
-            pick = room & group if (room & group).any() else room
-            r = int(np.argmin(np.where(pick, projected, np.inf))) if pick.any() else int(np.argmin(tokens))
-            block_rank[b] = r
-            tokens[r] += wl.block_len[b]
-            projected[r] += row_flops[b]
+        k = max(math.ceil(length / cap_tokens), math.ceil(doc_flops[d] / cap_flops) if cap_flops > 0 else 1)
+        k = int(min(max(k, 2), w))
+        room = tokens + length / k <= cap_tokens
+        group = np.argsort(np.where(room, load, load + 1e300) + tokens * 1e-30, kind="stable")[:k]
+        # zig-zag over the group (2k chunks, rank i holds chunks i and 2k-1-i): balanced
+        # causal work per rank, like ring attention but over k ranks instead of all
+        n2 = 2 * len(group)
+        chunk = np.arange(len(blocks)) * n2 // len(blocks)
+        member = np.where(chunk < len(group), chunk, n2 - 1 - chunk)
+        block_rank[blocks] = group[member]
+        np.add.at(tokens, group[member], wl.block_len[blocks])
         # tiles, largest first, to the data-holding rank with compute room
         for t in tiles[np.argsort(-flops[tiles], kind="stable")]:
             rq, rkv = block_rank[wl.tile_q[t]], block_rank[wl.tile_kv[t]]

@@ -1,0 +1,364 @@
+"""Train a small Llama-style decoder on real documents with dynamic context parallelism.
+
+    torchrun --standalone --nproc-per-node 4 recipes/train_llama.py            # DCP (default)
+    torchrun --standalone --nproc-per-node 4 recipes/train_llama.py --cp-impl torch   # PyTorch's CP
+    python recipes/train_llama.py --cp-impl none                                # one process, no parallelism
+
+What happens every step:
+
+* real documents (the Python standard library's sources, byte-level tokens; or ``--data``)
+  are packed into one global batch of ``--tokens-per-step`` tokens, documents capped at
+  ``--max-doc-len``: many short documents and a few long ones;
+* every rank builds the same ``BatchSpec`` (document lengths + mask), and
+  ``torch_dcp.context_parallel`` plans the step, shards the token ids, labels and
+  document-local position ids to this rank's planned tokens, and runs every
+  ``F.scaled_dot_product_attention`` of the model under the plan, forward and backward;
+* parameters are sharded with FSDP2 (``fully_shard``) over the same one-dimensional mesh:
+  DCP unifies data and context parallelism in one dimension;
+* the loss is the sum of token losses divided by the global token count, so gradients do not
+  depend on where tokens were placed.
+
+The model code (``Attention.forward``) is plain PyTorch: it calls
+``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_dcp
+from torch_dcp.data import byte_tokenize, load_documents, pack_batches
+
+MASKS = {
+    "causal": lambda: torch_dcp.Causal(),
+    "lambda": lambda: torch_dcp.Lambda(sink=64, window=512),
+    "blockwise": lambda: torch_dcp.BlockwiseCausal(block=128, window_blocks=2, sink_blocks=1),
+    "shared_question": lambda: torch_dcp.SharedQuestion(0.2, 4),
+}
+
+
+# ---------------------------------------------------------------------- model
+@dataclass
+class ModelArgs:
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 352
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of ``x: [1, H, S, D]`` at document-local ``positions: [1, S]``."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    ang = positions[0].float()[:, None] * inv[None, :]  # [S, D/2]
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.a = a
+        self.wq = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=False)
+        self.wk = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
+        self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
+        self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+
+    def forward(self, x, positions, attn_mask=None):
+        b, s, _ = x.shape
+        a = self.a
+        q = self.wq(x).view(b, s, a.n_heads, a.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        q, k = rope(q, positions, a.rope_theta), rope(k, positions, a.rope_theta)
+        if attn_mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:  # no context parallelism: an explicit packed-document mask
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(a.dim, a.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(a.dim, a.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(a.ffn_hidden, a.dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(a.dim, a.norm_eps)
+        self.attention = Attention(a)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.feed_forward = FeedForward(a)
+
+    def forward(self, x, positions, attn_mask=None):
+        x = x + self.attention(self.attention_norm(x), positions, attn_mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
+        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
+        self.norm = RMSNorm(a.dim, a.norm_eps)
+        self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
+        for p in self.parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, tokens, positions, attn_mask=None):
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, positions, attn_mask)
+        return self.output(self.norm(x))
+
+
+# ---------------------------------------------------------------------- data
+def global_batch(docs: list[np.ndarray], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Token ids, next-token labels (-100 at each document's last token) and document-local
+    positions of a packed batch, each ``[1, T]``."""
+    lens = [len(d) for d in docs]
+    tokens = torch.from_numpy(np.concatenate(docs)).to(device)
+    labels = torch.full_like(tokens, -100)
+    positions = torch.empty_like(tokens)
+    off = 0
+    for n in lens:
+        labels[off:off + n - 1] = tokens[off + 1:off + n]
+        positions[off:off + n] = torch.arange(n, device=device)
+        off += n
+    return tokens[None], labels[None], positions[None], lens
+
+
+def dense_doc_mask(batch: torch_dcp.BatchSpec, device) -> torch.Tensor:
+    """bool ``[T, T]``: the batch's masks inside each document (the no-parallelism reference)."""
+    m = torch.zeros(batch.total_tokens, batch.total_tokens, dtype=torch.bool, device=device)
+    cu = batch.cu_seqlens
+    for d in range(batch.n_docs):
+        a, b = int(cu[d]), int(cu[d + 1])
+        m[a:b, a:b] = torch.from_numpy(batch.mask_of(d).dense(b - a))
+    return m
+
+
+# ---------------------------------------------------------------------- PyTorch CP on CPU
+def register_torch_cp_cpu_handlers() -> None:
+    """PyTorch's context parallel has no handler for the CPU flash op; add one that runs
+    PyTorch's own ring attention with it (GQA heads expanded, their gradients summed)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    aten = torch.ops.aten
+
+    def handler(op_call, args, kwargs):
+        info = DTensor._op_dispatcher.unwrap_to_op_info(op_call, args, kwargs)
+        la, lk = info.local_args, info.local_kwargs
+        group = info.compute_mesh.get_group()
+        scale = lk.get("scale")
+        if op_call is aten._scaled_dot_product_flash_attention_for_cpu.default:
+            q, k, v = la[0], la[1], la[2]
+            g = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            out = cp._templated_ring_attention(group, 2, aten._scaled_dot_product_flash_attention_for_cpu.default,
+                                               query=q, key=k, value=v, is_causal=la[4], dropout_p=la[3], scale=scale)
+            res = out[:2]
+        else:
+            grad_out, q, k, v, o, lse = la[:6]
+            g = q.shape[1] // k.shape[1]
+            kr, vr = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            dq, dk, dv, *_ = cp._templated_ring_attention_backward(
+                group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward.default, grad_out=grad_out,
+                grad_out_name="grad_out", query=q, key=kr, value=vr, out=o, logsumexp=lse, is_causal=la[7],
+                dropout_p=la[6], scale=scale)
+            b, h, s, d = dk.shape
+            res = (dq, dk.view(b, h // g, g, s, d).sum(2), dv.view(b, h // g, g, s, d).sum(2))
+        return tuple(DTensor.from_local(t, info.compute_mesh, [Shard(2)], run_check=False) for t in res)
+
+    cp.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu.default] = handler
+    cp.custom_ops[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = handler
+
+
+def torch_ring_comm_bytes(total_tokens: int, world: int, a: ModelArgs, elem: int) -> int:
+    """Bytes PyTorch's ring attention moves per attention layer, forward + backward: K and V
+    (heads expanded) make ``W - 1`` hops forward; backward K, V and their fp32 gradients."""
+    kv_token = 2 * a.n_heads * a.head_dim
+    return int((world - 1) * total_tokens * kv_token * (2 * elem + 4))
+
+
+# ---------------------------------------------------------------------- main
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default=None, help="folder of text files or JSONL with a 'text' field (default: Python stdlib sources)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--tokens-per-step", type=int, default=8192)
+    p.add_argument("--max-doc-len", type=int, default=4096)
+    p.add_argument("--cp-impl", choices=["torch_dcp", "torch", "none"], default="torch_dcp")
+    p.add_argument("--planner", default="greedy")
+    p.add_argument("--mask", choices=sorted(MASKS), default="causal")
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--divisions", type=int, default=2)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--ffn-hidden", type=int, default=352)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-json", default=None, help="also write one JSON line per step to this file (rank 0)")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse()
+    distributed = "RANK" in os.environ
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    if distributed:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = 0, 1
+    if args.cp_impl == "none" and world != 1:
+        raise SystemExit("--cp-impl none runs in one process (no parallelism)")
+    if args.cp_impl == "torch" and args.mask != "causal":
+        raise SystemExit("--cp-impl torch supports only --mask causal (over the whole packed sequence)")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    margs = ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
+                      ffn_hidden=args.ffn_hidden)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = Transformer(margs).to(device)
+    mesh = None
+    if distributed:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dcp",))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if args.cp_impl == "torch":
+            register_torch_cp_cpu_handlers()
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+
+    docs = [byte_tokenize(t) for t in load_documents(args.data)]
+    batches = pack_batches(docs, args.tokens_per_step, args.max_doc_len, seed=args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        print(f"torch_dcp train_llama: {world} rank(s) on {device.type}, cp-impl={args.cp_impl}, "
+              f"planner={args.planner}, mask={args.mask}, {n_params / 1e6:.2f}M parameters, "
+              f"{len(docs)} documents, {args.tokens_per_step} tokens/step", flush=True)
+        if args.cp_impl == "torch":
+            print("note: PyTorch's context_parallel sees one causal sequence: it attends across document "
+                  f"boundaries and pads to a multiple of 2 x {world} tokens (more work than DCP, different loss)",
+                  flush=True)
+    log = open(args.log_json, "w") if (args.log_json and rank == 0) else None
+    summary = []
+    t_start = time.perf_counter()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        tokens, labels, positions, lens = global_batch(next(batches), device)
+        batch = torch_dcp.BatchSpec(lens, MASKS[args.mask](), n_heads=margs.n_heads, n_kv_heads=margs.n_kv_heads,
+                                    head_dim=margs.head_dim, dtype="float32")
+        n_tokens = int((labels != -100).sum())  # identical on every rank: the global batch
+        row = {"step": step}
+        attn_mask = None
+        if args.cp_impl == "torch_dcp":
+            plan = torch_dcp.plan(batch, world, planner=args.planner, block_size=args.block_size,
+                                  divisions=args.divisions)
+            ring = torch_dcp.plan(batch, world, planner="ring", divisions=args.divisions).stats()
+            stats = plan.stats()
+            row.update(plan_ms=round(1000 * stats["plan_seconds"], 2),
+                       comm_bytes=stats["comm_bytes"] * margs.n_layers,
+                       compute_imbalance=round(stats["compute_imbalance"], 3),
+                       ring_comm_bytes=ring["comm_bytes"] * margs.n_layers,
+                       ring_compute_imbalance=round(ring["compute_imbalance"], 3))
+            ctx = torch_dcp.context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1],
+                                             no_restore_buffers={tokens, labels, positions}, plan=plan)
+        elif args.cp_impl == "torch":
+            from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
+
+            pad = (-tokens.shape[1]) % (2 * world)
+            tokens, labels, positions = (F.pad(t, (0, pad), value=v) for t, v in ((tokens, 0), (labels, -100), (positions, 0)))
+            row.update(comm_bytes=torch_ring_comm_bytes(tokens.shape[1], world, margs, 4) * margs.n_layers, padded=pad)
+            ctx = torch_context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1],
+                                         no_restore_buffers={tokens, labels, positions})
+        else:
+            attn_mask = dense_doc_mask(batch, device)
+            ctx = nullcontext()
+        with ctx:
+            logits = model(tokens, positions, attn_mask)
+            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+            loss = loss_sum / n_tokens
+            # FSDP2 averages gradients over the mesh; each rank's loss already is its share of
+            # the global mean, so scale by the world size to get the sum of the shares
+            (loss * world).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        if distributed:
+            dist.all_reduce(total)
+        dt = time.perf_counter() - t0
+        row.update(loss=round(total.item(), 6), grad_norm=round(float(grad_norm), 6), docs=len(lens),
+                   longest=max(lens), tokens_per_s=round(sum(lens) / dt, 1), step_s=round(dt, 3))
+        summary.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+            if log:
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+    if rank == 0:
+        first, last = summary[0]["loss"], summary[-1]["loss"]
+        wall = time.perf_counter() - t_start
+        line = (f"summary: {len(summary)} steps in {wall:.1f} s, loss {first:.3f} -> {last:.3f}, "
+                f"{sum(r['tokens_per_s'] for r in summary) / len(summary):.0f} tokens/s")
+        if args.cp_impl == "torch_dcp":
+            saved = 1 - sum(r["comm_bytes"] for r in summary) / max(1, sum(r["ring_comm_bytes"] for r in summary))
+            line += f", {args.planner} moved {saved:.0%} fewer attention bytes than ring"
+        print(line, flush=True)
+        if log:
+            log.close()
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
