@@ -149,7 +149,8 @@ def main() -> None:
         if rank == 0:
             print(json.dumps(row), flush=True)
     if rank == 0:
-        saved = 1 - sum(r["comm_bytes"] for r in summary) / max(1, sum(r["ring_comm_bytes"] for r in summary))
+        ring_total = sum(r["ring_comm_bytes"] for r in summary)
+        saved = 1 - sum(r["comm_bytes"] for r in summary) / ring_total if ring_total else 0.0
         print(f"done: {len(summary)} steps on {world} ranks; {args.planner} moved {saved:.0%} fewer bytes than ring; "
               f"max error vs reference {max(r['max_abs_err'] for r in summary):.2e}", flush=True)
         if not args.no_check and max(r["max_abs_err"] for r in summary) > 1e-4:

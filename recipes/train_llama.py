@@ -350,8 +350,9 @@ def main() -> None:
         wall = time.perf_counter() - t_start
         line = (f"summary: {len(summary)} steps in {wall:.1f} s, loss {first:.3f} -> {last:.3f}, "
                 f"{sum(r['tokens_per_s'] for r in summary) / len(summary):.0f} tokens/s")
-        if args.cp_impl == "torch_dcp":
-            saved = 1 - sum(r["comm_bytes"] for r in summary) / max(1, sum(r["ring_comm_bytes"] for r in summary))
+        ring_total = sum(r.get("ring_comm_bytes", 0) for r in summary)
+        if ring_total:
+            saved = 1 - sum(r["comm_bytes"] for r in summary) / ring_total
             line += f", {args.planner} moved {saved:.0%} fewer attention bytes than ring"
         print(line, flush=True)
         if log:
