@@ -38,7 +38,7 @@ from .batch import BatchSpec
 from .masks import Ranges
 from .planners.base import Placement
 from .topology import Topology
-from .workload import Workload
+from .workload import BWD_RETURN_KV, BWD_RETURN_Q, FWD_RETURN, KIND_KV, KIND_Q, Workload, item_token_bytes
 
 __all__ = [
     "Plan",
@@ -56,32 +56,10 @@ __all__ = [
 FORMAT_MAGIC = b"TDCPLAN\0"
 FORMAT_VERSION = 1
 
-KIND_Q, KIND_KV = "q", "kv"
-FWD_RETURN, BWD_RETURN_Q, BWD_RETURN_KV = "opart", "dq", "dkv"
 
 
 class PlanError(ValueError):
     """A plan is inconsistent (raised by :meth:`Plan.validate` and deserialisation)."""
-
-
-def item_token_bytes(batch: BatchSpec) -> dict[tuple[bool, str], int]:
-    """Bytes per token of every transfer kind, keyed ``(backward, kind)``.
-
-    Forward: ``q`` (Q), ``kv`` (K, V), ``opart`` (partial O and its LSE, accumulation dtype).
-    Backward: ``q`` (Q, dO, LSE, delta), ``kv`` (K, V), ``dq`` and ``dkv`` (gradient
-    partials, accumulation dtype). The executor moves exactly these bytes.
-    """
-    e, a = batch.elem_size, batch.acc_size
-    hd, kvd, h = batch.n_heads * batch.head_dim, batch.n_kv_heads * batch.head_dim, batch.n_heads
-    return {
-        (False, KIND_Q): hd * e,
-        (False, KIND_KV): 2 * kvd * e,
-        (False, FWD_RETURN): hd * a + h * a,
-        (True, KIND_Q): 2 * hd * e + 2 * h * a,
-        (True, KIND_KV): 2 * kvd * e,
-        (True, BWD_RETURN_Q): hd * a,
-        (True, BWD_RETURN_KV): 2 * kvd * a,
-    }
 
 
 # ---------------------------------------------------------------------- instructions

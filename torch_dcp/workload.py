@@ -15,7 +15,11 @@ import numpy as np
 from .batch import BatchSpec
 from .masks import count_visible_pairs
 
-__all__ = ["Workload", "FWD_FLOPS_PER_PAIR", "BWD_FLOPS_PER_PAIR", "spans_to_indices"]
+__all__ = ["Workload", "FWD_FLOPS_PER_PAIR", "BWD_FLOPS_PER_PAIR", "spans_to_indices", "item_token_bytes"]
+
+#: Transfer kinds: inputs fetched (query side, key/value side) and partials returned home.
+KIND_Q, KIND_KV = "q", "kv"
+FWD_RETURN, BWD_RETURN_Q, BWD_RETURN_KV = "opart", "dq", "dkv"
 
 #: Forward attention FLOPs per visible (query, key) pair, per head and head-dim element:
 #: QK^T (2) + PV (2).
@@ -23,6 +27,26 @@ FWD_FLOPS_PER_PAIR = 4
 #: Backward FLOPs per visible pair, per head and head-dim element: recomputed QK^T (2),
 #: dV (2), dP (2), dQ (2), dK (2) -- 2.5x forward, as FlashAttention counts.
 BWD_FLOPS_PER_PAIR = 10
+
+
+def item_token_bytes(batch: BatchSpec) -> dict[tuple[bool, str], int]:
+    """Bytes per token of every transfer kind, keyed ``(backward, kind)``.
+
+    Forward: ``q`` (Q), ``kv`` (K, V), ``opart`` (partial O and its LSE, accumulation dtype).
+    Backward: ``q`` (Q, dO, LSE, delta), ``kv`` (K, V), ``dq`` and ``dkv`` (gradient
+    partials, accumulation dtype). The executor moves exactly these bytes.
+    """
+    e, a = batch.elem_size, batch.acc_size
+    hd, kvd, h = batch.n_heads * batch.head_dim, batch.n_kv_heads * batch.head_dim, batch.n_heads
+    return {
+        (False, KIND_Q): hd * e,
+        (False, KIND_KV): 2 * kvd * e,
+        (False, FWD_RETURN): hd * a + h * a,
+        (True, KIND_Q): 2 * hd * e + 2 * h * a,
+        (True, KIND_KV): 2 * kvd * e,
+        (True, BWD_RETURN_Q): hd * a,
+        (True, BWD_RETURN_KV): 2 * kvd * a,
+    }
 
 
 def spans_to_indices(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
