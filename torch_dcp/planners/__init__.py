@@ -9,13 +9,15 @@ from __future__ import annotations
 from typing import Callable
 
 from .base import Placement
+from .dcp import plan_dcp
 from .greedy import plan_greedy
 from .ring import plan_ring
 
-__all__ = ["Placement", "PLANNERS", "get_planner", "plan_greedy", "plan_ring"]
+__all__ = ["Placement", "PLANNERS", "get_planner", "plan_dcp", "plan_greedy", "plan_ring"]
 
 #: name -> ``fn(batch, topology, block_size, **options) -> Placement``
 PLANNERS: dict[str, Callable[..., Placement]] = {
+    "dcp": plan_dcp,
     "greedy": plan_greedy,
     "ring": plan_ring,
 }

@@ -78,6 +78,11 @@ def plan_greedy(
         # with the number of ranks a document spans
         k = max(math.ceil(length / cap_tokens), math.ceil(doc_flops[d] / cap_flops) if cap_flops > 0 else 1)
         k = int(min(max(k, 2), w))
+        # widen the group until its ranks have room for their share of the tokens
+        while k < w and np.count_nonzero(tokens + length / k <= cap_tokens) < k:
+            k += 1
+        if 4 * k > 3 * w:  # nearly every rank: use all, or the idle few break memory balance
+            k = w
         room = tokens + length / k <= cap_tokens
         group = np.argsort(np.where(room, load, load + 1e300) + tokens * 1e-30, kind="stable")[:k]
         # zig-zag over the group (2k chunks, rank i holds chunks i and 2k-1-i): balanced

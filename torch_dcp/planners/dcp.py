@@ -1,0 +1,272 @@
+"""The DCP planner: hypergraph partitioning of tiles and token blocks (DCP paper §4.2).
+
+Hypergraph:
+
+* vertices: every tile (weight: its FLOPs) and every token block (weight: its resident
+  bytes). A block vertex carries its Q, K, V, O, LSE and the token-level layers of its
+  tokens, so they stay together.
+* nets: for every block ``b``, a query net (``b`` and all tiles with query block ``b``) and a
+  key/value net (``b`` and all tiles with key/value block ``b``), weighted by the bytes one
+  extra rank on the net costs, forward and backward (query net: Q fetch, O partial + LSE
+  return, Q/dO/LSE/delta fetch, dQ return; key/value net: K, V fetch twice, dK/dV return).
+
+With these weights the connectivity-minus-one objective ``sum_e w_e (lambda_e - 1)`` is exactly
+the ``comm_bytes`` of the resulting plan. The partitioner works on a coarsened model -- every tile joins its query block (so key/value
+blocks are what travels, the cheap side under GQA), a block weighs its share of memory plus
+its query row's share of compute, and the key/value nets carry the traffic -- two-level:
+nodes first (tolerance ``eps_inter``), then ranks inside each node (``eps_intra``), so the
+first level minimises inter-node bytes. Mt-KaHyPar takes one weight per vertex, so a
+rebalancing pass on the full hypergraph then moves the blocks (memory) and tiles (compute)
+that add the least traffic (inter-node bytes counted double) until every rank is within
+``1 + eps_memory`` of the mean resident bytes and ``1 + eps_compute`` of the mean FLOPs.
+The block layouts of the greedy planner and of a zig-zag split go through the same
+rebalancing as fallback candidates; the candidate with the least ``comm_bytes`` wins.
+
+Solver: Mt-KaHyPar (deterministic preset, one thread, fixed seed): the same batch and seed
+give the same placement, hence the same ``Plan.digest()``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..batch import BatchSpec
+from ..topology import Topology
+from ..workload import BWD_RETURN_KV, BWD_RETURN_Q, FWD_RETURN, KIND_KV, KIND_Q, Workload, item_token_bytes
+from .base import Placement
+
+__all__ = ["plan_dcp", "DCPHypergraph"]
+
+_WEIGHT_SCALE = 1 << 20
+
+
+class DCPHypergraph:
+    """The hypergraph of a workload, in CSR arrays (vertices: tiles, then blocks).
+
+    Attributes:
+        n_vertices: ``n_tiles + n_blocks``.
+        net_ptr, net_pins: CSR of the ``2 * n_blocks`` nets (query net of block ``b`` is net
+            ``b``, key/value net is ``n_blocks + b``).
+        net_weight: float64 ``[2 * n_blocks]``, bytes per extra rank on the net.
+        flops, mem: float64 ``[n_vertices]`` compute and memory weights.
+    """
+
+    def __init__(self, wl: Workload):
+        nt, nb = wl.n_tiles, wl.n_blocks
+        itb = item_token_bytes(wl.batch)
+        q_w = itb[(False, KIND_Q)] + itb[(False, FWD_RETURN)] + itb[(True, KIND_Q)] + itb[(True, BWD_RETURN_Q)]
+        kv_w = itb[(False, KIND_KV)] + itb[(True, KIND_KV)] + itb[(True, BWD_RETURN_KV)]
+        self.n_tiles, self.n_blocks = nt, nb
+        self.n_vertices = nt + nb
+        self.net_weight = np.concatenate([wl.block_len * float(q_w), wl.block_len * float(kv_w)])
+        # pins: block vertex + its tiles, for query nets then key/value nets
+        tiles = np.arange(nt)
+        net_of_pin = np.concatenate([np.arange(nb), wl.tile_q, nb + np.arange(nb), nb + wl.tile_kv])
+        vert_of_pin = np.concatenate([nt + np.arange(nb), tiles, nt + np.arange(nb), tiles])
+        order = np.argsort(net_of_pin, kind="stable")
+        self.net_pins = vert_of_pin[order]
+        self.net_ptr = np.concatenate(([0], np.cumsum(np.bincount(net_of_pin, minlength=2 * nb))))
+        self.flops = np.concatenate([wl.tile_flops_fwd + wl.tile_flops_bwd, np.zeros(nb)])
+        self.mem = np.concatenate([np.zeros(nt), wl.block_bytes()])
+        # vertex -> nets (each tile is on 2 nets, each block on 2 nets)
+        self.vertex_nets = np.stack([
+            np.concatenate([wl.tile_q, np.arange(nb)]),
+            np.concatenate([nb + wl.tile_kv, nb + np.arange(nb)]),
+        ], axis=1)
+
+    def km1(self, part: np.ndarray, k: int) -> float:
+        """``sum_e w_e (lambda_e - 1)`` of a partition (bytes)."""
+        pins_part = part[self.net_pins]
+        net_id = np.repeat(np.arange(len(self.net_weight)), np.diff(self.net_ptr))
+        lam = np.bincount(np.unique(net_id * k + pins_part) // k, minlength=len(self.net_weight))
+        return float((self.net_weight * np.maximum(lam - 1, 0)).sum())
+
+
+def _partition_csr(n: int, net_ptr: np.ndarray, net_pins: np.ndarray, node_w: np.ndarray, net_w: np.ndarray,
+                   vertices: np.ndarray, k: int, eps: float, seed: int) -> np.ndarray:
+    """Partition the sub-hypergraph induced by ``vertices`` (of a hypergraph with ``n``
+    vertices in CSR ``net_ptr``/``net_pins``) into ``k`` parts, connectivity-minus-one
+    objective. ``node_w``/``net_w`` are float weights, scaled to integers here."""
+    m = len(vertices)
+    if k == 1 or m == 0:
+        return np.zeros(m, np.int64)
+    if m <= k:
+        return np.arange(m, dtype=np.int64) % k
+    local = np.full(n, -1, np.int64)
+    local[vertices] = np.arange(m)
+    pins_local = local[net_pins]
+    net_id = np.repeat(np.arange(len(net_w)), np.diff(net_ptr))
+    keep = pins_local >= 0
+    pins_local, net_id = pins_local[keep], net_id[keep]
+    sizes = np.bincount(net_id, minlength=len(net_w))
+    nets = np.nonzero(sizes >= 2)[0]
+    sel = sizes[net_id] >= 2
+    pins_local = pins_local[sel]
+    ptr = np.concatenate(([0], np.cumsum(sizes[nets])))
+    vw = node_w[vertices]
+    iw = np.maximum(1, np.rint(vw / max(vw.sum(), 1e-300) * _WEIGHT_SCALE)).astype(np.int64)
+    if len(nets) == 0:  # nothing connects: balance only (longest processing time first)
+        part = np.zeros(m, np.int64)
+        load = np.zeros(k)
+        for v in np.argsort(-iw, kind="stable"):
+            r = int(np.argmin(load))
+            part[v] = r
+            load[r] += iw[v]
+        return part
+    edges = [e.tolist() for e in np.split(pins_local, ptr[1:-1])]
+    ew = np.maximum(1, np.rint(net_w[nets] / max(net_w[nets].max(), 1e-300) * _WEIGHT_SCALE)).astype(np.int64)
+    return _mtkahypar(m, edges, iw, ew, k, eps, seed)
+
+
+_MTK = None
+
+
+def _mtkahypar(n, edges, node_w, net_w, k, eps, seed) -> np.ndarray:
+    global _MTK
+    try:
+        import mtkahypar
+    except ImportError as err:  # pragma: no cover - dependency of the package
+        raise ImportError("planner 'dcp' needs Mt-KaHyPar: pip install mtkahypar") from err
+    if _MTK is None:
+        _MTK = mtkahypar.initialize(1, False)
+    ctx = _MTK.context_from_preset(mtkahypar.PresetType.DETERMINISTIC)
+    ctx.set_partitioning_parameters(k, eps, mtkahypar.Objective.KM1)
+    ctx.logging = False
+    mtkahypar.set_seed(seed)
+    hg = _MTK.create_hypergraph(ctx, n, len(edges), edges, node_w.tolist(), net_w.tolist())
+    part = hg.partition(ctx)
+    return np.asarray(part.get_partition(), dtype=np.int64)
+
+
+def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, movable: np.ndarray,
+               eps: float, topology: Topology) -> np.ndarray:
+    """Move ``movable`` vertices off ranks whose ``weight`` exceeds ``(1 + eps) * mean``, each
+    move the one that adds the least traffic (inter-node bytes counted double)."""
+    total = weight[movable].sum()
+    if total <= 0:
+        return part
+    cap = (1.0 + eps) * total / w
+    load = np.bincount(part[movable], weights=weight[movable], minlength=w)
+    n_nets = len(hg.net_weight)
+    cnt = np.zeros((n_nets, w), np.int64)
+    net_id = np.repeat(np.arange(n_nets), np.diff(hg.net_ptr))
+    np.add.at(cnt, (net_id, part[hg.net_pins]), 1)
+    node = np.arange(w) // topology.ranks_per_node
+    for _ in range(4 * len(movable) + 8):
+        r = int(np.argmax(load))
+        excess = load[r] - cap
+        if excess <= 1e-9 * cap:
+            break
+        cand = movable[(part[movable] == r) & (weight[movable] > 0)]
+        if len(cand) == 0:
+            break
+        nets = hg.vertex_nets[cand]  # [c, 2]
+        wn = hg.net_weight[nets]  # [c, 2]
+        # cost of moving candidate c to rank t: nets gaining rank t minus nets losing rank r
+        gain_t = ((cnt[nets] == 0) * wn[..., None]).sum(1)  # [c, w]
+        lose_r = ((cnt[nets, r] == 1) * wn).sum(1)  # [c]
+        inter = node[None, :] != node[r]
+        cost = gain_t * np.where(inter, 2.0, 1.0) - lose_r[:, None]
+        room = load[None, :] + weight[cand][:, None] <= cap
+        room[:, r] = False
+        if not room.any():
+            # nothing fits whole: move the smallest candidate to the least-loaded rank
+            c = int(np.argmin(weight[cand]))
+            t = int(np.argmin(load))
+            if t == r or load[t] + weight[cand[c]] >= load[r]:
+                break
+        else:
+            # prefer cheap moves that remove much of the excess
+            score = np.where(room, cost / np.minimum(weight[cand], excess)[:, None], np.inf)
+            c, t = np.unravel_index(int(np.argmin(score)), score.shape)
+        v = cand[c]
+        for e in hg.vertex_nets[v]:
+            cnt[e, r] -= 1
+            cnt[e, t] += 1
+        load[r] -= weight[v]
+        load[t] += weight[v]
+        part[v] = t
+    return part
+
+
+def plan_dcp(
+    batch: BatchSpec,
+    topology: Topology,
+    block_size: int = 1024,
+    eps_inter: float = 0.4,
+    eps_intra: float = 0.1,
+    eps_compute: float = 0.1,
+    eps_memory: float = 0.1,
+    seed: int = 0,
+) -> Placement:
+    """DCP hypergraph placement (see module docstring).
+
+    Args:
+        batch, topology, block_size: the step, the cluster, tokens per block.
+        eps_inter, eps_intra: partitioner imbalance tolerance between and inside nodes
+            (DCP paper §7.1: 0.4 and 0.1).
+        eps_compute, eps_memory: final per-rank bounds the rebalancing pass enforces.
+        seed: partitioner seed (the same seed gives the same placement).
+
+    Raises:
+        ValueError: bad block size or tolerances.
+        ImportError: Mt-KaHyPar is not installed.
+    """
+    for name, v in (("eps_inter", eps_inter), ("eps_intra", eps_intra), ("eps_compute", eps_compute),
+                    ("eps_memory", eps_memory)):
+        if not v >= 0:
+            raise ValueError(f"{name} must be >= 0, got {v!r}")
+    wl = Workload.uniform(batch, block_size)
+    hg = DCPHypergraph(wl)
+    w = topology.world_size
+    rpn, nn = topology.ranks_per_node, topology.n_nodes
+    # coarse model for the partitioner: every tile joins its query block (tiles follow their
+    # queries); a block vertex weighs its share of memory plus its row's share of compute,
+    # and the key/value nets carry the traffic
+    nb, nt = wl.n_blocks, wl.n_tiles
+    row_flops = np.bincount(wl.tile_q, weights=hg.flops[:nt], minlength=nb)
+    mem = hg.mem[nt:]
+    node_w = row_flops / max(row_flops.sum(), 1e-300) + mem / max(mem.sum(), 1e-300)
+    kv_pins_net = np.concatenate([np.arange(nb), wl.tile_kv])
+    kv_pins_vert = np.concatenate([np.arange(nb), wl.tile_q])
+    pairs = np.unique(kv_pins_net * nb + kv_pins_vert)  # a block may appear once per net
+    net_of, vert = pairs // nb, pairs % nb
+    ptr = np.concatenate(([0], np.cumsum(np.bincount(net_of, minlength=nb))))
+    net_w = hg.net_weight[nb:]
+    allb = np.arange(nb)
+    node_of = _partition_csr(nb, ptr, vert, node_w, net_w, allb, nn, eps_inter, seed)
+    block_part = np.zeros(nb, np.int64)
+    for node in range(nn):
+        sel = allb[node_of == node]
+        block_part[sel] = node * rpn + _partition_csr(nb, ptr, vert, node_w, net_w, sel, rpn, eps_intra, seed)
+    tiles = np.arange(nt)
+    blocks = nt + np.arange(nb)
+    # candidates: the partitioner's, and the block layouts of the greedy planner and of a
+    # zig-zag split (ring attention's layout on these blocks) as fallbacks the partitioner
+    # must beat; each is rebalanced, the one moving the fewest bytes wins
+    from .greedy import plan_greedy
+
+    candidates = [block_part, plan_greedy(batch, topology, block_size).block_rank, _zigzag(wl, w)]
+    best, best_key = None, None
+    for cand in candidates:
+        part = np.concatenate([cand[wl.tile_q], cand]).astype(np.int64)
+        part = _rebalance(hg, part, w, hg.mem, blocks, eps_memory, topology)
+        part = _rebalance(hg, part, w, hg.flops, tiles, eps_compute, topology)
+        key = (hg.km1(part, w), _inter_km1(hg, part, topology))
+        if best_key is None or key < best_key:
+            best, best_key = part, key
+    return Placement(wl, w, best[blocks], best[tiles], planner="dcp")
+
+
+def _zigzag(wl: Workload, w: int) -> np.ndarray:
+    """Block ranks of the zig-zag layout: each document's blocks in ``2w`` chunks, rank ``r``
+    holding chunks ``r`` and ``2w - 1 - r``."""
+    nb_doc = np.bincount(wl.block_doc, minlength=wl.batch.n_docs)
+    first = np.concatenate(([0], np.cumsum(nb_doc)[:-1]))
+    i = np.arange(wl.n_blocks) - first[wl.block_doc]
+    chunk = i * (2 * w) // nb_doc[wl.block_doc]
+    return np.where(chunk < w, chunk, 2 * w - 1 - chunk).astype(np.int64)
+
+
+def _inter_km1(hg: DCPHypergraph, part: np.ndarray, topology: Topology) -> float:
+    return hg.km1(part // topology.ranks_per_node, topology.n_nodes)
