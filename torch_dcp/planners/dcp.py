@@ -175,17 +175,35 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
             t = int(np.argmin(load))
             if t == r or load[t] + weight[cand[c]] >= load[r]:
                 break
+            moves = [(c, t)]
         else:
-            # prefer cheap moves that remove much of the excess
+            # prefer cheap moves that remove much of the excess; take several per round
             score = np.where(room, cost / np.minimum(weight[cand], excess)[:, None], np.inf)
-            c, t = np.unravel_index(int(np.argmin(score)), score.shape)
-        v = cand[c]
-        for e in hg.vertex_nets[v]:
-            cnt[e, r] -= 1
-            cnt[e, t] += 1
-        load[r] -= weight[v]
-        load[t] += weight[v]
-        part[v] = t
+            best_t = np.argmin(score, axis=1)
+            best = score[np.arange(len(cand)), best_t]
+            moves = []
+            left = excess
+            for c in np.argsort(best, kind="stable")[:64]:
+                if not np.isfinite(best[c]) or left <= 1e-9 * cap:
+                    break
+                row = np.where(load + weight[cand[c]] <= cap, score[c], np.inf)
+                row[r] = np.inf
+                t = int(np.argmin(row))
+                if not np.isfinite(row[t]):
+                    continue
+                moves.append((int(c), t))
+                load[t] += weight[cand[c]]  # reserve room (undone below, applied once)
+                left -= weight[cand[c]]
+            for c, t in moves:
+                load[t] -= weight[cand[c]]
+        for c, t in moves:
+            v = cand[c]
+            for e in hg.vertex_nets[v]:
+                cnt[e, r] -= 1
+                cnt[e, t] += 1
+            load[r] -= weight[v]
+            load[t] += weight[v]
+            part[v] = t
     return part
 
 
