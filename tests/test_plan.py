@@ -76,7 +76,7 @@ def batches(draw):
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=batches(), world=st.integers(1, 8), block=st.integers(1, 9), divisions=st.integers(1, 5),
-       planner=st.sampled_from(["ring", "greedy", "dcp"]))
+       planner=st.sampled_from(["ring", "greedy", "dcp", "megatron"]))
 def test_plan_properties(batch, world, block, divisions, planner):
     plan = torch_dcp.plan(batch, world, planner=planner, block_size=block, divisions=divisions)
     plan.validate()  # inputs present, sends matched, every tile once, outputs complete

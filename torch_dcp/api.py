@@ -27,10 +27,11 @@ def plan(
     Args:
         batch: documents, masks, heads, dtype of the global batch.
         topology: a :class:`Topology`, or a world size (all ranks on one node).
-        planner: ``"greedy"`` or ``"ring"`` (see :mod:`torch_dcp.planners`).
+        planner: ``"greedy"``, ``"dcp"``, ``"ring"``, ``"megatron"`` (see :mod:`torch_dcp.planners`).
         block_size: tokens per block ``B`` (ignored by ``ring``, whose chunks are
             ``L / 2W``).
-        divisions: ``T``, divisions per rank for compute/communication overlap.
+        divisions: ``T``, divisions per rank for compute/communication overlap (per
+            scheduling round, for planners with rounds).
         **options: planner-specific options (e.g. ``eps_compute`` for ``greedy``).
 
     Returns:
@@ -48,4 +49,5 @@ def plan(
     placement = fn(batch, topology, block_size, **options)
     tile_division = assign_divisions(placement, divisions)
     seconds = time.perf_counter() - t0
-    return Plan(placement, topology, tile_division, divisions, plan_seconds=seconds)
+    n_rounds = 1 if placement.tile_round is None or placement.tile_round.size == 0 else int(placement.tile_round.max()) + 1
+    return Plan(placement, topology, tile_division, divisions * n_rounds, plan_seconds=seconds)

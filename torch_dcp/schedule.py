@@ -31,34 +31,50 @@ def fetch_item_bytes(placement: Placement) -> tuple[np.ndarray, np.ndarray]:
 def assign_divisions(placement: Placement, divisions: int) -> np.ndarray:
     """Division of every tile on its rank.
 
+    With scheduling rounds (``placement.tile_round``, e.g. Megatron's), round ``r`` gets its
+    own divisions ``r T .. r T + T - 1``: rounds run one after another.
+
     Args:
         placement: blocks and tiles on ranks.
-        divisions: ``T >= 1``.
+        divisions: ``T >= 1`` per round.
 
     Returns:
-        int64 ``[n_tiles]`` in ``[0, T)``.
+        int64 ``[n_tiles]`` in ``[0, T * n_rounds)``.
 
     Raises:
         ValueError: ``divisions`` is not a positive integer.
     """
     if isinstance(divisions, bool) or not isinstance(divisions, (int, np.integer)) or divisions < 1:
         raise ValueError(f"divisions must be a positive integer, got {divisions!r}")
-    wl = placement.workload
-    n = wl.n_tiles
+    n = placement.workload.n_tiles
     out = np.zeros(n, np.int64)
-    if divisions == 1 or n == 0:
+    rounds = placement.tile_round
+    if rounds is None:
+        out[:] = _divisions(placement, np.arange(n), divisions)
         return out
-    rank = placement.tile_rank
-    q_remote = placement.block_rank[wl.tile_q] != rank
-    kv_remote = placement.block_rank[wl.tile_kv] != rank
+    for r in np.unique(rounds):
+        tiles = np.nonzero(rounds == r)[0]
+        out[tiles] = r * divisions + _divisions(placement, tiles, divisions)
+    return out
+
+
+def _divisions(placement: Placement, tiles: np.ndarray, divisions: int) -> np.ndarray:
+    """Divisions (``[0, T)``) of the tiles ``tiles`` (a set scheduled together)."""
+    wl = placement.workload
+    out = np.zeros(len(tiles), np.int64)
+    if divisions == 1 or len(tiles) == 0:
+        return out
+    rank = placement.tile_rank[tiles]
+    q_remote = placement.block_rank[wl.tile_q[tiles]] != rank
+    kv_remote = placement.block_rank[wl.tile_kv[tiles]] != rank
     remote = np.nonzero(q_remote | kv_remote)[0]
     if len(remote) == 0:
         return out
     q_bytes, kv_bytes = fetch_item_bytes(placement)
     nb = wl.n_blocks
     # remote inputs as integer keys; a local input gets a key that never counts
-    kv_key = np.where(kv_remote[remote], wl.tile_kv[remote], -1)
-    q_key = np.where(q_remote[remote], wl.tile_q[remote], -1)
+    kv_key = np.where(kv_remote[remote], wl.tile_kv[tiles[remote]], -1)
+    q_key = np.where(q_remote[remote], wl.tile_q[tiles[remote]], -1)
     r = rank[remote]
     order = np.lexsort((q_key, kv_key, r))  # group by rank, then shared key/value input, then query
     remote, kv_key, q_key, r = remote[order], kv_key[order], q_key[order], r[order]

@@ -24,6 +24,8 @@ class Placement:
         block_rank: int64 ``[n_blocks]``, home rank of every block.
         tile_rank: int64 ``[n_tiles]``, rank computing every tile.
         planner: name of the planner that produced it.
+        tile_round: optional int64 ``[n_tiles]``: scheduling rounds that run one after
+            another (Megatron's barriers); ``None`` for one round.
     """
 
     workload: Workload
@@ -31,6 +33,7 @@ class Placement:
     block_rank: np.ndarray
     tile_rank: np.ndarray
     planner: str = "custom"
+    tile_round: np.ndarray | None = None
 
     def __post_init__(self):
         w = self.workload
@@ -47,6 +50,12 @@ class Placement:
         tr.setflags(write=False)
         object.__setattr__(self, "block_rank", br)
         object.__setattr__(self, "tile_rank", tr)
+        if self.tile_round is not None:
+            rd = np.ascontiguousarray(self.tile_round, dtype=np.int64)
+            if rd.shape != (w.n_tiles,) or (rd.size and rd.min() < 0):
+                raise ValueError(f"Placement.tile_round: expected non-negative shape ({w.n_tiles},), got {rd.shape}")
+            rd.setflags(write=False)
+            object.__setattr__(self, "tile_round", rd)
 
     def rank_flops(self, backward: bool = False) -> np.ndarray:
         """Attention FLOPs per rank, float64 ``[world_size]``."""
