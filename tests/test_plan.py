@@ -76,7 +76,7 @@ def batches(draw):
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=batches(), world=st.integers(1, 8), block=st.integers(1, 9), divisions=st.integers(1, 5),
-       planner=st.sampled_from(["ring", "greedy", "dcp", "megatron"]))
+       planner=st.sampled_from(["ring", "greedy", "dcp", "megatron", "fcp"]))
 def test_plan_properties(batch, world, block, divisions, planner):
     plan = torch_dcp.plan(batch, world, planner=planner, block_size=block, divisions=divisions)
     plan.validate()  # inputs present, sends matched, every tile once, outputs complete
@@ -101,7 +101,7 @@ def test_plan_properties(batch, world, block, divisions, planner):
     assert np.array_equal(np.sort(layout), np.arange(batch.total_tokens))
     assert sum(plan.local_tokens(r) for r in range(world)) == batch.total_tokens
     # blocks of uniform planners are at most block_size long
-    if planner in ("greedy", "dcp"):
+    if planner in ("greedy", "dcp", "fcp"):
         assert wl.block_len.max() <= block
     s = plan.stats()
     assert s["compute_imbalance"] >= 1.0 - 1e-12 and s["memory_imbalance"] >= 1.0 - 1e-12

@@ -10,15 +10,17 @@ from typing import Callable
 
 from .base import Placement
 from .dcp import plan_dcp
+from .fcp import plan_fcp
 from .greedy import plan_greedy
 from .megatron import plan_megatron
 from .ring import plan_ring
 
-__all__ = ["Placement", "PLANNERS", "get_planner", "plan_dcp", "plan_greedy", "plan_megatron", "plan_ring"]
+__all__ = ["Placement", "PLANNERS", "get_planner", "plan_dcp", "plan_fcp", "plan_greedy", "plan_megatron", "plan_ring"]
 
 #: name -> ``fn(batch, topology, block_size, **options) -> Placement``
 PLANNERS: dict[str, Callable[..., Placement]] = {
     "dcp": plan_dcp,
+    "fcp": plan_fcp,
     "greedy": plan_greedy,
     "megatron": plan_megatron,
     "ring": plan_ring,

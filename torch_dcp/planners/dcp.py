@@ -19,7 +19,7 @@ first level minimises inter-node bytes. Mt-KaHyPar takes one weight per vertex, 
 rebalancing pass on the full hypergraph then moves the blocks (memory) and tiles (compute)
 that add the least traffic (inter-node bytes counted double) until every rank is within
 ``1 + eps_memory`` of the mean resident bytes and ``1 + eps_compute`` of the mean FLOPs.
-The block layouts of the greedy planner and of a zig-zag split go through the same
+The block layouts of the greedy and FCP planners and of a zig-zag split go through the same
 rebalancing as fallback candidates; the candidate with the least ``comm_bytes`` wins.
 
 Solver: Mt-KaHyPar (deterministic preset, one thread, fixed seed): the same batch and seed
@@ -262,9 +262,11 @@ def plan_dcp(
     # candidates: the partitioner's, and the block layouts of the greedy planner and of a
     # zig-zag split (ring attention's layout on these blocks) as fallbacks the partitioner
     # must beat; each is rebalanced, the one moving the fewest bytes wins
+    from .fcp import plan_fcp
     from .greedy import plan_greedy
 
-    candidates = [block_part, plan_greedy(batch, topology, block_size).block_rank, _zigzag(wl, w)]
+    candidates = [block_part, plan_greedy(batch, topology, block_size).block_rank,
+                  plan_fcp(batch, topology, block_size).block_rank, _zigzag(wl, w)]
     best, best_key = None, None
     for cand in candidates:
         part = np.concatenate([cand[wl.tile_q], cand]).astype(np.int64)
