@@ -206,3 +206,37 @@ def test_divisions_start_local_and_spread_traffic():
     for r in range(4):
         divs = set(t["fetch_div"][t["fetch_rank"] == r].tolist())
         assert divs == {1, 2, 3}
+
+
+def test_divisions_weight_bytes_by_link_class():
+    from torch_dcp.schedule import assign_divisions
+
+    batch = BatchSpec([16384], Causal(), n_heads=8, n_kv_heads=2, head_dim=64)
+    topo = torch_dcp.Topology(n_nodes=2, ranks_per_node=4)
+    plan = torch_dcp.plan(batch, topo, planner="ring", divisions=4)
+    pl, wl = plan.placement, plan.workload
+    weighted = assign_divisions(pl, 4, topo)
+    plain = assign_divisions(pl, 4)
+    assert np.array_equal(weighted, plan.tile_division)
+
+    def spread(div):
+        # per rank: link-time of the blocks first fetched in each division 1..3, max share
+        shares = []
+        for r in range(topo.world_size):
+            on = np.nonzero((pl.tile_rank == r) & (pl.block_rank[wl.tile_kv] != r))[0]
+            cost = np.zeros(4)
+            seen = set()
+            for t in on[np.argsort(div[on], kind="stable")]:
+                kv = int(wl.tile_kv[t])
+                if kv in seen:
+                    continue
+                seen.add(kv)
+                inter = topo.node_of(int(pl.block_rank[kv])) != topo.node_of(r)
+                cost[div[t]] += wl.block_len[kv] * (topo.ranks_per_node / topo.inter_bandwidth if inter
+                                                    else 1 / topo.intra_bandwidth)
+            if cost.sum():
+                shares.append(cost[1:].max() / cost.sum())
+        return max(shares)
+
+    assert spread(weighted) <= spread(plain) + 1e-12
+    assert spread(weighted) < 0.6

@@ -47,7 +47,7 @@ def plan(
         raise ValueError(f"divisions must be a positive integer, got {divisions!r}")
     t0 = time.perf_counter()
     placement = fn(batch, topology, block_size, **options)
-    tile_division = assign_divisions(placement, divisions)
+    tile_division = assign_divisions(placement, divisions, topology)
     seconds = time.perf_counter() - t0
     n_rounds = 1 if placement.tile_round is None or placement.tile_round.size == 0 else int(placement.tile_round.max()) + 1
     return Plan(placement, topology, tile_division, divisions * n_rounds, plan_seconds=seconds)

@@ -3,8 +3,13 @@
 Division 0 holds the tiles whose inputs are all local, so it runs while the first transfers
 are in flight. The remaining tiles are ordered so that tiles sharing a remote input are
 adjacent, and cut into divisions ``1 .. T-1`` that each fetch about ``1 / (T - 1)`` of the
-rank's remote input bytes; a remote block is fetched once, in the first division that needs
-it, and stays for later divisions. With ``T == 1`` everything is one division.
+rank's remote input cost (bytes, weighted by link class when a topology is given: an
+inter-node byte costs what it takes on the rank's share of the node's links); a remote
+block is fetched once, in the first division that needs it, and stays for later
+divisions; the cut follows the cumulative cost, so no division is left to absorb a
+remainder. Partial outputs and gradients return home right after the last division that
+uses them (the plan compiler launches those transfers there), overlapping the remaining
+compute. With ``T == 1`` everything is one division.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .planners.base import Placement
+from .topology import Topology
 
 __all__ = ["assign_divisions", "fetch_item_bytes"]
 
@@ -28,7 +34,7 @@ def fetch_item_bytes(placement: Placement) -> tuple[np.ndarray, np.ndarray]:
     return q, kv
 
 
-def assign_divisions(placement: Placement, divisions: int) -> np.ndarray:
+def assign_divisions(placement: Placement, divisions: int, topology: Topology | None = None) -> np.ndarray:
     """Division of every tile on its rank.
 
     With scheduling rounds (``placement.tile_round``, e.g. Megatron's), round ``r`` gets its
@@ -37,6 +43,10 @@ def assign_divisions(placement: Placement, divisions: int) -> np.ndarray:
     Args:
         placement: blocks and tiles on ranks.
         divisions: ``T >= 1`` per round.
+        topology: when given, each fetched byte is weighted by its link's time (inter-node
+            bytes over the rank's share of the node's network links, intra-node bytes over
+            the intra-node bandwidth), so divisions carry equal communication time rather
+            than equal bytes.
 
     Returns:
         int64 ``[n_tiles]`` in ``[0, T * n_rounds)``.
@@ -50,15 +60,15 @@ def assign_divisions(placement: Placement, divisions: int) -> np.ndarray:
     out = np.zeros(n, np.int64)
     rounds = placement.tile_round
     if rounds is None:
-        out[:] = _divisions(placement, np.arange(n), divisions)
+        out[:] = _divisions(placement, np.arange(n), divisions, topology)
         return out
     for r in np.unique(rounds):
         tiles = np.nonzero(rounds == r)[0]
-        out[tiles] = r * divisions + _divisions(placement, tiles, divisions)
+        out[tiles] = r * divisions + _divisions(placement, tiles, divisions, topology)
     return out
 
 
-def _divisions(placement: Placement, tiles: np.ndarray, divisions: int) -> np.ndarray:
+def _divisions(placement: Placement, tiles: np.ndarray, divisions: int, topology: Topology | None) -> np.ndarray:
     """Divisions (``[0, T)``) of the tiles ``tiles`` (a set scheduled together)."""
     wl = placement.workload
     out = np.zeros(len(tiles), np.int64)
@@ -88,6 +98,10 @@ def _divisions(placement: Placement, tiles: np.ndarray, divisions: int) -> np.nd
         charge = np.zeros(n_r)
         first = first[code[first] >= 0]
         charge[first] = nbytes[keys[first]]
+        if topology is not None:
+            inter = topology.node_of(placement.block_rank[keys[first]]) != topology.node_of(r[first])
+            charge[first] *= np.where(inter, topology.ranks_per_node / topology.inter_bandwidth,
+                                      1.0 / topology.intra_bandwidth)
         return charge
 
     new_bytes = first_use_bytes(kv_key, kv_bytes) + first_use_bytes(q_key, q_bytes)
