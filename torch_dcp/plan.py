@@ -38,7 +38,7 @@ from .batch import BatchSpec
 from .masks import Ranges
 from .planners.base import Placement
 from .topology import Topology
-from .workload import BWD_RETURN_KV, BWD_RETURN_Q, FWD_RETURN, KIND_KV, KIND_Q, Workload, item_token_bytes
+from .workload import BWD_RETURN_KV, BWD_RETURN_Q, FWD_RETURN, KIND_KV, KIND_Q, Workload, item_token_bytes, smallest_int
 
 __all__ = [
     "Plan",
@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 FORMAT_MAGIC = b"TDCPLAN\0"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 
@@ -382,9 +382,9 @@ class Plan:
     # ------------------------------------------------------------------ serialisation
     def _content(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         arrays = dict(self.workload.arrays())
-        arrays["block_rank"] = self.placement.block_rank.astype(np.int32)
-        arrays["tile_rank"] = self.placement.tile_rank.astype(np.int32)
-        arrays["tile_division"] = self.tile_division.astype(np.int16 if self.divisions < 2**15 else np.int64)
+        arrays["block_rank"] = self.placement.block_rank.astype(smallest_int(self.world_size))
+        arrays["tile_rank"] = self.placement.tile_rank.astype(smallest_int(self.world_size))
+        arrays["tile_division"] = self.tile_division.astype(smallest_int(self.divisions))
         batch = self.batch.to_dict()
         for i, m in enumerate(self.batch.masks):
             if isinstance(m, Ranges):
@@ -401,7 +401,9 @@ class Plan:
         return header, arrays
 
     def to_bytes(self) -> bytes:
-        """Serialise (no pickle): magic, format version, JSON header, raw little-endian arrays."""
+        """Serialise (no pickle): magic, format version, JSON header, raw little-endian arrays
+        (block spans, block and tile ranks, tile divisions in the narrowest integer types;
+        the tiles themselves are recomputed from the batch on load)."""
         header, arrays = self._content()
         body, specs, offset = [], [], 0
         for name in sorted(arrays):
@@ -451,6 +453,8 @@ class Plan:
             batch = BatchSpec.from_dict(bd)
             topology = Topology.from_dict(content["topology"])
             wl = Workload.from_arrays(batch, arrays, block_size=content["block_size"])
+            if len(arrays["tile_rank"]) != wl.n_tiles:
+                raise ValueError(f"{len(arrays['tile_rank'])} tile ranks for {wl.n_tiles} tiles")
             placement = Placement(wl, topology.world_size, arrays["block_rank"], arrays["tile_rank"], planner=content["planner"])
             return cls(placement, topology, arrays["tile_division"], content["divisions"], doc["meta"]["plan_seconds"])
         except (KeyError, ValueError, TypeError, json.JSONDecodeError) as err:

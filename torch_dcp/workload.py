@@ -49,6 +49,14 @@ def item_token_bytes(batch: BatchSpec) -> dict[tuple[bool, str], int]:
     }
 
 
+def smallest_int(max_value: int) -> type:
+    """The narrowest signed NumPy integer type holding ``0 .. max_value``."""
+    for t in (np.int8, np.int16, np.int32):
+        if max_value <= np.iinfo(t).max:
+            return t
+    return np.int64
+
+
 def spans_to_indices(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenated ``arange(starts[i], starts[i] + lengths[i])`` for all ``i`` (int64, vectorised)."""
     starts = np.asarray(starts, np.int64)
@@ -82,8 +90,8 @@ class Workload:
         tile_flops_fwd, tile_flops_bwd: float64 ``[n_tiles]``, FLOPs over all heads.
     """
 
-    def __init__(self, batch: BatchSpec, block_doc: Any, block_start: Any, block_end: Any, *, block_size: int | None = None,
-                 _tiles: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
+    def __init__(self, batch: BatchSpec, block_doc: Any, block_start: Any, block_end: Any, *,
+                 block_size: int | None = None):
         self.batch = batch
         self.block_size = block_size
         doc = np.asarray(block_doc, np.int64)
@@ -114,9 +122,7 @@ class Workload:
         self.block_end = _frozen(end)
         self.block_len = _frozen(end - start)
         self.block_offset = _frozen(batch.cu_seqlens[doc] + start)
-        if _tiles is None:
-            _tiles = self._needed_tiles()
-        tq, tkv, pairs = _tiles
+        tq, tkv, pairs = self._needed_tiles()
         self.tile_q = _frozen(tq)
         self.tile_kv = _frozen(tkv)
         self.tile_pairs = _frozen(pairs)
@@ -202,31 +208,18 @@ class Workload:
         return np.repeat(self.block_doc[blocks], self.block_len[blocks]), pos
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The arrays that define this workload (for serialisation)."""
+        """The arrays that define this workload (for serialisation): the block spans only;
+        tiles are a deterministic function of them and the batch's masks."""
         return {
-            "block_doc": self.block_doc.astype(np.int32),
-            "block_start": self.block_start.astype(np.int64),
-            "block_end": self.block_end.astype(np.int64),
-            "tile_q": self.tile_q.astype(np.int32),
-            "tile_kv": self.tile_kv.astype(np.int32),
-            "tile_pairs": self.tile_pairs.astype(np.int64),
+            "block_doc": self.block_doc.astype(smallest_int(self.batch.n_docs)),
+            "block_start": self.block_start.astype(smallest_int(int(self.batch.doc_lens.max()))),
+            "block_end": self.block_end.astype(smallest_int(int(self.batch.doc_lens.max()))),
         }
 
     @classmethod
     def from_arrays(cls, batch: BatchSpec, arrays: dict[str, np.ndarray], block_size: int | None = None) -> "Workload":
-        """Inverse of :meth:`arrays` (tiles taken as stored, not recomputed)."""
-        return cls(
-            batch,
-            arrays["block_doc"],
-            arrays["block_start"],
-            arrays["block_end"],
-            block_size=block_size,
-            _tiles=(
-                arrays["tile_q"].astype(np.int64),
-                arrays["tile_kv"].astype(np.int64),
-                arrays["tile_pairs"].astype(np.int64),
-            ),
-        )
+        """Inverse of :meth:`arrays` (tiles recomputed from the batch's masks)."""
+        return cls(batch, arrays["block_doc"], arrays["block_start"], arrays["block_end"], block_size=block_size)
 
     def __repr__(self) -> str:
         return f"Workload(n_blocks={self.n_blocks}, n_tiles={self.n_tiles}, block_size={self.block_size})"
