@@ -19,7 +19,9 @@ first level minimises inter-node bytes. Mt-KaHyPar takes one weight per vertex, 
 rebalancing pass on the full hypergraph then moves the blocks (memory) and tiles (compute)
 that add the least traffic (inter-node bytes counted double) until every rank is within
 ``1 + eps_memory`` of the mean resident bytes and ``1 + eps_compute`` of the mean FLOPs.
-The block layouts of the greedy and FCP planners and of a zig-zag split go through the same
+The node level runs with ``eps_inter`` and, as a second candidate, with ``eps_intra`` (a loose
+node level can leave more compute for the rebalancing pass to move than it saved); the block
+layouts of the greedy and FCP planners and of a zig-zag split go through the same
 rebalancing as fallback candidates; the candidate with the least ``comm_bytes`` wins.
 
 Solver: Mt-KaHyPar (deterministic preset, one thread, fixed seed): the same batch and seed
@@ -252,11 +254,18 @@ def plan_dcp(
     ptr = np.concatenate(([0], np.cumsum(np.bincount(net_of, minlength=nb))))
     net_w = hg.net_weight[nb:]
     allb = np.arange(nb)
-    node_of = _partition_csr(nb, ptr, vert, node_w, net_w, allb, nn, eps_inter, seed)
-    block_part = np.zeros(nb, np.int64)
-    for node in range(nn):
-        sel = allb[node_of == node]
-        block_part[sel] = node * rpn + _partition_csr(nb, ptr, vert, node_w, net_w, sel, rpn, eps_intra, seed)
+    partitions = []
+    # the node level with the paper's tolerance, and with the ranks' own: a loose node level
+    # can leave more compute for the rebalancing pass to move than it saves in traffic
+    for node_eps in sorted({eps_inter, min(eps_inter, eps_intra)}, reverse=True):
+        node_of = _partition_csr(nb, ptr, vert, node_w, net_w, allb, nn, node_eps, seed)
+        block_part = np.zeros(nb, np.int64)
+        for node in range(nn):
+            sel = allb[node_of == node]
+            block_part[sel] = node * rpn + _partition_csr(nb, ptr, vert, node_w, net_w, sel, rpn, eps_intra, seed)
+        partitions.append(block_part)
+        if nn == 1:
+            break
     tiles = np.arange(nt)
     blocks = nt + np.arange(nb)
     # candidates: the partitioner's, and the block layouts of the greedy planner and of a
@@ -265,8 +274,8 @@ def plan_dcp(
     from .fcp import plan_fcp
     from .greedy import plan_greedy
 
-    candidates = [block_part, plan_greedy(batch, topology, block_size).block_rank,
-                  plan_fcp(batch, topology, block_size).block_rank, _zigzag(wl, w)]
+    candidates = partitions + [plan_greedy(batch, topology, block_size).block_rank,
+                               plan_fcp(batch, topology, block_size).block_rank, _zigzag(wl, w)]
     best, best_key = None, None
     for cand in candidates:
         part = np.concatenate([cand[wl.tile_q], cand]).astype(np.int64)
