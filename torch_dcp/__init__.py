@@ -14,9 +14,11 @@ from . import masks
 from .api import plan
 from .batch import BatchSpec
 from .context import DCPContext, context_parallel, unshard
+from .cost import CostModel
 from .executor import RankExecutor, dcp_attention, emulate
 from .masks import BlockwiseCausal, Causal, Full, Lambda, Ranges, SharedQuestion
 from .plan import Plan, PlanError
+from .simulate import SimResult, simulate
 from .planners import Placement
 from .topology import Topology
 from .workload import Workload
@@ -26,6 +28,9 @@ __version__ = "0.1.0"
 __all__ = [
     "masks",
     "plan",
+    "simulate",
+    "SimResult",
+    "CostModel",
     "context_parallel",
     "unshard",
     "DCPContext",

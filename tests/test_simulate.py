@@ -1,0 +1,119 @@
+"""The simulator against hand-computed timelines of small plans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import torch_dcp
+from torch_dcp import BatchSpec, Causal, Full, Plan, Ranges, Topology, Workload
+from torch_dcp.cost import A100, H100, CostModel, KernelTable
+from torch_dcp.planners import Placement
+from torch_dcp.schedule import assign_divisions
+from torch_dcp.simulate import simulate
+from torch_dcp.workload import item_token_bytes
+
+B = 64
+TFLOPS = 100.0
+# constant throughput, free memory traffic and launches: hand-computable times
+FLAT = CostModel(KernelTable((1.0,), (TFLOPS,), (TFLOPS,), (TFLOPS,), (TFLOPS,)), memory_bandwidth=1e30,
+                 launch_overhead=0.0)
+TOPO = dict(intra_bandwidth=1e9, intra_latency=1e-6)
+
+
+def _plan(batch, spans_rank, tile_rank_of, world, divisions=2):
+    wl = Workload.uniform(batch, B)
+    block_rank = np.array(spans_rank)
+    tile_rank = np.array([tile_rank_of(int(q), int(kv), block_rank) for q, kv in zip(wl.tile_q, wl.tile_kv)])
+    pl = Placement(wl, world, block_rank, tile_rank)
+    topo = Topology(n_nodes=1, ranks_per_node=world, **TOPO)
+    plan = Plan(pl, topo, assign_divisions(pl, divisions), divisions)
+    plan.validate()
+    return plan
+
+
+def _tile_seconds(batch, pairs, backward=False):
+    per_pair = (10 if backward else 4) * batch.n_heads * batch.head_dim
+    return pairs * per_pair / (TFLOPS * 1e12)
+
+
+def _xfer(nbytes):
+    return 1e-6 + nbytes / 1e9
+
+
+def test_one_transfer_overlapped_with_one_tile():
+    batch = BatchSpec([2 * B], Full(), n_heads=4, n_kv_heads=2, head_dim=32)
+    plan = _plan(batch, [0, 1], lambda q, kv, br: br[q], 2)  # tiles follow queries
+    res = simulate(plan, FLAT)
+    a = _tile_seconds(batch, B * B)
+    x = _xfer(B * item_token_bytes(batch)[(False, "kv")])
+    assert res.forward.makespan_s == pytest.approx(max(a, x) + a, rel=1e-9)
+    assert np.allclose(res.forward.busy_s, 2 * a)
+    assert np.allclose(res.forward.exposed_comm_s, max(0.0, x - a))
+
+
+def test_congested_link_serialises_transfers():
+    # blocks 1 and 2 see block 0 and themselves: rank 0 sends block 0 to ranks 1 and 2
+    n = 3 * B
+    rows = [[(0, i + 1)] for i in range(B)] + [[(0, B), (B * (i // B), i + 1)] for i in range(B, n)]
+    batch = BatchSpec([n], Ranges(rows), n_heads=4, n_kv_heads=2, head_dim=32)
+    plan = _plan(batch, [0, 1, 2], lambda q, kv, br: br[q], 3)
+    res = simulate(plan, FLAT)
+    a_diag = _tile_seconds(batch, B * (B + 1) // 2)
+    a_full = _tile_seconds(batch, B * B)
+    x = _xfer(B * item_token_bytes(batch)[(False, "kv")])
+    assert x > a_diag  # the second transfer waits for the first on rank 0's link
+    ends = sorted(res.forward.finish_s[1:])
+    assert ends[0] == pytest.approx(x + a_full, rel=1e-9)
+    assert ends[1] == pytest.approx(2 * x + a_full, rel=1e-9)
+    assert res.forward.makespan_s == pytest.approx(2 * x + a_full, rel=1e-9)
+
+
+def test_exposed_final_reduction():
+    # queries of block 0 see block 1 only; its tile runs on rank 1 (query fetched, partial returned)
+    rows = [[(B, 2 * B)] for _ in range(B)] + [[(B, i + 1)] for i in range(B, 2 * B)]
+    batch = BatchSpec([2 * B], Ranges(rows), n_heads=4, n_kv_heads=2, head_dim=32)
+    mem_bw = 1e10
+    cm = CostModel(FLAT.kernel, memory_bandwidth=mem_bw, launch_overhead=0.0)
+    plan = _plan(batch, [0, 1], lambda q, kv, br: 1, 2)
+    res = simulate(plan, cm)
+    itb = item_token_bytes(batch)
+    a_full, a_diag = _tile_seconds(batch, B * B), _tile_seconds(batch, B * (B + 1) // 2)
+    b = batch
+    copy1 = 2 * B * (b.n_heads * b.head_dim * b.elem_size) / mem_bw + 2 * B * (2 * b.n_kv_heads * b.head_dim * b.elem_size) / mem_bw
+    row = (b.n_heads * b.head_dim + b.n_heads) * b.acc_size
+    xq = _xfer(B * itb[(False, "q")])
+    xo = _xfer(B * itb[(False, "opart")])
+    # rank 1: copies, local tile, waits for Q of block 0 (sent once rank 0 has copied too),
+    # remote tile, returns the partial
+    r1_ret = copy1 + max(a_diag, xq) + a_full
+    # rank 0: copies, then waits for the partial, then merges it (2 slots of B rows read+write)
+    copy0 = copy1
+    r0_end = max(copy0, r1_ret + xo) + 2 * B * row / mem_bw
+    assert res.forward.finish_s[0] == pytest.approx(r0_end, rel=1e-9)
+    assert res.forward.exposed_comm_s[0] == pytest.approx(r1_ret + xo - copy0, rel=1e-9)
+
+
+def test_cost_tables_and_json_round_trip():
+    for table in (A100, H100):
+        assert table.tflops(1024, False, True) < table.tflops(8192, False, True)
+        assert table.tflops(100, True, False) == table.bwd_full[0]  # clamped
+    cm = CostModel.h100()
+    assert CostModel.from_json(cm.to_json()) == cm
+    with pytest.raises(ValueError, match="malformed"):
+        CostModel.from_json("{}")
+    with pytest.raises(ValueError, match="increasing"):
+        KernelTable((2.0, 1.0), (1, 1), (1, 1), (1, 1), (1, 1))
+
+
+@pytest.mark.parametrize("planner", ["ring", "greedy", "dcp", "megatron", "fcp"])
+def test_simulation_bounds(planner):
+    rng = np.random.default_rng(1)
+    lens = [int(x) for x in np.minimum(8192, 64 + 500 * rng.pareto(1.1, 40))]
+    batch = BatchSpec(lens, Causal(), n_heads=8, n_kv_heads=2, head_dim=128)
+    plan = torch_dcp.plan(batch, Topology(n_nodes=2, ranks_per_node=4), planner=planner, block_size=512)
+    res = simulate(plan)
+    assert res.makespan_s >= res.ideal_s * (1 - 1e-12)
+    for p in (res.forward, res.backward):
+        assert np.all(p.idle_s >= -1e-15) and np.all(p.busy_s > 0)
+        assert np.allclose(p.finish_s, p.busy_s + p.exposed_comm_s)

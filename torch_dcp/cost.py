@@ -1,0 +1,142 @@
+"""Cost model: how long the instructions of a plan take on a given cluster.
+
+* Attention: a ``BlockwiseAttention`` instruction is one fused launch over its tiles. Its
+  time is ``FLOPs / throughput(work) + launch_overhead``, where the throughput (TFLOP/s)
+  is interpolated (log-linearly) from a table of measured figures indexed by the work per
+  launch, expressed as the side ``sqrt(visible pairs)`` of the equivalent square attention,
+  separately for forward and backward and for full and causal (masked) work. Efficiency
+  falls with the work per launch, not with the block size as such.
+* Reductions and copies are memory-bound: bytes read and written over the memory bandwidth.
+* Transfers: latency + bytes / bandwidth of the link class (from the :class:`Topology`);
+  an inter-node byte uses the rank's share of its node's network links.
+
+Shipped tables (bf16, head_dim 128):
+
+* ``H100``: FlashAttention-3 figures as quoted in ``shared/DESIGN.md`` (Shah et al.,
+  "FlashAttention-3", 2024): forward 660-700 TFLOP/s at >= 4K tokens per launch, 283 causal at
+  1K; backward 460-585 at >= 4K, 208 at 1K. Points between are interpolated.
+* ``A100``: approximate readings of the FlashAttention-2 paper's A100-80GB benchmark figures
+  (Dao, "FlashAttention-2", 2023, figures 4-6, head_dim 128): forward about 150-225 TFLOP/s
+  from 512 to 16K tokens, backward about 110-195.
+
+A user loads their own table with :meth:`CostModel.from_json` (same keys as
+:meth:`CostModel.to_json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CostModel", "KernelTable", "A100", "H100"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTable:
+    """Attention throughput (TFLOP/s) against work per launch (equivalent tokens).
+
+    Attributes:
+        tokens: increasing equivalent square sides (``sqrt(pairs)``) of the measured points.
+        fwd_full, fwd_causal, bwd_full, bwd_causal: TFLOP/s at those points.
+    """
+
+    tokens: tuple[float, ...]
+    fwd_full: tuple[float, ...]
+    fwd_causal: tuple[float, ...]
+    bwd_full: tuple[float, ...]
+    bwd_causal: tuple[float, ...]
+
+    def __post_init__(self):
+        n = len(self.tokens)
+        if n < 1 or any(len(getattr(self, f)) != n for f in ("fwd_full", "fwd_causal", "bwd_full", "bwd_causal")):
+            raise ValueError("KernelTable: every column needs one value per token point")
+        if list(self.tokens) != sorted(self.tokens) or min(self.tokens) <= 0:
+            raise ValueError("KernelTable.tokens must be positive and increasing")
+        for f in ("fwd_full", "fwd_causal", "bwd_full", "bwd_causal"):
+            if min(getattr(self, f)) <= 0:
+                raise ValueError(f"KernelTable.{f}: throughputs must be positive")
+
+    def tflops(self, equivalent_tokens: float, backward: bool, causal: bool) -> float:
+        """Interpolated TFLOP/s (clamped at the table's ends)."""
+        col = getattr(self, f"{'bwd' if backward else 'fwd'}_{'causal' if causal else 'full'}")
+        x = np.log(np.maximum(np.asarray(self.tokens, float), 1e-9))
+        return float(np.interp(np.log(max(equivalent_tokens, 1e-9)), x, np.asarray(col, float)))
+
+
+H100 = KernelTable(
+    tokens=(512, 1024, 2048, 4096, 8192, 16384),
+    fwd_full=(330, 420, 560, 660, 690, 700),
+    fwd_causal=(200, 283, 420, 560, 640, 670),
+    bwd_full=(240, 300, 400, 460, 540, 585),
+    bwd_causal=(150, 208, 300, 420, 500, 560),
+)
+
+A100 = KernelTable(
+    tokens=(512, 1024, 2048, 4096, 8192, 16384),
+    fwd_full=(150, 180, 205, 215, 222, 225),
+    fwd_causal=(100, 140, 175, 200, 212, 220),
+    bwd_full=(110, 145, 170, 185, 192, 195),
+    bwd_causal=(75, 110, 145, 170, 185, 192),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Times of instructions and transfers, in seconds.
+
+    Attributes:
+        kernel: the attention throughput table.
+        memory_bandwidth: bytes/s of device memory (reductions, copies).
+        launch_overhead: seconds added to every kernel launch.
+    """
+
+    kernel: KernelTable = A100
+    memory_bandwidth: float = 1.6e12
+    launch_overhead: float = 5e-6
+
+    @classmethod
+    def a100(cls) -> "CostModel":
+        return cls(A100, 1.6e12)
+
+    @classmethod
+    def h100(cls) -> "CostModel":
+        return cls(H100, 3.0e12)
+
+    def attention_seconds(self, pairs: float, flops: float, backward: bool, causal: bool) -> float:
+        """One fused launch doing ``flops`` over ``pairs`` visible (query, key) pairs x heads."""
+        if flops <= 0:
+            return 0.0
+        tf = self.kernel.tflops(float(np.sqrt(pairs)), backward, causal)
+        return flops / (tf * 1e12) + self.launch_overhead
+
+    def memory_seconds(self, nbytes: float) -> float:
+        """A memory-bound pass that reads and writes ``nbytes`` in total."""
+        return nbytes / self.memory_bandwidth + (self.launch_overhead if nbytes > 0 else 0.0)
+
+    @staticmethod
+    def transfer_seconds(nbytes: float, topology: Any, inter_node: bool) -> float:
+        """Latency + bytes over the link class's per-rank bandwidth."""
+        if inter_node:
+            return topology.inter_latency + nbytes * topology.ranks_per_node / topology.inter_bandwidth
+        return topology.intra_latency + nbytes / topology.intra_bandwidth
+
+    def to_json(self) -> str:
+        return json.dumps({"kernel": dataclasses.asdict(self.kernel), "memory_bandwidth": self.memory_bandwidth,
+                           "launch_overhead": self.launch_overhead}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostModel":
+        """Load a table measured on your own device (the format of :meth:`to_json`).
+
+        Raises:
+            ValueError: malformed JSON or table.
+        """
+        try:
+            d = json.loads(text)
+            k = {key: tuple(float(v) for v in vals) for key, vals in d["kernel"].items()}
+            return cls(KernelTable(**k), float(d["memory_bandwidth"]), float(d.get("launch_overhead", 5e-6)))
+        except (KeyError, TypeError, json.JSONDecodeError) as err:
+            raise ValueError(f"CostModel.from_json: malformed cost table ({err})") from None
