@@ -16,11 +16,10 @@ exposed communication.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Generator
+from typing import Any
 
 import numpy as np
 
-from ._interleave import interleave
 from .cost import CostModel
 from .plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan
 from .workload import item_token_bytes
@@ -83,6 +82,10 @@ def simulate(plan: Plan, cost_model: CostModel | None = None) -> SimResult:
 
 
 class _Pass:
+    """Discrete-event simulation of one pass: the rank with the earliest clock always moves
+    next, so transfers become ready (both ends launched) in time order and the links serve
+    them first come, first served."""
+
     def __init__(self, plan: Plan, cm: CostModel, backward: bool):
         self.plan, self.cm, self.backward = plan, cm, backward
         b = plan.batch
@@ -93,89 +96,97 @@ class _Pass:
         # bytes per token row of each buffer side, for copies and reductions
         self.copy_row = {"q": (2 * hd * e + 2 * b.n_heads * a) if backward else hd * e, "kv": 2 * kvd * e}
         self.red_row = {"opart": hd * a + b.n_heads * a, "dqws": hd * a, "dkvws": 2 * kvd * a}
-        w = plan.world_size
-        self.egress = np.zeros(w)
-        self.ingress = np.zeros(w)
-        self.launch_t: dict[tuple[int, int, int], float] = {}  # (phase, src, dst) -> sender launch
-        self.post_t: dict[tuple[int, int, int], float] = {}  # (phase, src, dst) -> receiver launch
-        self.nbytes: dict[tuple[int, int, int], float] = {}
-        self.done: dict[tuple[int, int, int], float] = {}
-        self.events_n = 0
 
-    def _finish(self, key: tuple[int, int, int]) -> float | None:
-        if key in self.done:
-            return self.done[key]
-        if key not in self.launch_t or key not in self.post_t:
-            return None
-        _, src, dst = key
-        topo = self.plan.topology
-        start = max(self.launch_t[key], self.post_t[key], self.egress[src], self.ingress[dst])
-        end = start + self.cm.transfer_seconds(self.nbytes[key], topo, topo.node_of(src) != topo.node_of(dst))
-        self.egress[src] = self.ingress[dst] = end
-        self.done[key] = end
-        self.events_n += 1
-        return end
-
-    def _rank(self, rank: int) -> Generator[None, None, tuple[float, float, float, list]]:
-        plan, cm, wl = self.plan, self.cm, self.plan.workload
-        prog = plan.program(rank, self.backward)
-        t = busy = exposed = 0.0
-        events: list[tuple[str, float, float]] = []
-        mine: dict[int, list[tuple[int, int, int]]] = {}
-        h = plan.batch.n_heads
-        flops_of = wl.tile_flops_bwd if self.backward else wl.tile_flops_fwd
-        for ins in prog.instructions:
-            dur = 0.0
-            if isinstance(ins, BlockwiseCopy):
-                dur = cm.memory_seconds(2.0 * self.blen[ins.blocks].sum() * self.copy_row[ins.kind])
-                kind = "copy"
-            elif isinstance(ins, BlockwiseAttention):
-                pairs = float(wl.tile_pairs[ins.tile].sum()) * h
-                causal = not bool(wl.tile_full[ins.tile].all())
-                dur = cm.attention_seconds(pairs, float(flops_of[ins.tile].sum()), self.backward, causal)
-                kind = "attention"
-            elif isinstance(ins, BlockwiseReduction):
-                n_src = np.diff(ins.src_ptr)
-                rows = self.blen[ins.dst_block]
-                dur = cm.memory_seconds(float(((n_src + 1) * rows).sum()) * self.red_row[ins.src])
-                kind = "reduction"
-            elif isinstance(ins, CommLaunch):
-                keys = []
-                for tr, outgoing in [(x, True) for x in ins.sends] + [(x, False) for x in ins.recvs]:
-                    key = (ins.phase, rank, tr.peer) if outgoing else (ins.phase, tr.peer, rank)
-                    size = float(self.blen[tr.blocks].sum()) * self.itb[(self.backward, tr.kind)]
-                    if outgoing:
-                        self.nbytes[key] = self.nbytes.get(key, 0.0) + size
-                        self.launch_t[key] = t
-                    else:
-                        self.post_t[key] = t
-                    if key not in keys:
-                        keys.append(key)
-                mine[ins.phase] = keys
-                self.events_n += 1
-                continue
-            elif isinstance(ins, CommWait):
-                end = t
-                for key in mine.pop(ins.phase):
-                    while (fin := self._finish(key)) is None:
-                        yield
-                    end = max(end, fin)
-                if end > t:
-                    events.append(("wait", t, end))
-                exposed += end - t
-                t = end
-                continue
-            else:  # pragma: no cover
-                raise RuntimeError(f"unknown instruction {ins!r}")
-            events.append((kind, t, t + dur))
-            t += dur
-            busy += dur
-        return t, busy, exposed, events
+    def _compute_seconds(self, ins: Any) -> tuple[str, float]:
+        cm, wl = self.cm, self.plan.workload
+        if isinstance(ins, BlockwiseCopy):
+            return "copy", cm.memory_seconds(2.0 * self.blen[ins.blocks].sum() * self.copy_row[ins.kind])
+        if isinstance(ins, BlockwiseAttention):
+            flops_of = wl.tile_flops_bwd if self.backward else wl.tile_flops_fwd
+            pairs = float(wl.tile_pairs[ins.tile].sum()) * self.plan.batch.n_heads
+            causal = not bool(wl.tile_full[ins.tile].all())
+            return "attention", cm.attention_seconds(pairs, float(flops_of[ins.tile].sum()), self.backward, causal)
+        if isinstance(ins, BlockwiseReduction):
+            n_src = np.diff(ins.src_ptr)
+            rows = self.blen[ins.dst_block]
+            return "reduction", cm.memory_seconds(float(((n_src + 1) * rows).sum()) * self.red_row[ins.src])
+        raise RuntimeError(f"unknown instruction {ins!r}")  # pragma: no cover
 
     def run(self) -> PassResult:
-        w = self.plan.world_size
-        res = interleave([self._rank(r) for r in range(w)], lambda: self.events_n)
-        finish = np.array([r[0] for r in res])
-        makespan = float(finish.max()) if w else 0.0
-        return PassResult(makespan, np.array([r[1] for r in res]), np.array([r[2] for r in res]),
-                          makespan - finish, finish, [r[3] for r in res])
+        import heapq
+
+        plan, topo = self.plan, self.plan.topology
+        w = plan.world_size
+        progs = [plan.program(r, self.backward).instructions for r in range(w)]
+        pc = [0] * w
+        clock = np.zeros(w)
+        busy = np.zeros(w)
+        exposed = np.zeros(w)
+        events: list[list[tuple[str, float, float]]] = [[] for _ in range(w)]
+        egress, ingress = np.zeros(w), np.zeros(w)
+        launched: dict[tuple[int, int, int], list[float | None]] = {}  # key -> [send t, recv t]
+        nbytes: dict[tuple[int, int, int], float] = {}
+        end_of: dict[tuple[int, int, int], float] = {}
+        phase_keys: list[dict[int, list[tuple[int, int, int]]]] = [{} for _ in range(w)]
+        blocked: dict[int, list[tuple[int, int, int]]] = {}
+        heap = [(0.0, r) for r in range(w)]
+
+        def schedule(key: tuple[int, int, int]) -> None:
+            s, r = launched[key]
+            _, src, dst = key
+            start = max(s, r, egress[src], ingress[dst])
+            end = start + self.cm.transfer_seconds(nbytes.get(key, 0.0), topo, topo.node_of(src) != topo.node_of(dst))
+            egress[src] = ingress[dst] = end_of[key] = end
+
+        while heap:
+            t, r = heapq.heappop(heap)
+            if pc[r] >= len(progs[r]):
+                continue
+            ins = progs[r][pc[r]]
+            if isinstance(ins, CommLaunch):
+                keys = []
+                for tr, outgoing in [(x, True) for x in ins.sends] + [(x, False) for x in ins.recvs]:
+                    key = (ins.phase, r, tr.peer) if outgoing else (ins.phase, tr.peer, r)
+                    slot = launched.setdefault(key, [None, None])
+                    if outgoing:
+                        nbytes[key] = nbytes.get(key, 0.0) + float(self.blen[tr.blocks].sum()) * self.itb[(self.backward, tr.kind)]
+                        slot[0] = t
+                    else:
+                        slot[1] = t
+                    if key not in keys:
+                        keys.append(key)
+                for key in keys:
+                    if None not in launched[key] and key not in end_of:
+                        schedule(key)
+                phase_keys[r][ins.phase] = keys
+                pc[r] += 1
+                # ranks waiting on transfers that just got scheduled may go on
+                for q, need in list(blocked.items()):
+                    if all(k in end_of for k in need):
+                        del blocked[q]
+                        heapq.heappush(heap, (clock[q], q))
+                heapq.heappush(heap, (t, r))
+                continue
+            if isinstance(ins, CommWait):
+                need = phase_keys[r].get(ins.phase, [])
+                if not all(k in end_of for k in need):
+                    blocked[r] = need
+                    continue
+                end = max([t] + [end_of[k] for k in need])
+                if end > t:
+                    events[r].append(("wait", t, end))
+                exposed[r] += end - t
+                clock[r] = end
+                pc[r] += 1
+                heapq.heappush(heap, (end, r))
+                continue
+            kind, dur = self._compute_seconds(ins)
+            events[r].append((kind, t, t + dur))
+            busy[r] += dur
+            clock[r] = t + dur
+            pc[r] += 1
+            heapq.heappush(heap, (clock[r], r))
+        if blocked or any(pc[r] < len(progs[r]) for r in range(w)):
+            raise RuntimeError(f"simulation deadlock: ranks {sorted(blocked)} wait for messages never sent")
+        makespan = float(clock.max()) if w else 0.0
+        return PassResult(makespan, busy, exposed, makespan - clock, clock.copy(), events)
