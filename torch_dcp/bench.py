@@ -171,6 +171,26 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
     return rows
 
 
+def write_pictures(out: str, batch_name: str, mask: str, planner: str, block_size: int,
+                   topology: Topology | None = None) -> list[str]:
+    """Write ``placement.png``, ``traffic.png`` and ``timeline.png`` of one benchmark plan
+    into ``out``; returns the paths."""
+    from pathlib import Path
+
+    from . import viz
+    from .simulate import simulate
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    batch = BatchSpec(planner_batches()[batch_name], MASKS[mask], n_heads=8, n_kv_heads=2, head_dim=128)
+    plan = make_plan(batch, topology or Topology(), planner=planner, block_size=block_size)
+    paths = [viz.placement_map(plan, Path(out) / "placement.png"), viz.traffic_matrix(plan, Path(out) / "traffic.png"),
+             viz.timeline(simulate(plan), Path(out) / "timeline.png",
+                          title=f"{planner}, {batch_name} batch, {mask} mask: simulated attention (A100 table)")]
+    for pth in paths:
+        print(pth)
+    return [str(pth) for pth in paths]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m torch_dcp.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -190,7 +210,16 @@ def main(argv: list[str] | None = None) -> None:
     pp2.add_argument("--block-sizes", default="512,1024,2048,4096")
     pp2.add_argument("--divisions", type=int, default=4)
     pp2.add_argument("--cost", choices=["a100", "h100"], default="a100")
+    pp3 = sub.add_parser("pictures", help="placement map, traffic matrix and simulated timeline of one plan (PNG)")
+    pp3.add_argument("--out", default=".")
+    pp3.add_argument("--batch", choices=["corpus", "longtail", "one"], default="longtail")
+    pp3.add_argument("--mask", choices=sorted(MASKS), default="lambda")
+    pp3.add_argument("--planner", default="dcp")
+    pp3.add_argument("--block-size", type=int, default=1024)
     args = p.parse_args(argv)
+    if args.cmd == "pictures":
+        write_pictures(args.out, args.batch, args.mask, args.planner, args.block_size)
+        return
     if args.cmd == "paper":
         bench_paper(args.planners.split(","), args.masks.split(","), [float(x) for x in args.scales.split(",")],
                     [int(x) for x in args.block_sizes.split(",")], args.divisions, Topology(), args.cost)

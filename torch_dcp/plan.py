@@ -307,20 +307,15 @@ class Plan:
         return self._programs[key]
 
     # ------------------------------------------------------------------ statistics
-    def stats(self) -> dict[str, Any]:
-        """Figures of the plan.
+    def transfers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every block transfer of the plan, forward and backward.
 
-        Returns a dict with ``comm_bytes`` (bytes moved between ranks, forward + backward),
-        ``fwd_comm_bytes``, ``bwd_comm_bytes``, ``inter_node_bytes``, ``max_rank_recv_bytes``,
-        ``max_rank_send_bytes``, ``compute_imbalance`` (max / mean attention FLOPs over
-        ranks), ``memory_imbalance`` (max / mean resident Q/K/V/O bytes), ``flops_fwd`` and
-        ``flops_bwd`` (totals), ``n_blocks``, ``n_tiles``, ``world_size``, ``divisions``,
-        ``planner``, ``plan_seconds``.
+        Returns ``(src, dst, nbytes, forward)``: int64 ranks, float64 bytes and a bool
+        forward flag, one entry per (fetched or returned block, rank pair, pass).
         """
         wl, pl, t = self.workload, self.placement, self._tables
         itb = item_token_bytes(self.batch)
         br = pl.block_rank
-        w = self.world_size
         src, dst, nbytes, fwd = [], [], [], []
         # fetches: from the block's home to the fetching rank, forward and backward
         fk = np.where(t["fetch_kind"] == 0, KIND_Q, KIND_KV)
@@ -337,9 +332,29 @@ class Plan:
             dst.append(br[blocks])
             nbytes.append(itb[(backward, kind)] * wl.block_len[blocks])
             fwd.append(np.full(len(blocks), not backward))
-        src_a, dst_a = np.concatenate(src), np.concatenate(dst)
-        nb_a = np.concatenate(nbytes).astype(np.float64)
-        fwd_a = np.concatenate(fwd)
+        return (np.concatenate(src).astype(np.int64), np.concatenate(dst).astype(np.int64),
+                np.concatenate(nbytes).astype(np.float64), np.concatenate(fwd))
+
+    def traffic_matrix(self) -> np.ndarray:
+        """Bytes sent from rank ``i`` to rank ``j``, forward + backward: float64 ``[W, W]``."""
+        src, dst, nb, _ = self.transfers()
+        w = self.world_size
+        return np.bincount(src * w + dst, weights=nb, minlength=w * w).reshape(w, w)
+
+    def stats(self) -> dict[str, Any]:
+        """Figures of the plan.
+
+        Returns a dict with ``comm_bytes`` (bytes moved between ranks, forward + backward),
+        ``fwd_comm_bytes``, ``bwd_comm_bytes``, ``inter_node_bytes``, ``max_rank_recv_bytes``,
+        ``max_rank_send_bytes``, ``compute_imbalance`` (max / mean attention FLOPs over
+        ranks), ``memory_imbalance`` (max / mean resident Q/K/V/O bytes), ``flops_fwd`` and
+        ``flops_bwd`` (totals), ``n_blocks``, ``n_tiles``, ``world_size``, ``divisions``,
+        ``planner``, ``plan_seconds``.
+        """
+        wl, pl = self.workload, self.placement
+        br = pl.block_rank
+        w = self.world_size
+        src_a, dst_a, nb_a, fwd_a = self.transfers()
         node = self.topology.node_of
         inter = node(src_a) != node(dst_a)
         flops = pl.rank_flops()
