@@ -123,7 +123,9 @@ class _Pass:
         busy = np.zeros(w)
         exposed = np.zeros(w)
         events: list[list[tuple[str, float, float]]] = [[] for _ in range(w)]
-        egress, ingress = np.zeros(w), np.zeros(w)
+        # one outgoing and one incoming queue per rank and link class (NVLink/NVSwitch and the
+        # network are separate links)
+        egress, ingress = np.zeros((2, w)), np.zeros((2, w))
         launched: dict[tuple[int, int, int], list[float | None]] = {}  # key -> [send t, recv t]
         nbytes: dict[tuple[int, int, int], float] = {}
         end_of: dict[tuple[int, int, int], float] = {}
@@ -134,9 +136,10 @@ class _Pass:
         def schedule(key: tuple[int, int, int]) -> None:
             s, r = launched[key]
             _, src, dst = key
-            start = max(s, r, egress[src], ingress[dst])
-            end = start + self.cm.transfer_seconds(nbytes.get(key, 0.0), topo, topo.node_of(src) != topo.node_of(dst))
-            egress[src] = ingress[dst] = end_of[key] = end
+            inter = int(topo.node_of(src) != topo.node_of(dst))
+            start = max(s, r, egress[inter, src], ingress[inter, dst])
+            end = start + self.cm.transfer_seconds(nbytes.get(key, 0.0), topo, bool(inter))
+            egress[inter, src] = ingress[inter, dst] = end_of[key] = end
 
         while heap:
             t, r = heapq.heappop(heap)
