@@ -10,7 +10,7 @@ The executor knows nothing about planners: it interprets the five instructions.
 from __future__ import annotations
 
 import math
-from typing import Any, Generator, Sequence
+from typing import Any, Generator
 
 import numpy as np
 import torch

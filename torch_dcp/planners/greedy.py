@@ -54,7 +54,6 @@ def plan_greedy(
     tile_doc = wl.block_doc[wl.tile_q]
     tile_order = np.argsort(tile_doc, kind="stable")
     doc_tile_first = np.concatenate(([0], np.cumsum(np.bincount(tile_doc, minlength=batch.n_docs))))
-    row_flops = np.bincount(wl.tile_q, weights=flops, minlength=wl.n_blocks)
     # bytes a tile avoids moving when it runs with its query block (Q + O partial + LSE)
     # vs with its key/value block (K + V)
     q_side = batch.n_heads * batch.head_dim * (batch.elem_size + batch.acc_size) + batch.n_heads * batch.acc_size
