@@ -18,6 +18,7 @@ import numpy as np
 
 from .planners.base import Placement
 from .topology import Topology
+from .workload import KIND_KV, KIND_Q, item_token_bytes
 
 __all__ = ["assign_divisions", "fetch_item_bytes"]
 
@@ -28,10 +29,8 @@ def fetch_item_bytes(placement: Placement) -> tuple[np.ndarray, np.ndarray]:
     Returns ``(q_bytes, kv_bytes)``, float64 ``[n_blocks]`` each.
     """
     wl = placement.workload
-    b = wl.batch
-    q = wl.block_len * float(b.n_heads * b.head_dim * b.elem_size)
-    kv = wl.block_len * float(2 * b.n_kv_heads * b.head_dim * b.elem_size)
-    return q, kv
+    itb = item_token_bytes(wl.batch)
+    return wl.block_len * float(itb[(False, KIND_Q)]), wl.block_len * float(itb[(False, KIND_KV)])
 
 
 def assign_divisions(placement: Placement, divisions: int, topology: Topology | None = None) -> np.ndarray:

@@ -22,7 +22,7 @@ import numpy as np
 
 from .cost import CostModel
 from .plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan
-from .workload import item_token_bytes
+from .workload import BWD_RETURN_KV, BWD_RETURN_Q, FWD_RETURN, KIND_KV, KIND_Q, item_token_bytes
 
 __all__ = ["simulate", "SimResult", "PassResult"]
 
@@ -88,14 +88,14 @@ class _Pass:
 
     def __init__(self, plan: Plan, cm: CostModel, backward: bool):
         self.plan, self.cm, self.backward = plan, cm, backward
-        b = plan.batch
-        self.itb = item_token_bytes(b)
+        self.itb = item_token_bytes(plan.batch)
         self.blen = plan.workload.block_len
-        hd, kvd = b.n_heads * b.head_dim, b.n_kv_heads * b.head_dim
-        e, a = b.elem_size, b.acc_size
-        # bytes per token row of each buffer side, for copies and reductions
-        self.copy_row = {"q": (2 * hd * e + 2 * b.n_heads * a) if backward else hd * e, "kv": 2 * kvd * e}
-        self.red_row = {"opart": hd * a + b.n_heads * a, "dqws": hd * a, "dkvws": 2 * kvd * a}
+        # bytes per token row of each buffer side, for copies and reductions: the same rows
+        # the transfers move
+        it = self.itb
+        self.copy_row = {KIND_Q: it[(backward, KIND_Q)], KIND_KV: it[(backward, KIND_KV)]}
+        self.red_row = {"opart": it[(False, FWD_RETURN)], "dqws": it[(True, BWD_RETURN_Q)],
+                        "dkvws": it[(True, BWD_RETURN_KV)]}
 
     def _compute_seconds(self, ins: Any) -> tuple[str, float]:
         cm, wl = self.cm, self.plan.workload

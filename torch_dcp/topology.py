@@ -56,7 +56,9 @@ class Topology:
 
     def node_of(self, rank: Any) -> Any:
         """Node index of ``rank`` (an int or an int array)."""
-        return np.asarray(rank) // self.ranks_per_node if not isinstance(rank, (int, np.integer)) else int(rank) // self.ranks_per_node
+        if isinstance(rank, (int, np.integer)):
+            return int(rank) // self.ranks_per_node
+        return np.asarray(rank) // self.ranks_per_node
 
     @classmethod
     def single_node(cls, world_size: int, **links: float) -> "Topology":

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..batch import BatchSpec
 from ..topology import Topology
-from ..workload import Workload
+from ..workload import FWD_RETURN, KIND_KV, KIND_Q, Workload, item_token_bytes
 from .base import Placement
 
 __all__ = ["plan_greedy"]
@@ -56,9 +56,8 @@ def plan_greedy(
     doc_tile_first = np.concatenate(([0], np.cumsum(np.bincount(tile_doc, minlength=batch.n_docs))))
     # bytes a tile avoids moving when it runs with its query block (Q + O partial + LSE)
     # vs with its key/value block (K + V)
-    q_side = batch.n_heads * batch.head_dim * (batch.elem_size + batch.acc_size) + batch.n_heads * batch.acc_size
-    kv_side = 2 * batch.n_kv_heads * batch.head_dim * batch.elem_size
-    q_first = q_side >= kv_side
+    itb = item_token_bytes(batch)
+    q_first = itb[(False, KIND_Q)] + itb[(False, FWD_RETURN)] >= itb[(False, KIND_KV)]
 
     order = np.lexsort((-batch.doc_lens, -doc_flops))
     for d in order:

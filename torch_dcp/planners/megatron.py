@@ -35,6 +35,7 @@ from ..batch import BatchSpec
 from ..topology import Topology
 from ..workload import Workload
 from .base import Placement
+from .ring import zigzag_spans
 
 __all__ = ["plan_megatron", "megatron_schedule"]
 
@@ -135,21 +136,9 @@ def plan_megatron(batch: BatchSpec, topology: Topology, block_size: int | None =
         for d, s, c in placed:
             doc_rank0[d], doc_cp[d], doc_round[d] = s, c, r
     # zig-zag chunks of every document over its group
-    spans_doc, spans_start, spans_end, spans_rank = [], [], [], []
-    for d in range(batch.n_docs):
-        n, c = int(batch.doc_lens[d]), int(doc_cp[d])
-        k = 2 * c
-        sizes = n // k + (np.arange(k) < n % k)
-        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        member = np.where(np.arange(k) < c, np.arange(k), k - 1 - np.arange(k))
-        keep = sizes > 0
-        spans_doc.append(np.full(keep.sum(), d))
-        spans_start.append(starts[keep])
-        spans_end.append((starts + sizes)[keep])
-        spans_rank.append(doc_rank0[d] + member[keep])
-    wl = Workload.from_spans(batch, np.concatenate(spans_doc), np.concatenate(spans_start), np.concatenate(spans_end))
-    # Workload sorts blocks by (doc, start): the concatenation above is already in that order
-    block_rank = np.concatenate(spans_rank)
+    doc, start, end, member = zigzag_spans(batch.doc_lens, doc_cp)
+    wl = Workload.from_spans(batch, doc, start, end)  # blocks in (doc, start) order: the spans' order
+    block_rank = doc_rank0[doc] + member
     tile_rank = block_rank[wl.tile_q]
     tile_round = doc_round[wl.block_doc[wl.tile_q]]
     return Placement(wl, w, block_rank, tile_rank, planner="megatron", tile_round=tile_round)

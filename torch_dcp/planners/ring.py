@@ -17,24 +17,36 @@ from ..topology import Topology
 from ..workload import Workload
 from .base import Placement
 
-__all__ = ["plan_ring"]
+__all__ = ["plan_ring", "zigzag_spans"]
+
+
+def zigzag_spans(doc_lens: np.ndarray, group_size: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Zig-zag chunks of every document over its group of ranks.
+
+    Document ``d`` is cut into ``2 k`` chunks (``k = group_size[d]``) as evenly as possible,
+    earlier chunks one token longer; chunk ``c`` goes to group member ``c`` for ``c < k`` and
+    ``2k - 1 - c`` otherwise. Empty chunks are dropped.
+
+    Returns ``(doc, start, end, member)``, int64 arrays in (document, start) order.
+    """
+    doc_lens = np.asarray(doc_lens, np.int64)
+    k = np.broadcast_to(np.asarray(group_size, np.int64), doc_lens.shape)
+    n_chunks = 2 * k
+    doc = np.repeat(np.arange(len(doc_lens)), n_chunks)
+    first = np.concatenate(([0], np.cumsum(n_chunks)[:-1]))
+    c = np.arange(n_chunks.sum()) - np.repeat(first, n_chunks)
+    lens, nc, kk = doc_lens[doc], n_chunks[doc], k[doc]
+    size = lens // nc + (c < lens % nc)
+    start = np.concatenate(([0], np.cumsum(size)[:-1])) - np.repeat(np.concatenate(([0], np.cumsum(doc_lens)[:-1])), n_chunks)
+    member = np.where(c < kk, c, nc - 1 - c)
+    keep = size > 0
+    return doc[keep], start[keep], (start + size)[keep], member[keep]
 
 
 def plan_ring(batch: BatchSpec, topology: Topology, block_size: int | None = None) -> Placement:
     """Zig-zag static CP placement. ``block_size`` is ignored (chunks are ``L / 2W``)."""
     w = topology.world_size
-    n_chunks = 2 * w
-    lens = batch.doc_lens
-    base, extra = lens // n_chunks, lens % n_chunks
-    c = np.arange(n_chunks)
-    chunk_len = base[:, None] + (c[None, :] < extra[:, None])  # [n_docs, 2W]
-    chunk_start = np.cumsum(chunk_len, axis=1) - chunk_len
-    chunk_rank = np.where(c < w, c, n_chunks - 1 - c)
-    keep = chunk_len > 0
-    doc = np.broadcast_to(np.arange(batch.n_docs)[:, None], keep.shape)[keep]
-    start = chunk_start[keep]
-    workload = Workload.from_spans(batch, doc, start, start + chunk_len[keep])
-    # blocks are sorted by (doc, start) -- the same order as the kept chunks
-    block_rank = np.broadcast_to(chunk_rank[None, :], keep.shape)[keep]
-    tile_rank = block_rank[workload.tile_q]
-    return Placement(workload, w, block_rank, tile_rank, planner="ring")
+    doc, start, end, member = zigzag_spans(batch.doc_lens, w)
+    workload = Workload.from_spans(batch, doc, start, end)
+    # blocks are sorted by (doc, start): the order of the spans
+    return Placement(workload, w, member, member[workload.tile_q], planner="ring")
