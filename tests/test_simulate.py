@@ -117,3 +117,30 @@ def test_simulation_bounds(planner):
     for p in (res.forward, res.backward):
         assert np.all(p.idle_s >= -1e-15) and np.all(p.busy_s > 0)
         assert np.allclose(p.finish_s, p.busy_s + p.exposed_comm_s)
+
+
+def test_ranks_of_a_node_share_its_network_links():
+    # 2 nodes x 2 ranks; queries of blocks 2 and 3 (node 1) see block 0 resp. 1 (node 0) and
+    # themselves: ranks 0 and 1 each send one block to node 1 at the same time
+    n = 4 * B
+    rows = [[(B * (i // B), i + 1)] for i in range(2 * B)]
+    rows += [[(0, B), (2 * B, i + 1)] for i in range(2 * B, 3 * B)] + [[(B, 2 * B), (3 * B, i + 1)] for i in range(3 * B, n)]
+    batch = BatchSpec([n], Ranges(rows), n_heads=4, n_kv_heads=2, head_dim=32)
+    wl = Workload.uniform(batch, B)
+    block_rank = np.arange(4)
+    pl = Placement(wl, 4, block_rank, block_rank[wl.tile_q])
+    inter_bw, inter_lat = 1e8, 2e-6
+    topo = Topology(n_nodes=2, ranks_per_node=2, inter_bandwidth=inter_bw, inter_latency=inter_lat, **TOPO)
+    plan = Plan(pl, topo, assign_divisions(pl, 2), 2)
+    plan.validate()
+    res = simulate(plan, FLAT)
+    x = inter_lat + B * item_token_bytes(batch)[(False, "kv")] / inter_bw
+    a_diag = _tile_seconds(batch, B * (B + 1) // 2)
+    a_full = _tile_seconds(batch, B * B)
+    assert x > a_diag
+    ends = sorted(res.forward.finish_s[2:])
+    # one transfer at the node's full bandwidth, the other after it
+    assert ends[0] == pytest.approx(x + a_full, rel=1e-9)
+    assert ends[1] == pytest.approx(2 * x + a_full, rel=1e-9)
+    # a sender's wait covers its send
+    assert sorted(res.forward.finish_s[:2]) == pytest.approx([x, 2 * x], rel=1e-9)

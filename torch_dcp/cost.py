@@ -7,8 +7,8 @@
   separately for forward and backward and for full and causal (masked) work. Efficiency
   falls with the work per launch, not with the block size as such.
 * Reductions and copies are memory-bound: bytes read and written over the memory bandwidth.
-* Transfers: latency + bytes / bandwidth of the link class (from the :class:`Topology`);
-  an inter-node byte uses the rank's share of its node's network links.
+* Transfers: latency + bytes / bandwidth of the link class (from the :class:`Topology`):
+  a rank's own port inside a node, its node's network links between nodes.
 
 Shipped tables (bf16, head_dim 128):
 
@@ -118,9 +118,11 @@ class CostModel:
 
     @staticmethod
     def transfer_seconds(nbytes: float, topology: Any, inter_node: bool) -> float:
-        """Latency + bytes over the link class's per-rank bandwidth."""
+        """Latency + bytes over the link's bandwidth: a rank's NVLink/NVSwitch port inside a
+        node, the node's network links between nodes (the simulator queues the ranks of a
+        node that use them at once)."""
         if inter_node:
-            return topology.inter_latency + nbytes * topology.ranks_per_node / topology.inter_bandwidth
+            return topology.inter_latency + nbytes / topology.inter_bandwidth
         return topology.intra_latency + nbytes / topology.intra_bandwidth
 
     def to_json(self) -> str:

@@ -7,7 +7,12 @@ Each rank has one compute stream that runs ``BlockwiseCopy``, ``BlockwiseAttenti
 rank has finished. A transfer (one message per sender, receiver and phase, as the executor
 sends them) starts when both ends have launched the phase and the sender's outgoing link
 and the receiver's incoming link are free, and takes the link class's latency + bytes over
-bandwidth: concurrent transfers of one rank share its link one after another.
+bandwidth: concurrent transfers of one rank share its link one after another. Inside a node
+each rank has its own NVLink/NVSwitch port (``Topology.intra_bandwidth`` per direction).
+Between nodes, the node's network links (``Topology.inter_bandwidth`` in all) are one
+outgoing and one incoming queue shared by all ranks of the node: a rank that sends alone
+gets the node's whole bandwidth, ranks that send at once share it (first come, first
+served, which finishes the same bytes at the same time as a fair share would).
 
 The ideal bound is the total compute time of all ranks spread perfectly evenly with no
 exposed communication.
@@ -124,8 +129,9 @@ class _Pass:
         exposed = np.zeros(w)
         events: list[list[tuple[str, float, float]]] = [[] for _ in range(w)]
         # one outgoing and one incoming queue per rank and link class (NVLink/NVSwitch and the
-        # network are separate links)
+        # network are separate links), and per node for its network links
         egress, ingress = np.zeros((2, w)), np.zeros((2, w))
+        node_out, node_in = np.zeros(topo.n_nodes), np.zeros(topo.n_nodes)
         launched: dict[tuple[int, int, int], list[float | None]] = {}  # key -> [send t, recv t]
         nbytes: dict[tuple[int, int, int], float] = {}
         end_of: dict[tuple[int, int, int], float] = {}
@@ -136,10 +142,15 @@ class _Pass:
         def schedule(key: tuple[int, int, int]) -> None:
             s, r = launched[key]
             _, src, dst = key
-            inter = int(topo.node_of(src) != topo.node_of(dst))
+            ns, nd = topo.node_of(src), topo.node_of(dst)
+            inter = int(ns != nd)
             start = max(s, r, egress[inter, src], ingress[inter, dst])
+            if inter:
+                start = max(start, node_out[ns], node_in[nd])
             end = start + self.cm.transfer_seconds(nbytes.get(key, 0.0), topo, bool(inter))
             egress[inter, src] = ingress[inter, dst] = end_of[key] = end
+            if inter:
+                node_out[ns] = node_in[nd] = end
 
         while heap:
             t, r = heapq.heappop(heap)

@@ -21,8 +21,14 @@ that add the least traffic (inter-node bytes counted double) until every rank is
 ``1 + eps_memory`` of the mean resident bytes and ``1 + eps_compute`` of the mean FLOPs.
 The node level runs with ``eps_inter`` and, as a second candidate, with ``eps_intra`` (a loose
 node level can leave more compute for the rebalancing pass to move than it saved); the block
-layouts of the greedy and FCP planners and of a zig-zag split go through the same
-rebalancing as fallback candidates; the candidate with the least ``comm_bytes`` wins.
+layouts of the greedy, FCP and Megatron planners and of a zig-zag split go through the same
+rebalancing as fallback candidates. With ``objective="bytes"`` the candidate with the least
+``comm_bytes`` wins. With ``objective="time"`` (default) each candidate is also rebalanced to
+looser compute bounds (up to ``max_compute_imbalance``) and the one with the least estimated
+attention time wins (:func:`estimate_seconds`: the busiest rank's compute or link time,
+whichever is longer): where the network is the bottleneck, spreading a document's compute
+perfectly evenly costs more in transfers than it saves. Memory (token) balance is kept at
+``1 + eps_memory`` either way: the token-level layers of a training step depend on it.
 
 Solver: Mt-KaHyPar (deterministic preset, one thread, fixed seed): the same batch and seed
 give the same placement, hence the same ``Plan.digest()``.
@@ -37,7 +43,7 @@ from ..topology import Topology
 from ..workload import BWD_RETURN_KV, BWD_RETURN_Q, FWD_RETURN, KIND_KV, KIND_Q, Workload, item_token_bytes
 from .base import Placement
 
-__all__ = ["plan_dcp", "DCPHypergraph"]
+__all__ = ["plan_dcp", "DCPHypergraph", "estimate_seconds"]
 
 _WEIGHT_SCALE = 1 << 20
 
@@ -218,6 +224,9 @@ def plan_dcp(
     eps_compute: float = 0.1,
     eps_memory: float = 0.1,
     seed: int = 0,
+    objective: str = "time",
+    max_compute_imbalance: float = 2.0,
+    flops_per_second: float = 1.6e14,
 ) -> Placement:
     """DCP hypergraph placement (see module docstring).
 
@@ -225,17 +234,33 @@ def plan_dcp(
         batch, topology, block_size: the step, the cluster, tokens per block.
         eps_inter, eps_intra: partitioner imbalance tolerance between and inside nodes
             (DCP paper §7.1: 0.4 and 0.1).
-        eps_compute, eps_memory: final per-rank bounds the rebalancing pass enforces.
+        eps_compute, eps_memory: per-rank bounds the rebalancing pass enforces (memory
+            always; compute as the tightest bound tried, see ``objective``).
         seed: partitioner seed (the same seed gives the same placement).
+        objective: ``"bytes"``: the candidate with the fewest ``comm_bytes`` at compute
+            imbalance ``<= 1 + eps_compute``. ``"time"`` (default): every candidate is also
+            rebalanced to looser compute bounds (up to ``max_compute_imbalance``) and the
+            one with the least estimated attention time wins (:func:`estimate_seconds`):
+            where links are the bottleneck, keeping a document on fewer ranks beats
+            spreading its compute evenly.
+        max_compute_imbalance: the loosest compute bound (max/mean) ``"time"`` accepts.
+        flops_per_second: attention throughput of one rank for the estimate (default:
+            an A100 at about 160 TFLOP/s, forward and backward together).
 
     Raises:
-        ValueError: bad block size or tolerances.
+        ValueError: bad block size, tolerances or objective.
         ImportError: Mt-KaHyPar is not installed.
     """
     for name, v in (("eps_inter", eps_inter), ("eps_intra", eps_intra), ("eps_compute", eps_compute),
                     ("eps_memory", eps_memory)):
         if not v >= 0:
             raise ValueError(f"{name} must be >= 0, got {v!r}")
+    if objective not in ("time", "bytes"):
+        raise ValueError(f"objective must be 'time' or 'bytes', got {objective!r}")
+    if not max_compute_imbalance >= 1.0 + eps_compute:
+        raise ValueError(f"max_compute_imbalance must be >= 1 + eps_compute, got {max_compute_imbalance!r}")
+    if not flops_per_second > 0:
+        raise ValueError(f"flops_per_second must be positive, got {flops_per_second!r}")
     wl = Workload.uniform(batch, block_size)
     hg = DCPHypergraph(wl)
     w = topology.world_size
@@ -273,18 +298,71 @@ def plan_dcp(
     # must beat; each is rebalanced, the one moving the fewest bytes wins
     from .fcp import plan_fcp
     from .greedy import plan_greedy
+    from .megatron import plan_megatron
 
     candidates = partitions + [plan_greedy(batch, topology, block_size).block_rank,
-                               plan_fcp(batch, topology, block_size).block_rank, _zigzag(wl, w)]
+                               plan_fcp(batch, topology, block_size).block_rank, _zigzag(wl, w),
+                               _on_blocks(plan_megatron(batch, topology), wl)]
+    # looser compute bounds for the time objective, loosest first: each rebalancing continues
+    # from the previous one
+    looser = []
+    if objective == "time":
+        looser = sorted({b for b in (max_compute_imbalance - 1.0, 0.5, 0.25) if b > eps_compute}, reverse=True)
     best, best_key = None, None
     for cand in candidates:
-        part = np.concatenate([cand[wl.tile_q], cand]).astype(np.int64)
-        part = _rebalance(hg, part, w, hg.mem, blocks, eps_memory, topology)
-        part = _rebalance(hg, part, w, hg.flops, tiles, eps_compute, topology)
-        key = (hg.km1(part, w), _inter_km1(hg, part, topology))
-        if best_key is None or key < best_key:
-            best, best_key = part, key
+        mem_part = np.concatenate([cand[wl.tile_q], cand]).astype(np.int64)
+        mem_part = _rebalance(hg, mem_part, w, hg.mem, blocks, eps_memory, topology)
+        tries = [_rebalance(hg, mem_part.copy(), w, hg.flops, tiles, eps_compute, topology)]
+        part = mem_part
+        for bound in looser:
+            part = _rebalance(hg, part.copy(), w, hg.flops, tiles, bound, topology)
+            tries.append(part)
+        for part in tries:
+            key = (hg.km1(part, w), _inter_km1(hg, part, topology))
+            if objective == "time":
+                key = (estimate_seconds(hg, part, topology, flops_per_second),) + key
+            if best_key is None or key < best_key:
+                best, best_key = part, key
     return Placement(wl, w, best[blocks], best[tiles], planner="dcp")
+
+
+def estimate_seconds(hg: DCPHypergraph, part: np.ndarray, topology: Topology, flops_per_second: float) -> float:
+    """Bottleneck estimate of a placement's attention time (forward + backward, seconds):
+    the most loaded rank's compute, or its link time if longer -- a rank's own intra-node
+    bytes over ``intra_bandwidth``, or its node's inter-node bytes over ``inter_bandwidth``
+    (each link carries both directions at once, so a byte pair of in and out counts once).
+    Communication is taken as overlapped with compute (the divisions' purpose).
+
+    Args:
+        hg: the hypergraph; part: rank of every vertex ``[n_vertices]``.
+    """
+    w, rpn = topology.world_size, topology.ranks_per_node
+    compute = np.bincount(part, weights=hg.flops, minlength=w) / flops_per_second
+    n_nets = len(hg.net_weight)
+    net_id = np.repeat(np.arange(n_nets), np.diff(hg.net_ptr))
+    present = np.zeros((n_nets, w), bool)
+    present[net_id, part[hg.net_pins]] = True
+    nb = hg.n_blocks
+    owner = part[hg.n_tiles + np.concatenate([np.arange(nb), np.arange(nb)])]
+    present[np.arange(n_nets), owner] = False  # the others on each net exchange w_e with its owner
+    node = np.arange(w) // rpn
+    inter = node[None, :] != node[owner][:, None]
+    we = hg.net_weight[:, None]
+    intra_rank = ((present & ~inter) * we).sum(0) + np.bincount(owner, ((present & ~inter) * we).sum(1), w)
+    inter_b = (present & inter) * we
+    inter_node = np.bincount(node, inter_b.sum(0), topology.n_nodes) + np.bincount(node[owner], inter_b.sum(1),
+                                                                                   topology.n_nodes)
+    link = np.maximum(intra_rank / (2 * topology.intra_bandwidth), inter_node[node] / (2 * topology.inter_bandwidth))
+    return float(np.max(np.maximum(compute, link)))
+
+
+def _on_blocks(placement: Placement, wl: Workload) -> np.ndarray:
+    """Rank of every block of ``wl`` under another placement of the same batch (the rank
+    holding the block's first token)."""
+    other = placement.workload
+    order = np.argsort(other.block_offset, kind="stable")
+    i = np.searchsorted(other.block_offset[order], wl.block_offset, side="right") - 1
+    return placement.block_rank[order[i]].astype(np.int64)
 
 
 def _zigzag(wl: Workload, w: int) -> np.ndarray:
