@@ -257,7 +257,7 @@ def plan_dcp(
             raise ValueError(f"{name} must be >= 0, got {v!r}")
     if objective not in ("time", "bytes"):
         raise ValueError(f"objective must be 'time' or 'bytes', got {objective!r}")
-    if not max_compute_imbalance >= 1.0 + eps_compute:
+    if objective == "time" and not max_compute_imbalance >= 1.0 + eps_compute:
         raise ValueError(f"max_compute_imbalance must be >= 1 + eps_compute, got {max_compute_imbalance!r}")
     if not flops_per_second > 0:
         raise ValueError(f"flops_per_second must be positive, got {flops_per_second!r}")

@@ -1,0 +1,79 @@
+"""The benchmark CLI's functions on a small cluster and batch (the paper's setup is the same
+code with 131,072 tokens on 4 x 8 ranks)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from torch_dcp import Topology
+from torch_dcp.bench import bench_paper, bench_sweep, main, scaled_batch
+from torch_dcp.data import long_tail_lengths, save_lengths
+
+TOTAL = 16384
+TOPO = Topology(n_nodes=2, ranks_per_node=2)
+SOURCES = {"tail": long_tail_lengths(4 * TOTAL, max_len=8192, seed=2)}
+
+
+def test_paper_table_side_by_side():
+    out = io.StringIO()
+    rows = bench_paper(["ring", "megatron", "greedy", "dcp"], ["causal", "lambda"], [0.5, 2.0], [512, 1024], 4, TOPO,
+                       out=out, sources=SOURCES, total=TOTAL)
+    text = out.getvalue()
+    assert len(rows) == 2 * 2 * 4  # scales x masks x planners (best block size each)
+    for r in rows:
+        assert r["total_ms"] == pytest.approx(r["fwd_ms"] + r["bwd_ms"])
+        assert r["total_ms"] >= r["ideal_ms"] * (1 - 1e-9)
+        if r["planner"] == "ring":
+            assert r["speedup_vs_ring"] == pytest.approx(1.0)
+        if r["planner"] == "dcp":
+            base = min(x["total_ms"] for x in rows if x["planner"] != "dcp" and
+                       (x["scale"], x["mask"]) == (r["scale"], r["mask"]))
+            assert r["speedup_vs_best_baseline"] == pytest.approx(base / r["total_ms"])
+    assert text.count("| 0.5 | tail |") == 2 and "dcp at least as fast as every baseline on" in text
+    assert sum(1 for line in text.splitlines() if line.startswith("{")) == len(rows)
+
+
+@pytest.mark.parametrize("sweep", ["block-size", "sparsity", "eps"])
+def test_sweeps_print_tables(sweep):
+    out = io.StringIO()
+    rows = bench_sweep(sweep, TOPO, ["causal"], [512, 1024], batch_name="tail", out=out, sources=SOURCES, total=TOTAL)
+    text = out.getvalue()
+    assert f"Traffic sweep '{sweep}'" in text
+    assert all(r["comm_bytes"] >= r["inter_node_bytes"] >= 0 for r in rows)
+    if sweep == "sparsity":
+        fractions = [r["flops_fraction"] for r in rows if r["planner"] == "dcp"]
+        assert fractions == sorted(fractions) and fractions[-1] == pytest.approx(1.0)
+        assert "R^2" in text
+    if sweep == "eps":
+        assert len(rows) == 6 and all(r["planner"] == "dcp" for r in rows)
+
+
+def test_scaled_batch_and_errors(tmp_path, capsys):
+    assert scaled_batch([100, 300, 50], 2.0, 700) == [200, 500]
+    assert sum(scaled_batch([7] * 100, 0.5, 200)) == 200
+    with pytest.raises(ValueError, match="fewer than"):
+        scaled_batch([10, 10], 1.0, 100)
+    with pytest.raises(ValueError, match="unknown sweep"):
+        bench_sweep("nope", TOPO, ["causal"], [512], sources=SOURCES, total=TOTAL)
+    with pytest.raises(SystemExit):
+        main(["paper", "--batches", "longalign"])
+    assert "need --longalign" in capsys.readouterr().err
+    # a saved length list is a length source
+    save_lengths(SOURCES["tail"], tmp_path / "la.json")
+    with pytest.raises(SystemExit):
+        main(["paper", "--longalign", str(tmp_path / "la.json"), "--batches", "longalign,bogus"])
+    assert "bogus" in capsys.readouterr().err
+
+
+def test_cost_table_from_file(tmp_path):
+    from torch_dcp.bench import _cost_model
+    from torch_dcp.cost import CostModel
+
+    (tmp_path / "t.json").write_text(CostModel.h100().to_json())
+    assert _cost_model(str(tmp_path / "t.json")) == CostModel.h100()
+    with pytest.raises(ValueError, match="JSON table file"):
+        _cost_model("b200")
+    json.loads(CostModel.a100().to_json())
