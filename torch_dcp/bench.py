@@ -219,8 +219,8 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
 
 
 def _paper_table(rows: list[dict], planners: list[str], masks: list[str], out) -> None:
-    print("\nSimulated attention time, forward + backward ms (speedup over ring); best block size per planner\n",
-          file=out)
+    print("\nSimulated attention time, forward + backward ms (speedup over ring, memory imbalance = max/mean "
+          "resident tokens); best block size per planner\n", file=out)
     print("| scale | batch | mask | " + " | ".join(planners) + " | dcp vs best baseline | dcp / ideal | imbalance "
           "dcp (compute/memory) |", file=out)
     print("|---|---|---|" + "---|" * (len(planners) + 3), file=out)
@@ -230,7 +230,8 @@ def _paper_table(rows: list[dict], planners: list[str], masks: list[str], out) -
         cells = []
         for p in planners:
             r = next((r for r in rows if (r["scale"], r["batch"], r["mask"], r["planner"]) == (*key, p)), None)
-            cells.append(f"{r['fwd_ms']:.2f}+{r['bwd_ms']:.2f} ({r['speedup_vs_ring']:.2f}x)" if r else "-")
+            cells.append(f"{r['fwd_ms']:.2f}+{r['bwd_ms']:.2f} ({r['speedup_vs_ring']:.2f}x, mem {r['memory_imbalance']:.2f})"
+                         if r else "-")
         d = next((r for r in rows if (r["scale"], r["batch"], r["mask"], r["planner"]) == (*key, "dcp")), None)
         extra = (f"{d.get('speedup_vs_best_baseline', float('nan')):.2f}x | {d['ratio_to_ideal']:.2f} | "
                  f"{d['compute_imbalance']:.2f}/{d['memory_imbalance']:.2f}") if d else "- | - | -"
