@@ -8,6 +8,11 @@ style recomputation: Dao, "FlashAttention-2", 2023, Algorithm 2). GQA: query hea
 uses key/value head ``h // (H / H_kv)``.
 
 Rows that see no key get output 0 and LSE ``-inf``, and no gradient.
+
+A kernel may also implement the *division* protocol (``forward_division`` /
+``backward_division``, see :class:`DivisionKernel`): the executor then hands it every group
+of a ``BlockwiseAttention`` instruction at once (one launch, or a few, per division) instead of
+calling it group by group. :class:`~torch_dcp.executor.flex.FlexKernel` does.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["AttentionKernel", "ReferenceKernel", "SDPAKernel", "get_kernel"]
+__all__ = ["AttentionKernel", "DivisionKernel", "ReferenceKernel", "SDPAKernel", "get_kernel"]
 
 
 class AttentionKernel(Protocol):
@@ -32,6 +37,30 @@ class AttentionKernel(Protocol):
                  delta: torch.Tensor, mask: torch.Tensor | None, scale: float,
                  acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns ``(dq [n_q, H, D], dk [n_k, H_kv, D], dv [n_k, H_kv, D])``."""
+        ...
+
+
+class DivisionKernel(Protocol):
+    """Optional protocol: all groups of one ``BlockwiseAttention`` instruction per call.
+
+    ``q_ws [S_q, H, D]``, ``k_ws, v_ws [S_kv, H_kv, D]`` are the rank's work buffers; ``div``
+    (:class:`~torch_dcp.executor.division.Division`) says which rows the division reads
+    (``div.q_rows``, ``div.kv_rows``), which (query block, key block) tiles it runs and every
+    packed row's document position and key ranges. Results are in packed order and
+    ``acc_dtype``; the executor writes them to ``div.out_rows`` / adds them at ``div.kv_rows``.
+    """
+
+    def forward_division(self, q_ws: torch.Tensor, k_ws: torch.Tensor, v_ws: torch.Tensor, div,
+                         scale: float, acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(out [n_q, H, D], lse [n_q, H])``, partial over the division's tiles."""
+        ...
+
+    def backward_division(self, q_ws: torch.Tensor, k_ws: torch.Tensor, v_ws: torch.Tensor, do_ws: torch.Tensor,
+                          lse_ws: torch.Tensor, delta_ws: torch.Tensor, div, scale: float,
+                          acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns ``(dq [n_q, H, D], dk [n_k, H_kv, D], dv [n_k, H_kv, D])`` of the global
+        attention restricted to the division's tiles, given the final LSE and
+        ``delta = rowsum(dO * O)`` (``qws`` rows, like ``do_ws``)."""
         ...
 
 
@@ -153,21 +182,39 @@ class SDPAKernel:
         return dq, dk, dv
 
 
-_KERNELS = {"reference": ReferenceKernel, "sdpa": SDPAKernel}
+def _flex_kernel():
+    from .flex import FlexKernel
+
+    return FlexKernel()
 
 
-def get_kernel(kernel: str | AttentionKernel | None) -> AttentionKernel:
-    """A kernel by name (``"reference"``, ``"sdpa"``, ``"auto"``), an instance as is, or the
-    default (``"auto"``: the fused SDPA kernel) for ``None``.
+_KERNELS = {"reference": ReferenceKernel, "sdpa": SDPAKernel, "flex": _flex_kernel}
+
+
+def get_kernel(kernel: str | AttentionKernel | None, device: torch.device | str | None = None) -> AttentionKernel:
+    """A kernel by name, an instance as is, or the automatic choice.
+
+    Names: ``"reference"`` (:class:`ReferenceKernel`), ``"sdpa"`` (:class:`SDPAKernel`),
+    ``"flex"`` (:class:`~torch_dcp.executor.flex.FlexKernel`), ``"auto"`` (same as None):
+    on a CUDA ``device`` FlexAttention over whole divisions when this torch has it, else (CPU,
+    or no device given) the fused SDPA kernel. ``flash_attn`` varlen is not used: its masks
+    (causal, sliding window) cannot express a division's tile list.
 
     Raises:
         ValueError: unknown kernel name.
+        RuntimeError: ``"flex"`` on a torch without FlexAttention.
     """
     if kernel is None or kernel == "auto":
+        if device is not None and torch.device(device).type == "cuda":
+            from .flex import flex_available
+
+            if flex_available():
+                return _flex_kernel()
         return SDPAKernel()
     if isinstance(kernel, str):
         try:
-            return _KERNELS[kernel]()
+            factory = _KERNELS[kernel]
         except KeyError:
-            raise ValueError(f"unknown kernel {kernel!r}; available: {sorted(_KERNELS)}") from None
+            raise ValueError(f"unknown kernel {kernel!r}; available: {sorted(_KERNELS) + ['auto']}") from None
+        return factory()
     return kernel

@@ -1,0 +1,330 @@
+"""FlexKernel (division-level FlexAttention), the fused reduction, timed emulation and the
+kernel benchmarks.
+
+On CPU FlexAttention runs forward only (eager); FlexKernel's CPU backward uses its dense
+stand-in with the same block mask and mask_mod (see torch_dcp/executor/flex.py). The tests
+marked ``cuda`` run the compiled kernel, forward and backward, and skip without CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import torch_dcp
+from torch_dcp import BatchSpec, Ranges
+from torch_dcp.executor import get_kernel
+from torch_dcp.executor.bench_kernels import bench_reduce, main as bench_main
+from torch_dcp.executor.division import build_division
+from torch_dcp.executor.flex import FlexKernel, division_tiles
+from torch_dcp.executor.kernels import ReferenceKernel, SDPAKernel
+from torch_dcp.executor.reduce import ReductionIndex, reduce_fused, reduce_loop
+from torch_dcp.plan import BlockwiseAttention, BlockwiseReduction
+from reference import random_qkv, reference_with_grads
+from test_exact import BLOCK, MASKS, _batch
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled FlexAttention, bf16)")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny tensors: OpenMP barriers cost more than they save, and much more on a shared 2-core box
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _check(plan, batch, kernel, tol=1e-10, backward=True, seed=0, **kw):
+    q, k, v, go = random_qkv(batch, torch.float64, seed)
+    ref = reference_with_grads(batch, q, k, v, go)
+    got = torch_dcp.emulate(plan, q, k, v, go if backward else None, kernel=kernel, **kw)
+    got = got if backward else (got,)
+    for name, g, want in zip(("out", "dq", "dk", "dv"), got, ref):
+        err = (g - want).abs().max().item()
+        assert err <= tol, f"{name}: max abs error {err:.3e} > {tol}"
+
+
+# every mask x (planner, world size); flex tiles of 8 rows so that block masks have full,
+# partial and absent tiles and divisions straddle them
+CASES = [("ring", 2), ("greedy", 3), ("dcp", 4), ("fcp", 8), ("megatron", 4)]
+
+
+@pytest.mark.parametrize("planner,world_size", CASES)
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_flex_exact_forward_backward(mask_name, planner, world_size):
+    heads = "gqa8/2-d32" if (world_size + len(mask_name)) % 2 else "mha4-d32"
+    batch = _batch(mask_name, heads)
+    plan = torch_dcp.plan(batch, world_size, planner=planner, block_size=BLOCK, divisions=1 + world_size % 3)
+    _check(plan, batch, FlexKernel(block_size=8))
+
+
+def test_flex_default_block_size_and_forward_only():
+    batch = _batch("lambda", "gqa8/2-d64")
+    plan = torch_dcp.plan(batch, 3, planner="greedy", block_size=BLOCK, divisions=2)
+    _check(plan, batch, "flex", backward=False)  # one 128-row flex tile per division, forward = real flex
+
+
+def test_flex_fully_masked_rows():
+    n0, n1 = 6, 9
+    r0 = Ranges([[]] + [[(0, i)] for i in range(1, n0)])
+    r1 = Ranges([[] for _ in range(4)] + [[(0, i + 1)] for i in range(4, n1)])
+    batch = BatchSpec([n0, n1], [r0, r1], n_heads=2, n_kv_heads=1, head_dim=8, dtype="float64")
+    for w in (1, 2):
+        plan = torch_dcp.plan(batch, w, planner="greedy", block_size=4, divisions=2)
+        _check(plan, batch, FlexKernel(block_size=4))
+
+
+def test_division_layout_and_flex_tiles():
+    batch = _batch("shared_question", "gqa8/2-d32")
+    plan = torch_dcp.plan(batch, 3, planner="dcp", block_size=BLOCK, divisions=3)
+    wl = plan.workload
+    seen = np.zeros(wl.n_tiles, int)
+    for rank in range(3):
+        for ins in plan.program(rank).instructions:
+            if not isinstance(ins, BlockwiseAttention):
+                continue
+            div = build_division(ins, wl)
+            seen[ins.tile] += 1
+            dense = div.dense_mask()
+            # the packed mask has exactly the division's visible pairs
+            assert dense.sum() == div.pairs == wl.tile_pairs[ins.tile].sum()
+            for bs in (4, 8, 16):
+                full, partial = division_tiles(div, bs)
+                nq, nk = full.shape
+                padded = np.zeros((nq * bs, nk * bs), bool)
+                padded[:div.n_q, :div.n_k] = dense
+                t = padded.reshape(nq, bs, nk, bs).transpose(0, 2, 1, 3).reshape(nq, nk, -1)
+                assert not (full & partial).any()
+                assert not (t.any(-1) & ~(full | partial)).any(), "a tile with visible pairs is missing"
+                assert t[full].all(), "a tile marked full has masked pairs"
+    assert (seen == 1).all()  # every tile in exactly one division
+
+
+def test_cpu_backward_stand_in_matches_flex_forward():
+    # the CPU backward recomputes the partial forward densely; it must be flex's forward
+    batch = _batch("ranges", "gqa8/2-d32")
+    plan = torch_dcp.plan(batch, 2, planner="greedy", block_size=BLOCK, divisions=2)
+    kern = FlexKernel(block_size=8)
+    g = torch.Generator().manual_seed(0)
+    for ins in plan.program(0).instructions:
+        if isinstance(ins, BlockwiseAttention):
+            div = build_division(ins, plan.workload)
+            st = kern._state(div, torch.device("cpu"))
+            q = torch.randn(1, 8, st.nq_pad, 32, generator=g, dtype=torch.float64)
+            k, v = (torch.randn(1, 2, st.nk_pad, 32, generator=g, dtype=torch.float64) for _ in range(2))
+            o1, l1 = kern._flex(q, k, v, st, 0.2)
+            o2, l2 = kern._dense(q, k, v, st, 0.2)
+            assert torch.equal(torch.isinf(l1), torch.isinf(l2))
+            assert (o1 - o2).abs().max() < 1e-12
+            fin = torch.isfinite(l1)
+            assert (l1[fin] - l2[fin]).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_flex_per_group_protocol(heads, masked):
+    g = torch.Generator().manual_seed(3)
+    h, hkv = heads
+    nq, nk, d = 13, 29, 16
+    q, do = (torch.randn(nq, h, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(nk, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = None
+    if masked:
+        mask = torch.rand(nq, nk, generator=g) > 0.4
+        mask[:2] = False
+    ref, flex = ReferenceKernel(), FlexKernel(block_size=8)
+    o_r, l_r = ref.forward(q, k, v, mask, 0.3, torch.float64)
+    o_f, l_f = flex.forward(q, k, v, mask, 0.3, torch.float64)
+    assert torch.equal(torch.isfinite(l_f), torch.isfinite(l_r))
+    assert (o_f - o_r).abs().max() < 1e-12
+    fin = torch.isfinite(l_r)
+    assert (l_f[fin] - l_r[fin]).abs().max() < 1e-12
+    # a "global" LSE larger than the group's: gradients of the group's share of a bigger softmax
+    lse = torch.where(fin, l_r + 0.7, l_r)
+    delta = (do * o_r).sum(-1) * 0.5
+    for a, b in zip(ref.backward(q, k, v, do, lse, delta, mask, 0.3, torch.float64),
+                    flex.backward(q, k, v, do, lse, delta, mask, 0.3, torch.float64)):
+        assert (a - b).abs().max() < 1e-12
+
+
+def test_flex_float32_and_bfloat16_inputs_on_cpu():
+    for dtype, tol in (("float32", 1e-5), ("bfloat16", 3e-2)):
+        batch = _batch("causal", "gqa8/2-d32", dtype=dtype)
+        plan = torch_dcp.plan(batch, 2, planner="greedy", block_size=BLOCK, divisions=2)
+        tdt = getattr(torch, dtype)
+        q, k, v, go = random_qkv(batch, tdt)
+        got = torch_dcp.emulate(plan, q, k, v, go, kernel=FlexKernel(block_size=8))
+        for a, b in zip(got, reference_with_grads(batch, q, k, v, go)):
+            assert a.dtype == tdt
+            assert (a.double() - b).abs().max().item() <= tol * max(1.0, b.abs().max().item())
+
+
+def test_get_kernel_names_and_auto():
+    assert isinstance(get_kernel("flex"), FlexKernel)
+    assert isinstance(get_kernel("auto", device="cpu"), SDPAKernel)
+    assert isinstance(get_kernel(None), SDPAKernel)
+    assert isinstance(get_kernel("auto", device="cuda"), FlexKernel)  # constructing needs no GPU
+    batch = _batch("causal", "mha4-d32")
+    plan = torch_dcp.plan(batch, 2, block_size=BLOCK)
+    ex = torch_dcp.RankExecutor(plan, 0, torch_dcp.executor.InProcessTransport(torch_dcp.executor.Mailbox(), 0))
+    assert ex.kernel is None
+    with pytest.raises(ValueError, match="reduction"):
+        torch_dcp.RankExecutor(plan, 0, torch_dcp.executor.InProcessTransport(torch_dcp.executor.Mailbox(), 0),
+                               reduction="tree")
+
+
+# ---------------------------------------------------------------------- fused reduction
+def _random_reduction(op, rng, n_dst=9, max_p=4, block=5, heads=3, dim=4, dtype=torch.float64):
+    lens = rng.integers(1, block + 1, n_dst)
+    nsrc = rng.integers(0, max_p + 1, n_dst)
+    nsrc[0] = 0  # an empty source list
+    slots = []
+    row = 0
+    for i in range(n_dst):
+        for _ in range(nsrc[i]):
+            slots.append(row)
+            row += int(lens[i]) + int(rng.integers(0, 3))
+    order = rng.permutation(n_dst)  # destinations not in row order
+    dst_row = np.concatenate(([0], np.cumsum(lens[order])[:-1]))[np.argsort(order)]
+    ins = BlockwiseReduction(op, "opart", "o", np.arange(n_dst), dst_row.astype(np.int64),
+                             np.concatenate(([0], np.cumsum(nsrc))).astype(np.int64), np.asarray(slots, np.int64))
+    g = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    S = row + 1
+    if op == "lse_merge":
+        lse = torch.randn(S, heads, generator=g, dtype=torch.float64) * 3
+        lse[torch.rand(S, heads, generator=g) < 0.2] = -math.inf  # partials that saw nothing
+        out = torch.randn(S, heads, dim, generator=g, dtype=torch.float64)
+        out = torch.where(torch.isinf(lse)[..., None], torch.zeros_like(out), out)
+        src = [out.to(dtype), lse.to(dtype)]
+        dst = [torch.full((int(lens.sum()), heads, dim), 7.0, dtype=dtype),
+               torch.full((int(lens.sum()), heads), 7.0, dtype=dtype)]
+    else:
+        src = [torch.randn(S, heads, dim, generator=g, dtype=torch.float64).to(dtype),
+               torch.randn(S, 2, generator=g, dtype=torch.float64).to(dtype)]
+        dst = [torch.full((int(lens.sum()), heads, dim), 7.0, dtype=dtype),
+               torch.full((int(lens.sum()), 2), 7.0, dtype=dtype)]
+    return ins, lens, src, dst
+
+
+@pytest.mark.parametrize("op", ["lse_merge", "sum"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_fused_reduction_matches_loop(op, dtype, tol):
+    rng = np.random.default_rng(0)
+    for trial in range(6):
+        ins, blen, src, dst = _random_reduction(op, rng, max_p=[1, 2, 4, 8, 3, 0][trial], dtype=dtype)
+        want = [t.clone() for t in dst]
+        reduce_loop(ins, blen, src, want)
+        for chunk in (None, 64):  # one chunk / many chunks
+            got = [t.clone() for t in dst]
+            reduce_fused(ins, blen, src, got, index=ReductionIndex(ins, blen, got[0].device), max_chunk_bytes=chunk)
+            for a, b in zip(got, want):
+                assert torch.equal(torch.isinf(a), torch.isinf(b))
+                fin = torch.isfinite(b)
+                assert not fin.any() or (a[fin] - b[fin]).abs().max().item() <= tol
+
+
+def test_fused_and_loop_reduction_give_the_same_emulation():
+    batch = _batch("lambda", "gqa8/2-d32")
+    plan = torch_dcp.plan(batch, 4, planner="dcp", block_size=BLOCK, divisions=3)
+    q, k, v, go = random_qkv(batch)
+    a = torch_dcp.emulate(plan, q, k, v, go, reduction="fused")
+    b = torch_dcp.emulate(plan, q, k, v, go, reduction="loop")
+    for x, y in zip(a, b):
+        assert (x - y).abs().max().item() < 1e-12
+
+
+def test_bench_reduce_runs_small():
+    res = bench_reduce(tokens=256, heads=2, head_dim=8, partials=3, block=32, device="cpu", repeat=1, copy_mb=1)
+    assert res["max_abs_diff"] < 1e-5
+    assert res["loop_s"] > 0 and res["fused_s"] > 0 and res["bandwidth"] > 0 and res["limit_s"] > 0
+
+
+# ---------------------------------------------------------------------- timings and the efficiency table
+def test_timed_emulation():
+    batch = _batch("causal", "gqa8/2-d32")
+    plan = torch_dcp.plan(batch, 3, planner="greedy", block_size=BLOCK, divisions=3)
+    q, k, v, go = random_qkv(batch)
+    (out, dq, dk, dv), times = torch_dcp.emulate(plan, q, k, v, go, timings=True)
+    assert torch.equal(out, torch_dcp.emulate(plan, q, k, v))
+    out2, times2 = torch_dcp.emulate(plan, q, k, v, timings=True)
+    assert torch.equal(out2, out) and set(times2) == {0, 1, 2}
+    assert set(times) == {0, 1, 2}
+    for r, ts in times.items():
+        kinds = {t.kind for t in ts}
+        assert {"copy", "attention", "reduction"} <= kinds <= {"copy", "pack", "attention", "unpack", "reduction"}
+        assert all(t.seconds >= 0 and 0 <= t.division < plan.divisions for t in ts)
+        assert all(t.seconds < 5 for t in ts)
+        n_attn = sum(isinstance(i, BlockwiseAttention) for p in (False, True) for i in plan.program(r, p).instructions)
+        assert sum(t.kind == "attention" for t in ts) == n_attn
+        assert {t.backward for t in ts} == {False, True}
+        assert not any(t.backward for t in times2[r])
+
+
+def test_efficiency_table_json(tmp_path, capsys):
+    out = tmp_path / "table.json"
+    rc = bench_main(["table", "--out", str(out), "--tokens", "16,32", "--head-dims", "16", "--heads", "2",
+                     "--kv-heads", "1", "--kernel", "sdpa", "--device", "cpu", "--repeat", "1", "--copy-mb", "1"])
+    assert rc == 0
+    text = out.read_text()
+    cm = torch_dcp.CostModel.from_json(text)
+    assert cm.kernel.tokens == (16.0, 32.0)
+    assert cm.memory_bandwidth > 0 and cm.launch_overhead > 0
+    assert min(cm.kernel.fwd_full + cm.kernel.bwd_causal) > 0
+    assert json.loads(text)["meta"]["kernel"] == "sdpa"
+    assert "TFLOP/s" in capsys.readouterr().out
+
+
+def test_division_and_plan_benchmarks_run_small():
+    from torch_dcp.executor.bench_kernels import bench_division, bench_plan
+
+    res = bench_division([96, 40], block=32, heads=2, kv_heads=1, head_dim=16, kernel="flex", device="cpu", repeat=1)
+    assert res["useful_pairs"] == 96 * 97 // 2 + 40 * 41 // 2
+    assert res["division_fwd_s"] > 0 and res["dense_fwd_s"] > 0 and res["fwd_ratio"] > 0
+    assert res["dense_bwd_s"] != res["dense_bwd_s"]  # no flex backward on CPU: reported as NaN
+    out = bench_plan("greedy", tokens=1024, nodes=1, ranks_per_node=2, block=128, cost="a100", device="cpu")
+    assert out["world_size"] == 2 and len(out["fwd_measured_s"]) == 2
+    assert all(x > 0 for x in out["fwd_measured_s"] + out["bwd_predicted_s"])
+    assert out["fwd_ratio_min"] <= out["fwd_ratio_median"] <= out["fwd_ratio_max"]
+
+
+# ---------------------------------------------------------------------- CUDA only
+@cuda
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_flex_cuda_compiled_bf16(mask_name):
+    batch = _batch(mask_name, "gqa8/2-d64", dtype="bfloat16")
+    plan = torch_dcp.plan(batch, 4, planner="dcp", block_size=BLOCK, divisions=3)
+    q, k, v, go = (t.cuda() for t in random_qkv(batch, torch.bfloat16))
+    kern = get_kernel("auto", device="cuda")
+    assert isinstance(kern, FlexKernel)
+    got = torch_dcp.emulate(plan, q, k, v, go, kernel=kern)
+    ref = reference_with_grads(batch, *(t.cpu() for t in (q, k, v, go)))
+    for a, b in zip(got, ref):
+        assert a.dtype == torch.bfloat16 and a.is_cuda
+        assert (a.cpu().double() - b).abs().max().item() <= 3e-2 * max(1.0, b.abs().max().item())
+
+
+@cuda
+def test_flex_cuda_float32_exact_and_timed():
+    batch = _batch("ranges", "gqa8/2-d32", dtype="float32")
+    plan = torch_dcp.plan(batch, 3, planner="greedy", block_size=BLOCK, divisions=2)
+    q, k, v, go = (t.cuda() for t in random_qkv(batch, torch.float32))
+    with _no_tf32():
+        got, times = torch_dcp.emulate(plan, q, k, v, go, kernel="flex", timings=True)
+    ref = reference_with_grads(batch, *(t.cpu() for t in (q, k, v, go)))
+    for a, b in zip(got, ref):
+        assert (a.cpu().double() - b).abs().max().item() <= 5e-3 * max(1.0, b.abs().max().item())
+    assert all(t.seconds > 0 for ts in times.values() for t in ts if t.kind == "attention")
+
+
+class _no_tf32:
+    def __enter__(self):
+        self.old = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.matmul.allow_tf32 = self.old

@@ -1,0 +1,502 @@
+"""Kernel micro-benchmarks.
+
+``reduce``: the fused ``BlockwiseReduction`` against the per-block loop, and against the
+memory-bound limit (bytes read and written once over the bandwidth of a plain copy)::
+
+    python -m torch_dcp.executor.bench_kernels reduce                       # 128K tokens x 8 heads x 128, 8 partials
+    python -m torch_dcp.executor.bench_kernels reduce --tokens 16384 --repeat 3   # smaller, for a CPU
+
+``table``: attention TFLOP/s against work per launch, written in the format of
+:meth:`torch_dcp.cost.CostModel.from_json`::
+
+    python -m torch_dcp.executor.bench_kernels table --out table.json
+    python -m torch_dcp.executor.bench_kernels table --out t.json --tokens 128,256 --head-dims 64
+
+``division``: one division holding every tile of a few causal documents cut into blocks (the
+executor's kernel, one launch per division) against one dense FlexAttention call over the same
+contiguous documents (document-causal block mask), forward and backward, in TFLOP/s of useful
+work::
+
+    python -m torch_dcp.executor.bench_kernels division --docs 16384,16384   # >= 16K x 16K useful pairs
+
+``plan``: every rank of a plan of a 131,072-token long-tail batch on 4 x 8 ranks, run on this
+one device with the in-process transport and timed per instruction (``emulate(timings=True)``),
+against the simulator's prediction of each rank's compute (``--cost a100|h100|table.json``)::
+
+    python -m torch_dcp.executor.bench_kernels plan --planner dcp --cost h100
+    python -m torch_dcp.executor.bench_kernels plan --tokens 8192 --nodes 1 --ranks-per-node 4 --cost t.json  # CPU
+
+Each table point is one launch over one document (one tile, one division) run through
+:func:`torch_dcp.emulate` with ``timings=True``: ``full`` at ``n = tokens``, ``causal`` at
+``n = tokens * sqrt(2)`` (so that ``sqrt(visible pairs)``, the cost model's work measure, is
+``tokens`` for both). TFLOP/s = the workload's FLOPs (4 per pair per head-dim element
+forward, 10 backward) over the attention time less the measured launch overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+__all__ = ["bench_reduce", "measure_table", "bench_division", "bench_plan", "copy_bandwidth", "launch_overhead", "main"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+
+
+def _device(name: str | None) -> torch.device:
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], Any], device: torch.device, repeat: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn`` over ``repeat`` runs (after ``warmup``)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(1, repeat)):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28, repeat: int = 5) -> float:
+    """Device memory bandwidth in bytes/s: ``2 * nbytes`` (read + write) over the time of a
+    plain ``copy_`` of ``nbytes``."""
+    n = max(1, nbytes // 4)
+    src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    t = _time(lambda: dst.copy_(src), device, repeat)
+    return 2.0 * n * 4 / t
+
+
+def launch_overhead(device: torch.device, n: int = 2000) -> float:
+    """Seconds per launch of a trivial kernel (a one-element in-place add)."""
+    x = torch.zeros(1, device=device)
+    for _ in range(10):
+        x.add_(1)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.add_(1)
+    _sync(device)
+    return (time.perf_counter() - t0) / n
+
+
+# ---------------------------------------------------------------------- reduce
+def _reduction_case(tokens: int, heads: int, head_dim: int, partials: int, block: int, op: str,
+                    dtype: torch.dtype, device: torch.device, seed: int = 0):
+    from ..plan import BlockwiseReduction
+
+    nb = -(-tokens // block)
+    tokens = nb * block
+    rng = np.random.default_rng(seed)
+    slots = rng.permutation(nb * partials).astype(np.int64)  # partial slots scattered over the buffer
+    ins = BlockwiseReduction(op, "opart", "o", np.arange(nb, dtype=np.int64), np.arange(nb, dtype=np.int64) * block,
+                             np.arange(nb + 1, dtype=np.int64) * partials, slots * block)
+    block_len = np.full(nb, block, np.int64)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    rows = nb * partials * block
+    if op == "lse_merge":
+        src = [torch.randn(rows, heads, head_dim, generator=g).to(device=device, dtype=dtype),
+               torch.randn(rows, heads, generator=g).to(device=device, dtype=dtype)]
+        dst = [torch.empty(tokens, heads, head_dim, dtype=dtype, device=device),
+               torch.empty(tokens, heads, dtype=dtype, device=device)]
+    else:
+        src = [torch.randn(rows, heads, head_dim, generator=g).to(device=device, dtype=dtype)]
+        dst = [torch.empty(tokens, heads, head_dim, dtype=dtype, device=device)]
+    return ins, block_len, src, dst
+
+
+def bench_reduce(tokens: int = 131072, heads: int = 8, head_dim: int = 128, partials: int = 8, block: int = 512,
+                 op: str = "lse_merge", dtype: str = "float32", device: str | None = None, repeat: int = 5,
+                 copy_mb: int = 256, check: bool = True) -> dict[str, float]:
+    """Time the fused reduction against the loop and the memory-bound limit.
+
+    Args:
+        tokens: destination rows (rounded up to whole blocks); heads, head_dim: row shape.
+        partials: sources per destination block; block: rows per destination block.
+        op: ``"lse_merge"`` (partial outputs + LSE) or ``"sum"``.
+        dtype: accumulation dtype of the buffers (the executor's is float32).
+        device: ``"cuda"``, ``"cpu"`` or ``"auto"``/None (CUDA when available).
+        copy_mb: size of the plain copy that measures the bandwidth, MiB.
+        check: compare the fused result with the loop's.
+
+    Returns:
+        seconds (``loop_s``, ``fused_s``, ``limit_s``), ``speedup`` (loop / fused),
+        ``bytes`` (minimum bytes moved), ``bandwidth`` (bytes/s), ``of_limit`` (limit / fused),
+        ``max_abs_diff``.
+    """
+    from .reduce import ReductionIndex, reduce_fused, reduce_loop, reduction_bytes
+
+    dev = _device(device)
+    tdt = _DTYPES[dtype]
+    ins, blen, src, dst = _reduction_case(tokens, heads, head_dim, partials, block, op, tdt, dev)
+    index = ReductionIndex(ins, blen, dev)
+    loop_s = _time(lambda: reduce_loop(ins, blen, src, dst), dev, repeat)
+    ref = [t.clone() for t in dst]
+    fused_s = _time(lambda: reduce_fused(ins, blen, src, dst, index=index), dev, repeat)
+    diff = max(float((a - b).abs().max()) for a, b in zip(dst, ref)) if check else float("nan")
+    nbytes = reduction_bytes(ins, blen, src, dst)
+    bw = copy_bandwidth(dev, copy_mb << 20, repeat)
+    limit = nbytes / bw
+    return {"loop_s": loop_s, "fused_s": fused_s, "speedup": loop_s / fused_s, "bytes": float(nbytes),
+            "bandwidth": bw, "limit_s": limit, "of_limit": limit / fused_s, "max_abs_diff": diff}
+
+
+# ---------------------------------------------------------------------- efficiency table
+def _point(n: int, causal: bool, heads: int, kv_heads: int, head_dim: int, dtype: str, kernel: str,
+           device: torch.device, repeat: int) -> tuple[float, float, float, float, float]:
+    """``(pairs, fwd_seconds, bwd_seconds, fwd_flops, bwd_flops)`` of one single-launch document."""
+    import torch_dcp
+    from torch_dcp.masks import Causal, Full
+
+    batch = torch_dcp.BatchSpec([n], Causal() if causal else Full(), n_heads=heads, n_kv_heads=kv_heads,
+                                head_dim=head_dim, dtype=dtype)
+    plan = torch_dcp.plan(batch, 1, planner="greedy", block_size=n, divisions=1)
+    wl = plan.workload
+    g = torch.Generator(device="cpu").manual_seed(0)
+    tdt = _DTYPES[dtype]
+    q = torch.randn(n, heads, head_dim, generator=g).to(device=device, dtype=tdt)
+    k = torch.randn(n, kv_heads, head_dim, generator=g).to(device=device, dtype=tdt)
+    v = torch.randn(n, kv_heads, head_dim, generator=g).to(device=device, dtype=tdt)
+    go = torch.randn(n, heads, head_dim, generator=g).to(device=device, dtype=tdt)
+    kern = torch_dcp.executor.get_kernel(kernel, device=device)
+    fwd, bwd = [], []
+    for i in range(repeat + 1):  # the first run warms up (compilation, caches)
+        _, times = torch_dcp.emulate(plan, q, k, v, go, kernel=kern, timings=True)
+        if i == 0:
+            continue
+        fwd.append(sum(t.seconds for t in times[0] if t.kind == "attention" and not t.backward))
+        bwd.append(sum(t.seconds for t in times[0] if t.kind == "attention" and t.backward))
+    return (float(wl.tile_pairs.sum()), float(np.median(fwd)), float(np.median(bwd)),
+            float(wl.tile_flops_fwd.sum()), float(wl.tile_flops_bwd.sum()))
+
+
+def measure_table(tokens: list[int], head_dim: int = 128, heads: int = 8, kv_heads: int = 2, dtype: str | None = None,
+                  kernel: str = "auto", device: str | None = None, repeat: int = 3, copy_mb: int = 256,
+                  log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure a kernel efficiency table.
+
+    Args:
+        tokens: increasing equivalent square sides (``sqrt(visible pairs)``) to measure.
+        head_dim, heads, kv_heads: attention shape (GQA when ``kv_heads < heads``).
+        dtype: input dtype; default bfloat16 on CUDA, float32 elsewhere.
+        kernel: executor kernel name (``"auto"``, ``"flex"``, ``"sdpa"``, ``"reference"``).
+        repeat: timed runs per point (median), after one warm-up run.
+
+    Returns:
+        a dict with the keys of :meth:`torch_dcp.cost.CostModel.to_json` (``kernel``:
+        ``tokens``, ``fwd_full``, ``fwd_causal``, ``bwd_full``, ``bwd_causal`` in TFLOP/s;
+        ``memory_bandwidth`` in bytes/s; ``launch_overhead`` in seconds) plus ``meta``.
+
+    Raises:
+        ValueError: ``tokens`` empty, not positive or not increasing.
+    """
+    if not tokens or any(t <= 0 for t in tokens) or list(tokens) != sorted(set(tokens)):
+        raise ValueError(f"tokens must be positive and increasing, got {tokens}")
+    dev = _device(device)
+    dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+    overhead = launch_overhead(dev)
+    bw = copy_bandwidth(dev, copy_mb << 20)
+    cols: dict[str, list[float]] = {c: [] for c in ("fwd_full", "fwd_causal", "bwd_full", "bwd_causal")}
+    for x in tokens:
+        for causal in (False, True):
+            n = int(round(x * math.sqrt(2))) if causal else int(x)
+            pairs, tf, tb, ff, fb = _point(n, causal, heads, kv_heads, head_dim, dtype, kernel, dev, repeat)
+            name = "causal" if causal else "full"
+            for pas, t, fl in (("fwd", tf, ff), ("bwd", tb, fb)):
+                busy = max(t - overhead, 0.1 * t)
+                cols[f"{pas}_{name}"].append(fl / busy / 1e12)
+            if log:
+                log(f"tokens {x:6d} {name:6s} n={n:6d} sqrt(pairs)={math.sqrt(pairs):8.0f}  "
+                    f"fwd {tf * 1e3:8.3f} ms {cols[f'fwd_{name}'][-1]:8.3f} TFLOP/s  "
+                    f"bwd {tb * 1e3:8.3f} ms {cols[f'bwd_{name}'][-1]:8.3f} TFLOP/s")
+    kern = _kernel_name(kernel, dev)
+    return {"kernel": {"tokens": [float(t) for t in tokens], **cols}, "memory_bandwidth": bw,
+            "launch_overhead": overhead,
+            "meta": {"device": _device_name(dev), "kernel": kern, "dtype": dtype, "head_dim": head_dim,
+                     "heads": heads, "kv_heads": kv_heads, "repeat": repeat, "torch": torch.__version__}}
+
+
+def _timed_attention(plan, dtype: str, kernel: str, device: torch.device, repeat: int, seed: int = 0):
+    """Per-rank attention/compute seconds of ``plan`` run on ``device`` (median over ``repeat``
+    runs after a warm-up): ``{"fwd_attention": [W], "bwd_attention": [W], "fwd_compute": [W],
+    "bwd_compute": [W]}`` (compute = attention + copies + reductions + message packing)."""
+    import torch_dcp
+
+    b = plan.batch
+    t = b.total_tokens
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    tdt = _DTYPES[dtype]
+    q = torch.randn(t, b.n_heads, b.head_dim, generator=g).to(device=device, dtype=tdt)
+    k = torch.randn(t, b.n_kv_heads, b.head_dim, generator=g).to(device=device, dtype=tdt)
+    v = torch.randn(t, b.n_kv_heads, b.head_dim, generator=g).to(device=device, dtype=tdt)
+    go = torch.randn(t, b.n_heads, b.head_dim, generator=g).to(device=device, dtype=tdt)
+    kern = torch_dcp.executor.get_kernel(kernel, device=device)
+    runs = []
+    for i in range(repeat + 1):
+        _, times = torch_dcp.emulate(plan, q, k, v, go, kernel=kern, timings=True)
+        if i == 0:
+            continue
+        w = plan.world_size
+        res = {key: np.zeros(w) for key in ("fwd_attention", "bwd_attention", "fwd_compute", "bwd_compute")}
+        for r, items in times.items():
+            for it in items:
+                pas = "bwd" if it.backward else "fwd"
+                res[f"{pas}_compute"][r] += it.seconds
+                if it.kind == "attention":
+                    res[f"{pas}_attention"][r] += it.seconds
+        runs.append(res)
+    return {key: np.median([r[key] for r in runs], axis=0) for key in runs[0]}
+
+
+def bench_division(doc_lens: list[int], block: int = 1024, heads: int = 8, kv_heads: int = 2, head_dim: int = 128,
+                   dtype: str | None = None, kernel: str = "auto", device: str | None = None,
+                   repeat: int = 3) -> dict[str, float]:
+    """One division with every tile of causal documents ``doc_lens`` cut into ``block``-token
+    blocks (one rank, ``divisions=1``), through the executor's kernel, against one dense
+    FlexAttention call over the contiguous documents (document-causal mask).
+
+    Returns:
+        seconds and TFLOP/s (useful FLOPs only) of both, forward and backward, and the ratios
+        ``fwd_ratio = division TFLOP/s / dense TFLOP/s`` (likewise ``bwd_ratio``; NaN where
+        the dense call cannot run backward, i.e. FlexAttention on CPU).
+    """
+    import torch_dcp
+    from torch_dcp.masks import Causal
+
+    dev = _device(device)
+    dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+    batch = torch_dcp.BatchSpec(doc_lens, Causal(), n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
+                                dtype=dtype)
+    plan = torch_dcp.plan(batch, 1, planner="greedy", block_size=block, divisions=1)
+    wl = plan.workload
+    ff, fb = float(wl.tile_flops_fwd.sum()), float(wl.tile_flops_bwd.sum())
+    t = _timed_attention(plan, dtype, kernel, dev, repeat)
+    div_f, div_b = float(t["fwd_attention"][0]), float(t["bwd_attention"][0])
+    dense_f, dense_b = _dense_flex(doc_lens, heads, kv_heads, head_dim, dtype, dev, repeat)
+    out = {"useful_pairs": float(wl.tile_pairs.sum()), "division_fwd_s": div_f, "division_bwd_s": div_b,
+           "dense_fwd_s": dense_f, "dense_bwd_s": dense_b,
+           "division_fwd_tflops": ff / div_f / 1e12, "division_bwd_tflops": fb / div_b / 1e12,
+           "dense_fwd_tflops": ff / dense_f / 1e12, "dense_bwd_tflops": fb / dense_b / 1e12 if dense_b == dense_b else
+           float("nan")}
+    out["fwd_ratio"] = dense_f / div_f
+    out["bwd_ratio"] = dense_b / div_b if dense_b == dense_b else float("nan")
+    return out
+
+
+def _dense_flex(doc_lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype: str, dev: torch.device,
+                repeat: int) -> tuple[float, float]:
+    """Seconds of one FlexAttention call (forward; forward + backward less forward) over
+    contiguous causal documents; backward NaN where flex has none (CPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    t = int(sum(doc_lens))
+    doc = torch.repeat_interleave(torch.arange(len(doc_lens), device=dev), torch.tensor(doc_lens, device=dev))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
+
+    bm = create_block_mask(mask_mod, None, None, t, t, device=str(dev))
+    fn = torch.compile(flex_attention) if dev.type == "cuda" else flex_attention
+    g = torch.Generator(device="cpu").manual_seed(1)
+    tdt = _DTYPES[dtype]
+    q = torch.randn(1, heads, t, head_dim, generator=g).to(device=dev, dtype=tdt)
+    k = torch.randn(1, kv_heads, t, head_dim, generator=g).to(device=dev, dtype=tdt)
+    v = torch.randn(1, kv_heads, t, head_dim, generator=g).to(device=dev, dtype=tdt)
+    fwd = _time(lambda: fn(q, k, v, block_mask=bm, enable_gqa=kv_heads != heads), dev, repeat)
+    if dev.type != "cuda":
+        return fwd, float("nan")
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    go = torch.randn_like(q)
+
+    def both():
+        o = fn(qg, kg, vg, block_mask=bm, enable_gqa=kv_heads != heads)
+        o.backward(go)
+
+    return fwd, max(_time(both, dev, repeat) - fwd, 1e-12)
+
+
+def bench_plan(planner: str = "dcp", tokens: int = 131072, nodes: int = 4, ranks_per_node: int = 8,
+               block: int = 1024, cost: str = "h100", dtype: str | None = None, kernel: str = "auto",
+               device: str | None = None, repeat: int = 1, seed: int = 0) -> dict[str, Any]:
+    """Measured per-rank compute of a plan (all ranks run on this one device, one after
+    another, timed per instruction) against the simulator's prediction.
+
+    The batch: :func:`torch_dcp.data.long_tail_lengths` ``(tokens)``, causal, GQA 8/2,
+    head_dim 128. ``cost``: ``"a100"``, ``"h100"`` or a JSON table file (e.g. from ``table``).
+
+    Returns:
+        per rank: measured and predicted forward/backward attention seconds, and summary
+        ratios (measured / predicted: median, min, max; makespan-relevant max-rank ratio).
+    """
+    from pathlib import Path
+
+    import torch_dcp
+    from torch_dcp.cost import CostModel
+    from torch_dcp.data import long_tail_lengths
+    from torch_dcp.masks import Causal
+    from torch_dcp.simulate import simulate
+
+    dev = _device(device)
+    dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+    cm = getattr(CostModel, cost)() if cost in ("a100", "h100") else CostModel.from_json(Path(cost).read_text())
+    lens = long_tail_lengths(tokens, max_len=min(32768, tokens), seed=seed)
+    batch = torch_dcp.BatchSpec(lens, Causal(), n_heads=8, n_kv_heads=2, head_dim=128, dtype=dtype)
+    plan = torch_dcp.plan(batch, torch_dcp.Topology(n_nodes=nodes, ranks_per_node=ranks_per_node), planner=planner,
+                          block_size=block)
+    sim = simulate(plan, cm)
+    pred = {"fwd": _sim_attention(sim.forward), "bwd": _sim_attention(sim.backward)}
+    meas = _timed_attention(plan, dtype, kernel, dev, repeat)
+    out: dict[str, Any] = {"planner": planner, "tokens": tokens, "world_size": plan.world_size, "device":
+                           _device_name(dev), "kernel": _kernel_name(kernel, dev), "dtype": dtype}
+    for pas in ("fwd", "bwd"):
+        m, p_ = meas[f"{pas}_attention"], pred[pas]
+        ratio = m / np.maximum(p_, 1e-12)
+        out[f"{pas}_measured_s"] = m.tolist()
+        out[f"{pas}_predicted_s"] = p_.tolist()
+        out[f"{pas}_ratio_median"] = float(np.median(ratio))
+        out[f"{pas}_ratio_min"] = float(ratio.min())
+        out[f"{pas}_ratio_max"] = float(ratio.max())
+        out[f"{pas}_max_rank_ratio"] = float(m.max() / max(p_.max(), 1e-12))
+    return out
+
+
+def _sim_attention(p) -> np.ndarray:
+    """Per-rank simulated attention seconds of a pass."""
+    w = len(p.events)
+    return np.array([sum(e - s for kind, s, e in p.events[r] if kind == "attention") for r in range(w)])
+
+
+def _kernel_name(kernel: str, device: torch.device) -> str:
+    from .kernels import get_kernel
+
+    k = get_kernel(kernel, device=device)
+    return getattr(k, "name", type(k).__name__)
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return dev.type
+
+
+# ---------------------------------------------------------------------- CLI
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m torch_dcp.executor.bench_kernels", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("reduce", help="fused vs per-block BlockwiseReduction")
+    r.add_argument("--tokens", type=int, default=None, help="destination rows (default 131072 on CUDA, 16384 on CPU)")
+    r.add_argument("--heads", type=int, default=8)
+    r.add_argument("--head-dim", type=int, default=128)
+    r.add_argument("--partials", type=int, default=8)
+    r.add_argument("--block", type=int, default=512, help="rows per destination block")
+    r.add_argument("--op", choices=("lse_merge", "sum"), default="lse_merge")
+    r.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    r.add_argument("--device", default="auto")
+    r.add_argument("--repeat", type=int, default=5)
+    r.add_argument("--copy-mb", type=int, default=256, help="MiB copied to measure the bandwidth")
+    t = sub.add_parser("table", help="TFLOP/s vs work per launch, CostModel JSON")
+    t.add_argument("--out", required=True, help="output JSON; with several head dims, NAME.hdD.json each")
+    t.add_argument("--tokens", type=_ints, default=None,
+                   help="comma-separated equivalent tokens (default 512..16384 on CUDA, 128,256,512 on CPU)")
+    t.add_argument("--head-dims", type=_ints, default=[128])
+    t.add_argument("--heads", type=int, default=8)
+    t.add_argument("--kv-heads", type=int, default=2)
+    t.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default bfloat16 on CUDA, float32 elsewhere")
+    t.add_argument("--kernel", default="auto")
+    t.add_argument("--device", default="auto")
+    t.add_argument("--repeat", type=int, default=3)
+    t.add_argument("--copy-mb", type=int, default=256)
+    dv = sub.add_parser("division", help="one division's kernel vs one dense FlexAttention call, TFLOP/s")
+    dv.add_argument("--docs", type=_ints, default=None, help="causal document lengths (default 16384,16384 on CUDA, "
+                    "1024,512 on CPU)")
+    dv.add_argument("--block", type=int, default=None, help="block size (default 1024 on CUDA, 128 on CPU)")
+    dv.add_argument("--head-dim", type=int, default=128)
+    dv.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
+    dv.add_argument("--kernel", default="auto")
+    dv.add_argument("--device", default="auto")
+    dv.add_argument("--repeat", type=int, default=3)
+    pl = sub.add_parser("plan", help="measured per-rank compute of a plan vs the simulator's prediction")
+    pl.add_argument("--planner", default="dcp")
+    pl.add_argument("--tokens", type=int, default=131072)
+    pl.add_argument("--nodes", type=int, default=4)
+    pl.add_argument("--ranks-per-node", type=int, default=8)
+    pl.add_argument("--block", type=int, default=1024)
+    pl.add_argument("--cost", default="h100", help="a100, h100 or a JSON table (e.g. written by 'table')")
+    pl.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
+    pl.add_argument("--kernel", default="auto")
+    pl.add_argument("--device", default="auto")
+    pl.add_argument("--repeat", type=int, default=1)
+    a = p.parse_args(argv)
+    dev = _device(a.device)
+    if a.cmd == "division":
+        docs = a.docs or ([16384, 16384] if dev.type == "cuda" else [1024, 512])
+        block = a.block or (1024 if dev.type == "cuda" else 128)
+        res = bench_division(docs, block, 8, 2, a.head_dim, a.dtype, a.kernel, str(dev), a.repeat)
+        print(json.dumps({k: round(v, 6) for k, v in res.items()}))
+        print(f"division of {len(docs)} causal documents {docs} in blocks of {block} "
+              f"({res['useful_pairs'] ** 0.5:.0f}^2 useful pairs) on {_device_name(dev)}, kernel "
+              f"{_kernel_name(a.kernel, dev)}: forward {res['division_fwd_tflops']:.3f} vs dense "
+              f"{res['dense_fwd_tflops']:.3f} TFLOP/s ({100 * res['fwd_ratio']:.0f}%), backward "
+              f"{res['division_bwd_tflops']:.3f} vs {res['dense_bwd_tflops']:.3f} ({100 * res['bwd_ratio']:.0f}%)")
+        return 0
+    if a.cmd == "plan":
+        res = bench_plan(a.planner, a.tokens, a.nodes, a.ranks_per_node, a.block, a.cost, a.dtype, a.kernel,
+                         str(dev), a.repeat)
+        print(json.dumps(res))
+        print("| rank | fwd measured ms | fwd predicted ms | bwd measured ms | bwd predicted ms |")
+        print("|---|---|---|---|---|")
+        for r in range(res["world_size"]):
+            print(f"| {r} | {res['fwd_measured_s'][r] * 1e3:.3f} | {res['fwd_predicted_s'][r] * 1e3:.3f} | "
+                  f"{res['bwd_measured_s'][r] * 1e3:.3f} | {res['bwd_predicted_s'][r] * 1e3:.3f} |")
+        for pas in ("fwd", "bwd"):
+            print(f"{pas}: measured / predicted per rank: median {res[f'{pas}_ratio_median']:.2f}, "
+                  f"range {res[f'{pas}_ratio_min']:.2f}-{res[f'{pas}_ratio_max']:.2f}; busiest rank "
+                  f"{res[f'{pas}_max_rank_ratio']:.2f}")
+        return 0
+    if a.cmd == "reduce":
+        tokens = a.tokens or (131072 if dev.type == "cuda" else 16384)
+        res = bench_reduce(tokens, a.heads, a.head_dim, a.partials, a.block, a.op, a.dtype, str(dev), a.repeat, a.copy_mb)
+        print(f"{a.op}: {a.partials} partials -> {tokens} tokens x {a.heads} heads x {a.head_dim}, {a.dtype}, "
+              f"blocks of {a.block}, on {_device_name(dev)}")
+        print(f"  loop      {res['loop_s'] * 1e3:10.3f} ms")
+        print(f"  fused     {res['fused_s'] * 1e3:10.3f} ms   speedup x{res['speedup']:.2f}   "
+              f"max |fused - loop| {res['max_abs_diff']:.2e}")
+        print(f"  limit     {res['limit_s'] * 1e3:10.3f} ms   ({res['bytes'] / 1e9:.3f} GB read+written once at "
+              f"{res['bandwidth'] / 1e9:.1f} GB/s plain-copy bandwidth); fused reaches {100 * res['of_limit']:.0f}% of it")
+        return 0
+    tokens = a.tokens or ([512, 1024, 2048, 4096, 8192, 16384] if dev.type == "cuda" else [128, 256, 512])
+    for hd in a.head_dims:
+        out = a.out if len(a.head_dims) == 1 else a.out.replace(".json", "") + f".hd{hd}.json"
+        table = measure_table(tokens, hd, a.heads, a.kv_heads, a.dtype, a.kernel, str(dev), a.repeat, a.copy_mb,
+                              log=lambda s: print(s, flush=True))
+        with open(out, "w") as f:
+            json.dump(table, f, indent=1)
+        print(f"head_dim {hd}: wrote {out} (memory bandwidth {table['memory_bandwidth'] / 1e9:.1f} GB/s, "
+              f"launch overhead {table['launch_overhead'] * 1e6:.1f} us)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
