@@ -67,3 +67,18 @@ def test_length_lists_round_trip(tmp_path):
         load_lengths(tmp_path / "x.json")
     with pytest.raises(ValueError, match="not a length list"):
         load_lengths(tmp_path / "missing.json")
+
+
+def test_load_documents_reads_jsonl_text(tmp_path):
+    from torch_dcp.data import load_documents
+
+    f = tmp_path / "docs.jsonl"
+    f.write_text(_jsonl([{"text": "hello"}, {"text": ""}, {"text": "x"}]) + "\n")
+    assert load_documents(f) == ["hello", "x"]
+    assert load_documents(f, limit=1) == ["hello"]
+    f.write_text(_jsonl([{"body": "no text"}]))
+    with pytest.raises(ValueError, match="record 1: a JSONL record needs a string field 'text'"):
+        load_documents(f)
+    f.write_text(_jsonl([{"text": ""}]))
+    with pytest.raises(ValueError, match="holds no documents"):
+        load_documents(f)

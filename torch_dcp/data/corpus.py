@@ -7,7 +7,6 @@ long ones), available offline everywhere Python is.
 
 from __future__ import annotations
 
-import json
 import os
 import sysconfig
 from pathlib import Path
@@ -44,21 +43,16 @@ def load_documents(path: str | os.PathLike | None = None, limit: int | None = No
         if not p.exists():
             raise ValueError(f"data path {str(p)!r} does not exist")
         if p.is_file():
+            from .lengths import read_jsonl
+
             docs = []
-            with p.open(encoding="utf-8") as f:
-                for i, line in enumerate(f):
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise ValueError(f"{p}:{i + 1}: not JSON ({err})") from None
-                    if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                        raise ValueError(f"{p}:{i + 1}: a JSONL line needs a string field 'text'")
-                    if rec["text"]:
-                        docs.append(rec["text"])
-                    if limit and len(docs) >= limit:
-                        break
+            for i, rec in enumerate(read_jsonl(p)):
+                if not isinstance(rec.get("text"), str):
+                    raise ValueError(f"{p}: record {i + 1}: a JSONL record needs a string field 'text'")
+                if rec["text"]:
+                    docs.append(rec["text"])
+                if limit and len(docs) >= limit:
+                    break
             if not docs:
                 raise ValueError(f"{p} holds no documents")
             return docs
