@@ -144,3 +144,19 @@ def test_ranks_of_a_node_share_its_network_links():
     assert ends[1] == pytest.approx(2 * x + a_full, rel=1e-9)
     # a sender's wait covers its send
     assert sorted(res.forward.finish_s[:2]) == pytest.approx([x, 2 * x], rel=1e-9)
+
+
+def test_links_back_fill_gaps():
+    from torch_dcp.simulate import _earliest_common_gap, _Link
+
+    a, b = _Link(), _Link()
+    a.reserve(0.0, 5.0)  # a later transfer already holds link a over [0, 5)
+    b.reserve(6.0, 8.0)  # and link b over [6, 8)
+    # a transfer needing only b, ready at 1, takes b's idle gap [1, 3) instead of queueing after 8
+    assert _earliest_common_gap([b], 1.0, 2.0) == 1.0
+    # one needing a and b for 2 s: a is free from 5, b is busy from 6 -> first common gap at 8
+    assert _earliest_common_gap([a, b], 0.0, 2.0) == 8.0
+    # for 1 s it fits in [5, 6)
+    assert _earliest_common_gap([a, b], 0.0, 1.0) == 5.0
+    b.reserve(1.0, 3.0)
+    assert b.starts == [1.0, 6.0] and _earliest_common_gap([b], 0.5, 1.0) == 3.0

@@ -7,7 +7,10 @@ Each rank has one compute stream that runs ``BlockwiseCopy``, ``BlockwiseAttenti
 rank has finished. A transfer (one message per sender, receiver and phase, as the executor
 sends them) starts when both ends have launched the phase and the sender's outgoing link
 and the receiver's incoming link are free, and takes the link class's latency + bytes over
-bandwidth: concurrent transfers of one rank share its link one after another. Inside a node
+bandwidth: concurrent transfers of one rank share its link one after another. A transfer
+takes the earliest time from which all its links are free for its duration, so a link is
+never left idle while a ready transfer could use it, even when a later transfer already holds
+it (gaps are back-filled). Inside a node
 each rank has its own NVLink/NVSwitch port (``Topology.intra_bandwidth`` per direction).
 Between nodes, the node's network links (``Topology.inter_bandwidth`` in all) are one
 outgoing and one incoming queue shared by all ranks of the node: a rank that sends alone
@@ -20,6 +23,7 @@ exposed communication.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Any
 
@@ -86,6 +90,46 @@ def simulate(plan: Plan, cost_model: CostModel | None = None) -> SimResult:
     return SimResult(fwd, bwd, fwd.makespan_s + bwd.makespan_s, float(ideal))
 
 
+class _Link:
+    """Busy intervals of one link, sorted by start (non-overlapping)."""
+
+    __slots__ = ("starts", "ends")
+
+    def __init__(self):
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def conflict_end(self, t: float, dur: float) -> float | None:
+        """End of the first busy interval overlapping ``[t, t + dur)``, or None if free."""
+        i = bisect.bisect_right(self.starts, t) - 1
+        if i >= 0 and self.ends[i] > t:
+            return self.ends[i]
+        j = i + 1
+        if j < len(self.starts) and self.starts[j] < t + dur:
+            return self.ends[j]
+        return None
+
+    def reserve(self, start: float, end: float) -> None:
+        if end <= start:
+            return
+        i = bisect.bisect_left(self.starts, start)
+        self.starts.insert(i, start)
+        self.ends.insert(i, end)
+
+
+def _earliest_common_gap(links: list[_Link], ready: float, dur: float) -> float:
+    """Earliest ``t >= ready`` at which every link is free for ``dur`` seconds."""
+    t = ready
+    while True:
+        moved = False
+        for lk in links:
+            end = lk.conflict_end(t, dur)
+            if end is not None:
+                t, moved = end, True
+        if not moved:
+            return t
+
+
 class _Pass:
     """Discrete-event simulation of one pass: the rank with the earliest clock always moves
     next, so transfers become ready (both ends launched) in time order and the links serve
@@ -128,10 +172,14 @@ class _Pass:
         busy = np.zeros(w)
         exposed = np.zeros(w)
         events: list[list[tuple[str, float, float]]] = [[] for _ in range(w)]
-        # one outgoing and one incoming queue per rank and link class (NVLink/NVSwitch and the
+        # one outgoing and one incoming link per rank and link class (NVLink/NVSwitch and the
         # network are separate links), and per node for its network links
-        egress, ingress = np.zeros((2, w)), np.zeros((2, w))
-        node_out, node_in = np.zeros(topo.n_nodes), np.zeros(topo.n_nodes)
+        links: dict[tuple, _Link] = {}
+
+        def link(*name) -> _Link:
+            if name not in links:
+                links[name] = _Link()
+            return links[name]
         launched: dict[tuple[int, int, int], list[float | None]] = {}  # key -> [send t, recv t]
         nbytes: dict[tuple[int, int, int], float] = {}
         end_of: dict[tuple[int, int, int], float] = {}
@@ -143,14 +191,15 @@ class _Pass:
             s, r = launched[key]
             _, src, dst = key
             ns, nd = topo.node_of(src), topo.node_of(dst)
-            inter = int(ns != nd)
-            start = max(s, r, egress[inter, src], ingress[inter, dst])
+            inter = ns != nd
+            used = [link("out", inter, src), link("in", inter, dst)]
             if inter:
-                start = max(start, node_out[ns], node_in[nd])
-            end = start + self.cm.transfer_seconds(nbytes.get(key, 0.0), topo, bool(inter))
-            egress[inter, src] = ingress[inter, dst] = end_of[key] = end
-            if inter:
-                node_out[ns] = node_in[nd] = end
+                used += [link("node out", ns), link("node in", nd)]
+            dur = self.cm.transfer_seconds(nbytes.get(key, 0.0), topo, inter)
+            start = _earliest_common_gap(used, max(s, r), dur)
+            for lk in used:
+                lk.reserve(start, start + dur)
+            end_of[key] = start + dur
 
         while heap:
             t, r = heapq.heappop(heap)
