@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -160,3 +162,25 @@ def test_links_back_fill_gaps():
     assert _earliest_common_gap([a, b], 0.0, 1.0) == 5.0
     b.reserve(1.0, 3.0)
     assert b.starts == [1.0, 6.0] and _earliest_common_gap([b], 0.5, 1.0) == 3.0
+
+
+def test_tables_per_head_dim_and_dtype(tmp_path):
+    slow = KernelTable((1.0,), (TFLOPS / 4,) * 1, (TFLOPS / 4,), (TFLOPS / 4,), (TFLOPS / 4,))
+    cm = CostModel.merge(FLAT, CostModel(FLAT.kernel, tables=((32, "float32", slow),)))
+    assert cm.table_for(32, "float32") is slow and cm.table_for(32) is slow
+    assert cm.table_for(64, "float32") is FLAT.kernel and cm.table_for(32, "bfloat16") is FLAT.kernel
+    assert CostModel.from_json(cm.to_json()) == cm
+    # a head_dim-32 float32 batch runs on the slow table: 4x the attention time of FLAT
+    batch = BatchSpec([2 * B], Full(), n_heads=4, n_kv_heads=2, head_dim=32, dtype="float32")
+    plan = _plan(batch, [0, 0], lambda q, kv, br: 0, 2)
+    a = simulate(plan, FLAT).forward.busy_s.sum()
+    assert simulate(plan, cm).forward.busy_s.sum() == pytest.approx(4 * a, rel=1e-9)
+    # a measured file (meta with head_dim and dtype) is filed under its shape; load() merges files
+    meta = json.loads(CostModel(slow).to_json()) | {"meta": {"head_dim": 32, "dtype": "float32"}}
+    (tmp_path / "hd32.json").write_text(json.dumps(meta))
+    (tmp_path / "base.json").write_text(FLAT.to_json())
+    loaded = CostModel.load(f"{tmp_path / 'base.json'},{tmp_path / 'hd32.json'}")
+    assert loaded.kernel == FLAT.kernel and loaded.table_for(32, "float32") == slow
+    assert CostModel.load("h100") == CostModel.h100()
+    with pytest.raises(ValueError, match="JSON table files"):
+        CostModel.load("b200")

@@ -156,16 +156,9 @@ def _progress(total: int, desc: str):
 
 
 def _cost_model(name: str):
-    """``"a100"``, ``"h100"`` or the path of a JSON cost table."""
-    from pathlib import Path
-
     from .cost import CostModel
 
-    if name in ("a100", "h100"):
-        return getattr(CostModel, name)()
-    if not Path(name).is_file():
-        raise ValueError(f"cost model must be 'a100', 'h100' or a JSON table file, got {name!r}")
-    return CostModel.from_json(Path(name).read_text())
+    return CostModel.load(name)
 
 
 def bench_paper(planners: list[str], masks: list[str], scales: list[float], block_sizes: list[int], divisions: int,
@@ -382,7 +375,8 @@ def main(argv: list[str] | None = None) -> None:
     pp2.add_argument("--block-sizes", default="512,1024,2048,4096")
     pp2.add_argument("--divisions", type=int, default=4)
     pp2.add_argument("--cost", default="a100",
-                     help="a100, h100, or a JSON cost table measured on your GPU (CostModel.to_json format)")
+                     help="a100, h100, or JSON cost tables measured on your GPU (CostModel.to_json format), "
+                          "comma-separated, e.g. one per head_dim")
     pp2.add_argument("--batches", default=None,
                      help="length sources to run (default: all): corpus, longtail, longalign, ldc")
     pp2.add_argument("--longalign", default=None, metavar="PATH",

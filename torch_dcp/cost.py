@@ -20,7 +20,9 @@ Shipped tables (bf16, head_dim 128):
   from 512 to 16K tokens, backward about 110-195.
 
 A user loads their own table with :meth:`CostModel.from_json` (same keys as
-:meth:`CostModel.to_json`).
+:meth:`CostModel.to_json`; ``python -m torch_dcp.executor.bench_kernels table`` measures one per
+head_dim) and joins several with :meth:`CostModel.merge`: a launch uses the table measured for
+the batch's head_dim and dtype, else the default one.
 """
 
 from __future__ import annotations
@@ -88,14 +90,39 @@ class CostModel:
     """Times of instructions and transfers, in seconds.
 
     Attributes:
-        kernel: the attention throughput table.
+        kernel: the attention throughput table (the shipped ones: bf16, head_dim 128).
         memory_bandwidth: bytes/s of device memory (reductions, copies).
         launch_overhead: seconds added to every kernel launch.
+        tables: optional tables measured for other shapes, ``((head_dim, dtype, table), ...)``;
+            a launch uses the one matching the batch's head_dim and dtype, else ``kernel``
+            (:meth:`table_for`). :meth:`merge` joins measured files (one per head_dim).
     """
 
     kernel: KernelTable = A100
     memory_bandwidth: float = 1.6e12
     launch_overhead: float = 5e-6
+    tables: tuple[tuple[int, str, KernelTable], ...] = ()
+
+    def table_for(self, head_dim: int | None = None, dtype: str | None = None) -> KernelTable:
+        """The table measured for ``(head_dim, dtype)``; for ``dtype=None`` any dtype of that
+        head_dim; ``kernel`` when none matches."""
+        for hd, dt, table in self.tables:
+            if hd == head_dim and (dtype is None or dt == dtype):
+                return table
+        return self.kernel
+
+    @classmethod
+    def merge(cls, *models: "CostModel") -> "CostModel":
+        """One model holding the tables of several (e.g. a measured file per head_dim); the
+        first model's ``kernel``, bandwidth and launch overhead are the defaults.
+
+        Raises:
+            ValueError: no model given.
+        """
+        if not models:
+            raise ValueError("CostModel.merge needs at least one model")
+        tables = tuple(t for m in models for t in m.tables)
+        return dataclasses.replace(models[0], tables=tables)
 
     @classmethod
     def a100(cls) -> "CostModel":
@@ -105,11 +132,14 @@ class CostModel:
     def h100(cls) -> "CostModel":
         return cls(H100, 3.0e12)
 
-    def attention_seconds(self, pairs: float, flops: float, backward: bool, causal: bool) -> float:
-        """One fused launch doing ``flops`` over ``pairs`` visible (query, key) pairs x heads."""
+    def attention_seconds(self, pairs: float, flops: float, backward: bool, causal: bool,
+                          head_dim: int | None = None, dtype: str | None = None) -> float:
+        """One fused launch doing ``flops`` over ``pairs`` visible (query, key) pairs x heads;
+        ``causal`` for any masked (causal or partial) work, with the table of ``head_dim`` and
+        ``dtype`` (:meth:`table_for`)."""
         if flops <= 0:
             return 0.0
-        tf = self.kernel.tflops(float(np.sqrt(pairs)), backward, causal)
+        tf = self.table_for(head_dim, dtype).tflops(float(np.sqrt(pairs)), backward, causal)
         return flops / (tf * 1e12) + self.launch_overhead
 
     def memory_seconds(self, nbytes: float) -> float:
@@ -125,20 +155,50 @@ class CostModel:
             return topology.inter_latency + nbytes / topology.inter_bandwidth
         return topology.intra_latency + nbytes / topology.intra_bandwidth
 
+    @classmethod
+    def load(cls, spec: str) -> "CostModel":
+        """``"a100"``, ``"h100"``, or the paths of JSON cost tables, comma-separated (merged,
+        e.g. one file measured per head_dim).
+
+        Raises:
+            ValueError: an unknown name or a missing or malformed file.
+        """
+        from pathlib import Path
+
+        if spec in ("a100", "h100"):
+            return getattr(cls, spec)()
+        paths = [Path(x) for x in str(spec).split(",")]
+        for path in paths:
+            if not path.is_file():
+                raise ValueError(f"cost model must be 'a100', 'h100' or JSON table files, got {spec!r}")
+        return cls.merge(*(cls.from_json(path.read_text()) for path in paths))
+
     def to_json(self) -> str:
-        return json.dumps({"kernel": dataclasses.asdict(self.kernel), "memory_bandwidth": self.memory_bandwidth,
-                           "launch_overhead": self.launch_overhead}, indent=1)
+        d: dict[str, Any] = {"kernel": dataclasses.asdict(self.kernel), "memory_bandwidth": self.memory_bandwidth,
+                             "launch_overhead": self.launch_overhead}
+        if self.tables:
+            d["tables"] = [{"head_dim": hd, "dtype": dt, "kernel": dataclasses.asdict(t)} for hd, dt, t in self.tables]
+        return json.dumps(d, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "CostModel":
-        """Load a table measured on your own device (the format of :meth:`to_json`).
+        """Load a table measured on your own device (the format of :meth:`to_json`; a
+        ``meta`` object with ``head_dim`` and ``dtype``, as ``bench_kernels table`` writes,
+        also files the table under that shape in ``tables``).
 
         Raises:
             ValueError: malformed JSON or table.
         """
+        def table(k: dict) -> KernelTable:
+            return KernelTable(**{key: tuple(float(v) for v in vals) for key, vals in k.items()})
+
         try:
             d = json.loads(text)
-            k = {key: tuple(float(v) for v in vals) for key, vals in d["kernel"].items()}
-            return cls(KernelTable(**k), float(d["memory_bandwidth"]), float(d.get("launch_overhead", 5e-6)))
-        except (KeyError, TypeError, json.JSONDecodeError) as err:
+            main = table(d["kernel"])
+            tables = [(int(t["head_dim"]), str(t["dtype"]), table(t["kernel"])) for t in d.get("tables", [])]
+            meta = d.get("meta") or {}
+            if "head_dim" in meta and "dtype" in meta:
+                tables.insert(0, (int(meta["head_dim"]), str(meta["dtype"]), main))
+            return cls(main, float(d["memory_bandwidth"]), float(d.get("launch_overhead", 5e-6)), tuple(tables))
+        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as err:
             raise ValueError(f"CostModel.from_json: malformed cost table ({err})") from None

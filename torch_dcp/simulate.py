@@ -154,7 +154,9 @@ class _Pass:
             flops_of = wl.tile_flops_bwd if self.backward else wl.tile_flops_fwd
             pairs = float(wl.tile_pairs[ins.tile].sum()) * self.plan.batch.n_heads
             causal = not bool(wl.tile_full[ins.tile].all())
-            return "attention", cm.attention_seconds(pairs, float(flops_of[ins.tile].sum()), self.backward, causal)
+            b = self.plan.batch
+            return "attention", cm.attention_seconds(pairs, float(flops_of[ins.tile].sum()), self.backward, causal,
+                                                     b.head_dim, b.dtype)
         if isinstance(ins, BlockwiseReduction):
             n_src = np.diff(ins.src_ptr)
             rows = self.blen[ins.dst_block]

@@ -346,7 +346,6 @@ def bench_plan(planner: str = "dcp", tokens: int = 131072, nodes: int = 4, ranks
         per rank: measured and predicted forward/backward attention seconds, and summary
         ratios (measured / predicted: median, min, max; makespan-relevant max-rank ratio).
     """
-    from pathlib import Path
 
     import torch_dcp
     from torch_dcp.cost import CostModel
@@ -356,7 +355,7 @@ def bench_plan(planner: str = "dcp", tokens: int = 131072, nodes: int = 4, ranks
 
     dev = _device(device)
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
-    cm = getattr(CostModel, cost)() if cost in ("a100", "h100") else CostModel.from_json(Path(cost).read_text())
+    cm = CostModel.load(cost)
     lens = long_tail_lengths(tokens, max_len=min(32768, tokens), seed=seed)
     batch = torch_dcp.BatchSpec(lens, Causal(), n_heads=8, n_kv_heads=2, head_dim=128, dtype=dtype)
     plan = torch_dcp.plan(batch, torch_dcp.Topology(n_nodes=nodes, ranks_per_node=ranks_per_node), planner=planner,
