@@ -4,7 +4,6 @@ code with 131,072 tokens on 4 x 8 ranks)."""
 from __future__ import annotations
 
 import io
-import json
 
 import pytest
 
@@ -69,11 +68,9 @@ def test_scaled_batch_and_errors(tmp_path, capsys):
 
 
 def test_cost_table_from_file(tmp_path):
-    from torch_dcp.bench import _cost_model
     from torch_dcp.cost import CostModel
 
     (tmp_path / "t.json").write_text(CostModel.h100().to_json())
-    assert _cost_model(str(tmp_path / "t.json")) == CostModel.h100()
+    assert CostModel.load(str(tmp_path / "t.json")) == CostModel.h100()
     with pytest.raises(ValueError, match="JSON table file"):
-        _cost_model("b200")
-    json.loads(CostModel.a100().to_json())
+        CostModel.load("b200")

@@ -114,7 +114,7 @@ def paper_sources(longalign: str | None = None, long_data_collections: str | Non
     for name, path, loader in (("longalign", longalign, longalign_lengths),
                                ("ldc", long_data_collections, long_data_collections_lengths)):
         if path:
-            lens = load_lengths(path) if str(path).endswith(".json") and not str(path).endswith(".jsonl") else loader(path)
+            lens = load_lengths(path) if str(path).endswith(".json") else loader(path)
             out[name] = [lens[i] for i in rng.permutation(len(lens))]
     return out
 
@@ -155,12 +155,6 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
-def _cost_model(name: str):
-    from .cost import CostModel
-
-    return CostModel.load(name)
-
-
 def bench_paper(planners: list[str], masks: list[str], scales: list[float], block_sizes: list[int], divisions: int,
                 topology: Topology, cost="a100", out=sys.stdout, sources: dict[str, list[int]] | None = None,
                 total: int = 131072) -> list[dict]:
@@ -169,7 +163,7 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
     from .cost import CostModel
     from .simulate import simulate
 
-    cm = cost if isinstance(cost, CostModel) else _cost_model(cost)
+    cm = cost if isinstance(cost, CostModel) else CostModel.load(cost)
     sources = sources or paper_sources(total=total)
     rows = []
     runs = sum(1 if p in ("ring", "megatron") else len(block_sizes) for p in planners)
@@ -415,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
                         args.sweep_scale, sources=sources)
             return
         bench_paper(args.planners.split(","), args.masks.split(","), [float(x) for x in args.scales.split(",")],
-                    block_sizes, args.divisions, Topology(), _cost_model(args.cost), sources=sources)
+                    block_sizes, args.divisions, Topology(), args.cost, sources=sources)
         return
     if args.cmd == "planners":
         masks = args.masks.split(",")

@@ -170,21 +170,8 @@ def _point(n: int, causal: bool, heads: int, kv_heads: int, head_dim: int, dtype
                                 head_dim=head_dim, dtype=dtype)
     plan = torch_dcp.plan(batch, 1, planner="greedy", block_size=n, divisions=1)
     wl = plan.workload
-    g = torch.Generator(device="cpu").manual_seed(0)
-    tdt = _DTYPES[dtype]
-    q = torch.randn(n, heads, head_dim, generator=g).to(device=device, dtype=tdt)
-    k = torch.randn(n, kv_heads, head_dim, generator=g).to(device=device, dtype=tdt)
-    v = torch.randn(n, kv_heads, head_dim, generator=g).to(device=device, dtype=tdt)
-    go = torch.randn(n, heads, head_dim, generator=g).to(device=device, dtype=tdt)
-    kern = torch_dcp.executor.get_kernel(kernel, device=device)
-    fwd, bwd = [], []
-    for i in range(repeat + 1):  # the first run warms up (compilation, caches)
-        _, times = torch_dcp.emulate(plan, q, k, v, go, kernel=kern, timings=True)
-        if i == 0:
-            continue
-        fwd.append(sum(t.seconds for t in times[0] if t.kind == "attention" and not t.backward))
-        bwd.append(sum(t.seconds for t in times[0] if t.kind == "attention" and t.backward))
-    return (float(wl.tile_pairs.sum()), float(np.median(fwd)), float(np.median(bwd)),
+    t = _timed_attention(plan, dtype, kernel, device, repeat)
+    return (float(wl.tile_pairs.sum()), float(t["fwd_attention"][0]), float(t["bwd_attention"][0]),
             float(wl.tile_flops_fwd.sum()), float(wl.tile_flops_bwd.sum()))
 
 

@@ -42,11 +42,10 @@ class Division:
             index ``j`` of each packed key.
         tile_group, tile_key: ``[n_tiles]`` ``(g, j)`` of each tile; tile_full: bool
             ``[n_tiles]``, every pair of the tile visible.
-        q_doc, q_pos: ``[n_q]`` document and document-local position of each packed query;
-            k_doc, k_pos: ``[n_k]`` the same for the keys.
+        q_pos: ``[n_q]`` document-local position of each packed query; k_pos: ``[n_k]`` the
+            same for the keys (a tile pairs blocks of one document).
         key_starts, key_ends: ``[n_q, R]`` document-local key ranges ``[start, end)`` of each
             packed query (``R`` = the batch's widest mask; unused ranges are empty).
-        pairs: visible (query, key) pairs of the division (per head).
         cache: scratch space for kernels (device tensors, block masks) keyed as they like.
     """
 
@@ -61,13 +60,10 @@ class Division:
     tile_group: np.ndarray
     tile_key: np.ndarray
     tile_full: np.ndarray
-    q_doc: np.ndarray
     q_pos: np.ndarray
-    k_doc: np.ndarray
     k_pos: np.ndarray
     key_starts: np.ndarray
     key_ends: np.ndarray
-    pairs: int
     cache: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -93,14 +89,6 @@ class Division:
         present[self.tile_group, self.tile_key] = True
         full[self.tile_group, self.tile_key] = self.tile_full
         return present, full
-
-    def dense_mask(self) -> np.ndarray:
-        """Visible pairs of the packed layout, bool ``[n_q, n_k]`` (for references and tests)."""
-        present, _ = self.tile_matrix()
-        m = present[self.q_group][:, self.k_block]
-        kp = self.k_pos[None, :, None]
-        inr = ((kp >= self.key_starts[:, None, :]) & (kp < self.key_ends[:, None, :])).any(axis=2)
-        return m & inr
 
 
 def build_division(ins: BlockwiseAttention, workload: Workload) -> Division:
@@ -128,11 +116,11 @@ def build_division(ins: BlockwiseAttention, workload: Workload) -> Division:
     tile_group = np.repeat(np.arange(len(ins.q_block), dtype=np.int64), np.diff(ins.kv_ptr))
     tile_key = np.asarray(inv, np.int64).reshape(-1)
     q_doc, q_pos = workload.block_positions(ins.q_block)
-    k_doc, k_pos = workload.block_positions(kblocks)
+    _, k_pos = workload.block_positions(kblocks)
     starts, ends = workload.batch.key_ranges(q_doc, q_pos)
     return Division(
         division=int(ins.division), q_rows=q_rows, out_rows=out_rows, kv_rows=kv_rows, q_ptr=q_ptr, k_ptr=k_ptr,
         q_group=q_group, k_block=k_block, tile_group=tile_group, tile_key=tile_key,
-        tile_full=np.asarray(workload.tile_full[ins.tile], bool), q_doc=q_doc, q_pos=q_pos, k_doc=k_doc, k_pos=k_pos,
-        key_starts=starts, key_ends=ends, pairs=int(workload.tile_pairs[ins.tile].sum()),
+        tile_full=np.asarray(workload.tile_full[ins.tile], bool), q_pos=q_pos, k_pos=k_pos,
+        key_starts=starts, key_ends=ends,
     )

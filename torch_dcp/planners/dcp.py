@@ -55,6 +55,8 @@ class DCPHypergraph:
         n_vertices: ``n_tiles + n_blocks``.
         net_ptr, net_pins: CSR of the ``2 * n_blocks`` nets (query net of block ``b`` is net
             ``b``, key/value net is ``n_blocks + b``).
+        pin_net: ``[len(net_pins)]`` the net of every pin.
+        net_owner: ``[2 * n_blocks]`` the block vertex of every net (its data's home).
         net_weight: float64 ``[2 * n_blocks]``, bytes per extra rank on the net.
         flops, mem: float64 ``[n_vertices]`` compute and memory weights.
     """
@@ -74,6 +76,8 @@ class DCPHypergraph:
         order = np.argsort(net_of_pin, kind="stable")
         self.net_pins = vert_of_pin[order]
         self.net_ptr = np.concatenate(([0], np.cumsum(np.bincount(net_of_pin, minlength=2 * nb))))
+        self.pin_net = net_of_pin[order]
+        self.net_owner = nt + np.concatenate([np.arange(nb), np.arange(nb)])
         self.flops = np.concatenate([wl.tile_flops_fwd + wl.tile_flops_bwd, np.zeros(nb)])
         self.mem = np.concatenate([np.zeros(nt), wl.block_bytes()])
         # vertex -> nets (each tile is on 2 nets, each block on 2 nets)
@@ -85,8 +89,7 @@ class DCPHypergraph:
     def km1(self, part: np.ndarray, k: int) -> float:
         """``sum_e w_e (lambda_e - 1)`` of a partition (bytes)."""
         pins_part = part[self.net_pins]
-        net_id = np.repeat(np.arange(len(self.net_weight)), np.diff(self.net_ptr))
-        lam = np.bincount(np.unique(net_id * k + pins_part) // k, minlength=len(self.net_weight))
+        lam = np.bincount(np.unique(self.pin_net * k + pins_part) // k, minlength=len(self.net_weight))
         return float((self.net_weight * np.maximum(lam - 1, 0)).sum())
 
 
@@ -157,8 +160,7 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
     load = np.bincount(part[movable], weights=weight[movable], minlength=w)
     n_nets = len(hg.net_weight)
     cnt = np.zeros((n_nets, w), np.int64)
-    net_id = np.repeat(np.arange(n_nets), np.diff(hg.net_ptr))
-    np.add.at(cnt, (net_id, part[hg.net_pins]), 1)
+    np.add.at(cnt, (hg.pin_net, part[hg.net_pins]), 1)
     node = np.arange(w) // topology.ranks_per_node
     for _ in range(4 * len(movable) + 8):
         r = int(np.argmax(load))
@@ -339,11 +341,9 @@ def estimate_seconds(hg: DCPHypergraph, part: np.ndarray, topology: Topology, fl
     w, rpn = topology.world_size, topology.ranks_per_node
     compute = np.bincount(part, weights=hg.flops, minlength=w) / flops_per_second
     n_nets = len(hg.net_weight)
-    net_id = np.repeat(np.arange(n_nets), np.diff(hg.net_ptr))
     present = np.zeros((n_nets, w), bool)
-    present[net_id, part[hg.net_pins]] = True
-    nb = hg.n_blocks
-    owner = part[hg.n_tiles + np.concatenate([np.arange(nb), np.arange(nb)])]
+    present[hg.pin_net, part[hg.net_pins]] = True
+    owner = part[hg.net_owner]
     present[np.arange(n_nets), owner] = False  # the others on each net exchange w_e with its owner
     node = np.arange(w) // rpn
     inter = node[None, :] != node[owner][:, None]
