@@ -35,7 +35,7 @@ def test_fcp_plan_transfers_in_congestion_free_rounds():
     s = plan.stats()
     assert s["memory_imbalance"] <= 1.1 + 1e-9
     # forward fetch phases: every rank receives at most one block from at most one sender
-    t = plan._tables
+    t = plan.tables
     fwd = np.stack([t["fetch_div"], t["fetch_rank"]], axis=1)
     src = plan.placement.block_rank[t["fetch_block"]]
     for d in np.unique(t["fetch_div"]):

@@ -39,7 +39,7 @@ def test_kernel_forward_backward(kernel, dtype, tol, masked, heads):
         mask[:2] = False  # rows that see nothing
     scale = 0.3
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    out, lse = kernel.forward(q.to(dtype), k.to(dtype), v.to(dtype), mask, scale, acc)
+    out, lse = kernel.forward_group(q.to(dtype), k.to(dtype), v.to(dtype), mask, scale, acc)
     ref_out, ref_lse = _dense(q.to(dtype), k.to(dtype), v.to(dtype), mask, scale)
     assert out.dtype == acc and lse.dtype == acc
     assert (out.double() - ref_out).abs().max() <= tol
@@ -51,7 +51,7 @@ def test_kernel_forward_backward(kernel, dtype, tol, masked, heads):
     o, _ = _dense(qa, ka, va, mask, scale)
     o.backward(do.to(dtype).double())
     delta = (do.to(dtype).to(acc) * out).sum(-1)
-    dq, dk, dv = kernel.backward(q.to(dtype), k.to(dtype), v.to(dtype), do.to(dtype), lse, delta, mask, scale, acc)
+    dq, dk, dv = kernel.backward_group(q.to(dtype), k.to(dtype), v.to(dtype), do.to(dtype), lse, delta, mask, scale, acc)
     for got, want in ((dq, qa.grad), (dk, ka.grad), (dv, va.grad)):
         assert got.dtype == acc
         assert (got.double() - want).abs().max() <= tol * 10

@@ -202,7 +202,7 @@ def test_divisions_start_local_and_spread_traffic():
     assert np.all(plan.tile_division[local] == 0)
     assert np.all(plan.tile_division[~local] >= 1)
     # every division 1..T-1 fetches something on every rank
-    t = plan._tables
+    t = plan.tables
     for r in range(4):
         divs = set(t["fetch_div"][t["fetch_rank"] == r].tolist())
         assert divs == {1, 2, 3}

@@ -13,7 +13,7 @@ from torch_dcp.cost import A100, H100, CostModel, KernelTable
 from torch_dcp.planners import Placement
 from torch_dcp.schedule import assign_divisions
 from torch_dcp.simulate import simulate
-from torch_dcp.workload import item_token_bytes
+from torch_dcp.workload import Buf, item_token_bytes
 
 B = 64
 TFLOPS = 100.0
@@ -48,7 +48,7 @@ def test_one_transfer_overlapped_with_one_tile():
     plan = _plan(batch, [0, 1], lambda q, kv, br: br[q], 2)  # tiles follow queries
     res = simulate(plan, FLAT)
     a = _tile_seconds(batch, B * B)
-    x = _xfer(B * item_token_bytes(batch)[(False, "kv")])
+    x = _xfer(B * item_token_bytes(batch)[(False, Buf.KV)])
     assert res.forward.makespan_s == pytest.approx(max(a, x) + a, rel=1e-9)
     assert np.allclose(res.forward.busy_s, 2 * a)
     assert np.allclose(res.forward.exposed_comm_s, max(0.0, x - a))
@@ -63,7 +63,7 @@ def test_congested_link_serialises_transfers():
     res = simulate(plan, FLAT)
     a_diag = _tile_seconds(batch, B * (B + 1) // 2)
     a_full = _tile_seconds(batch, B * B)
-    x = _xfer(B * item_token_bytes(batch)[(False, "kv")])
+    x = _xfer(B * item_token_bytes(batch)[(False, Buf.KV)])
     assert x > a_diag  # the second transfer waits for the first on rank 0's link
     ends = sorted(res.forward.finish_s[1:])
     assert ends[0] == pytest.approx(x + a_full, rel=1e-9)
@@ -84,8 +84,8 @@ def test_exposed_final_reduction():
     b = batch
     copy1 = 2 * B * (b.n_heads * b.head_dim * b.elem_size) / mem_bw + 2 * B * (2 * b.n_kv_heads * b.head_dim * b.elem_size) / mem_bw
     row = (b.n_heads * b.head_dim + b.n_heads) * b.acc_size
-    xq = _xfer(B * itb[(False, "q")])
-    xo = _xfer(B * itb[(False, "opart")])
+    xq = _xfer(B * itb[(False, Buf.Q)])
+    xo = _xfer(B * itb[(False, Buf.OPART)])
     # rank 1: copies, local tile, waits for Q of block 0 (sent once rank 0 has copied too),
     # remote tile, returns the partial
     r1_ret = copy1 + max(a_diag, xq) + a_full
@@ -136,7 +136,7 @@ def test_ranks_of_a_node_share_its_network_links():
     plan = Plan(pl, topo, assign_divisions(pl, 2), 2)
     plan.validate()
     res = simulate(plan, FLAT)
-    x = inter_lat + B * item_token_bytes(batch)[(False, "kv")] / inter_bw
+    x = inter_lat + B * item_token_bytes(batch)[(False, Buf.KV)] / inter_bw
     a_diag = _tile_seconds(batch, B * (B + 1) // 2)
     a_full = _tile_seconds(batch, B * B)
     assert x > a_diag

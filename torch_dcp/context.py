@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from .api import plan as make_plan
 from .batch import BatchSpec
 from .executor import RankExecutor, TorchDistributedTransport
-from .executor.kernels import AttentionKernel
+from .executor.kernels import DivisionKernel
 from .plan import Plan
 from .topology import Topology
 
@@ -99,7 +99,7 @@ def context_parallel(
     block_size: int = 1024,
     divisions: int = 4,
     topology: Topology | None = None,
-    kernel: str | AttentionKernel | None = None,
+    kernel: str | DivisionKernel | None = None,
 ) -> Iterator[DCPContext]:
     """Run the body's ``F.scaled_dot_product_attention`` calls with dynamic context parallelism.
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from .planners.base import Placement
 from .topology import Topology
-from .workload import KIND_KV, KIND_Q, item_token_bytes
+from .workload import Buf, item_token_bytes
 
 __all__ = ["assign_divisions", "fetch_item_bytes"]
 
@@ -30,7 +30,7 @@ def fetch_item_bytes(placement: Placement) -> tuple[np.ndarray, np.ndarray]:
     """
     wl = placement.workload
     itb = item_token_bytes(wl.batch)
-    return wl.block_len * float(itb[(False, KIND_Q)]), wl.block_len * float(itb[(False, KIND_KV)])
+    return wl.block_len * float(itb[(False, Buf.Q)]), wl.block_len * float(itb[(False, Buf.KV)])
 
 
 def assign_divisions(placement: Placement, divisions: int, topology: Topology | None = None) -> np.ndarray:

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
 from typing import Any
 
 import numpy as np
 
 from .cost import CostModel
-from .plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan
-from .workload import BWD_RETURN_KV, BWD_RETURN_Q, FWD_RETURN, KIND_KV, KIND_Q, item_token_bytes
+from .plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan, dispatch
+from .workload import Buf, item_token_bytes
 
 __all__ = ["simulate", "SimResult", "PassResult"]
 
@@ -133,125 +134,124 @@ def _earliest_common_gap(links: list[_Link], ready: float, dur: float) -> float:
 class _Pass:
     """Discrete-event simulation of one pass: the rank with the earliest clock always moves
     next, so transfers become ready (both ends launched) in time order and the links serve
-    them first come, first served."""
+    them first come, first served. A consumer of the instruction table (``on_*``)."""
 
     def __init__(self, plan: Plan, cm: CostModel, backward: bool):
         self.plan, self.cm, self.backward = plan, cm, backward
         self.itb = item_token_bytes(plan.batch)
         self.blen = plan.workload.block_len
-        # bytes per token row of each buffer side, for copies and reductions: the same rows
-        # the transfers move
+        # bytes per token row of each buffer, for copies and reductions: the same rows the
+        # transfers move
         it = self.itb
-        self.copy_row = {KIND_Q: it[(backward, KIND_Q)], KIND_KV: it[(backward, KIND_KV)]}
-        self.red_row = {"opart": it[(False, FWD_RETURN)], "dqws": it[(True, BWD_RETURN_Q)],
-                        "dkvws": it[(True, BWD_RETURN_KV)]}
-
-    def _compute_seconds(self, ins: Any) -> tuple[str, float]:
-        cm, wl = self.cm, self.plan.workload
-        if isinstance(ins, BlockwiseCopy):
-            return "copy", cm.memory_seconds(2.0 * self.blen[ins.blocks].sum() * self.copy_row[ins.kind])
-        if isinstance(ins, BlockwiseAttention):
-            flops_of = wl.tile_flops_bwd if self.backward else wl.tile_flops_fwd
-            pairs = float(wl.tile_pairs[ins.tile].sum()) * self.plan.batch.n_heads
-            causal = not bool(wl.tile_full[ins.tile].all())
-            b = self.plan.batch
-            return "attention", cm.attention_seconds(pairs, float(flops_of[ins.tile].sum()), self.backward, causal,
-                                                     b.head_dim, b.dtype)
-        if isinstance(ins, BlockwiseReduction):
-            n_src = np.diff(ins.src_ptr)
-            rows = self.blen[ins.dst_block]
-            return "reduction", cm.memory_seconds(float(((n_src + 1) * rows).sum()) * self.red_row[ins.src])
-        raise RuntimeError(f"unknown instruction {ins!r}")  # pragma: no cover
-
-    def run(self) -> PassResult:
-        import heapq
-
-        plan, topo = self.plan, self.plan.topology
+        self.row_bytes = {Buf.Q: it[(backward, Buf.Q)], Buf.KV: it[(backward, Buf.KV)],
+                          Buf.OPART: it[(False, Buf.OPART)], Buf.DQ: it[(True, Buf.DQ)], Buf.DKV: it[(True, Buf.DKV)]}
         w = plan.world_size
-        progs = [plan.program(r, self.backward).instructions for r in range(w)]
-        pc = [0] * w
-        clock = np.zeros(w)
-        busy = np.zeros(w)
-        exposed = np.zeros(w)
-        events: list[list[tuple[str, float, float]]] = [[] for _ in range(w)]
+        self.pc = [0] * w
+        self.clock = np.zeros(w)
+        self.busy = np.zeros(w)
+        self.exposed = np.zeros(w)
+        self.events: list[list[tuple[str, float, float]]] = [[] for _ in range(w)]
         # one outgoing and one incoming link per rank and link class (NVLink/NVSwitch and the
         # network are separate links), and per node for its network links
-        links: dict[tuple, _Link] = {}
+        self.links: dict[tuple, _Link] = {}
+        self.launched: dict[tuple[int, int, int], list[float | None]] = {}  # key -> [send t, recv t]
+        self.nbytes: dict[tuple[int, int, int], float] = {}
+        self.end_of: dict[tuple[int, int, int], float] = {}
+        self.phase_keys: list[dict[int, list[tuple[int, int, int]]]] = [{} for _ in range(w)]
+        self.blocked: dict[int, list[tuple[int, int, int]]] = {}
+        self.heap = [(0.0, r) for r in range(w)]
 
-        def link(*name) -> _Link:
-            if name not in links:
-                links[name] = _Link()
-            return links[name]
-        launched: dict[tuple[int, int, int], list[float | None]] = {}  # key -> [send t, recv t]
-        nbytes: dict[tuple[int, int, int], float] = {}
-        end_of: dict[tuple[int, int, int], float] = {}
-        phase_keys: list[dict[int, list[tuple[int, int, int]]]] = [{} for _ in range(w)]
-        blocked: dict[int, list[tuple[int, int, int]]] = {}
-        heap = [(0.0, r) for r in range(w)]
+    # ------------------------------------------------------------------ compute instructions
+    def _compute(self, r: int, t: float, kind: str, dur: float) -> None:
+        self.events[r].append((kind, t, t + dur))
+        self.busy[r] += dur
+        self.clock[r] = t + dur
+        self.pc[r] += 1
+        heapq.heappush(self.heap, (self.clock[r], r))
 
-        def schedule(key: tuple[int, int, int]) -> None:
-            s, r = launched[key]
-            _, src, dst = key
-            ns, nd = topo.node_of(src), topo.node_of(dst)
-            inter = ns != nd
-            used = [link("out", inter, src), link("in", inter, dst)]
-            if inter:
-                used += [link("node out", ns), link("node in", nd)]
-            dur = self.cm.transfer_seconds(nbytes.get(key, 0.0), topo, inter)
-            start = _earliest_common_gap(used, max(s, r), dur)
-            for lk in used:
-                lk.reserve(start, start + dur)
-            end_of[key] = start + dur
+    def on_copy(self, ins: BlockwiseCopy, r: int, t: float) -> None:
+        self._compute(r, t, "copy", self.cm.memory_seconds(2.0 * self.blen[ins.blocks].sum() * self.row_bytes[ins.kind]))
 
-        while heap:
-            t, r = heapq.heappop(heap)
-            if pc[r] >= len(progs[r]):
-                continue
-            ins = progs[r][pc[r]]
-            if isinstance(ins, CommLaunch):
-                keys = []
-                for tr, outgoing in [(x, True) for x in ins.sends] + [(x, False) for x in ins.recvs]:
-                    key = (ins.phase, r, tr.peer) if outgoing else (ins.phase, tr.peer, r)
-                    slot = launched.setdefault(key, [None, None])
-                    if outgoing:
-                        nbytes[key] = nbytes.get(key, 0.0) + float(self.blen[tr.blocks].sum()) * self.itb[(self.backward, tr.kind)]
-                        slot[0] = t
-                    else:
-                        slot[1] = t
-                    if key not in keys:
-                        keys.append(key)
-                for key in keys:
-                    if None not in launched[key] and key not in end_of:
-                        schedule(key)
-                phase_keys[r][ins.phase] = keys
-                pc[r] += 1
-                # ranks waiting on transfers that just got scheduled may go on
-                for q, need in list(blocked.items()):
-                    if all(k in end_of for k in need):
-                        del blocked[q]
-                        heapq.heappush(heap, (clock[q], q))
-                heapq.heappush(heap, (t, r))
-                continue
-            if isinstance(ins, CommWait):
-                need = phase_keys[r].get(ins.phase, [])
-                if not all(k in end_of for k in need):
-                    blocked[r] = need
-                    continue
-                end = max([t] + [end_of[k] for k in need])
-                if end > t:
-                    events[r].append(("wait", t, end))
-                exposed[r] += end - t
-                clock[r] = end
-                pc[r] += 1
-                heapq.heappush(heap, (end, r))
-                continue
-            kind, dur = self._compute_seconds(ins)
-            events[r].append((kind, t, t + dur))
-            busy[r] += dur
-            clock[r] = t + dur
-            pc[r] += 1
-            heapq.heappush(heap, (clock[r], r))
-        if blocked or any(pc[r] < len(progs[r]) for r in range(w)):
-            raise RuntimeError(f"simulation deadlock: ranks {sorted(blocked)} wait for messages never sent")
-        makespan = float(clock.max()) if w else 0.0
-        return PassResult(makespan, busy, exposed, makespan - clock, clock.copy(), events)
+    def on_attention(self, ins: BlockwiseAttention, r: int, t: float) -> None:
+        wl, b = self.plan.workload, self.plan.batch
+        flops_of = wl.tile_flops_bwd if self.backward else wl.tile_flops_fwd
+        pairs = float(wl.tile_pairs[ins.tile].sum()) * b.n_heads
+        causal = not bool(wl.tile_full[ins.tile].all())
+        self._compute(r, t, "attention", self.cm.attention_seconds(pairs, float(flops_of[ins.tile].sum()), self.backward,
+                                                                   causal, b.head_dim, b.dtype))
+
+    def on_reduction(self, ins: BlockwiseReduction, r: int, t: float) -> None:
+        n_src = np.diff(ins.src_ptr)
+        rows = self.blen[ins.dst_block]
+        self._compute(r, t, "reduction", self.cm.memory_seconds(float(((n_src + 1) * rows).sum()) * self.row_bytes[ins.src]))
+
+    # ------------------------------------------------------------------ communication
+    def _link(self, *name) -> _Link:
+        if name not in self.links:
+            self.links[name] = _Link()
+        return self.links[name]
+
+    def _schedule(self, key: tuple[int, int, int]) -> None:
+        topo = self.plan.topology
+        s, r = self.launched[key]
+        _, src, dst = key
+        ns, nd = topo.node_of(src), topo.node_of(dst)
+        inter = ns != nd
+        used = [self._link("out", inter, src), self._link("in", inter, dst)]
+        if inter:
+            used += [self._link("node out", ns), self._link("node in", nd)]
+        dur = self.cm.transfer_seconds(self.nbytes.get(key, 0.0), topo, inter)
+        start = _earliest_common_gap(used, max(s, r), dur)
+        for lk in used:
+            lk.reserve(start, start + dur)
+        self.end_of[key] = start + dur
+
+    def on_launch(self, ins: CommLaunch, r: int, t: float) -> None:
+        keys = []
+        for tr, outgoing in [(x, True) for x in ins.sends] + [(x, False) for x in ins.recvs]:
+            key = (ins.phase, r, tr.peer) if outgoing else (ins.phase, tr.peer, r)
+            slot = self.launched.setdefault(key, [None, None])
+            if outgoing:
+                self.nbytes[key] = self.nbytes.get(key, 0.0) + float(self.blen[tr.blocks].sum()) * self.itb[(self.backward, tr.kind)]
+                slot[0] = t
+            else:
+                slot[1] = t
+            if key not in keys:
+                keys.append(key)
+        for key in keys:
+            if None not in self.launched[key] and key not in self.end_of:
+                self._schedule(key)
+        self.phase_keys[r][ins.phase] = keys
+        self.pc[r] += 1
+        # ranks waiting on transfers that just got scheduled may go on
+        for q, need in list(self.blocked.items()):
+            if all(k in self.end_of for k in need):
+                del self.blocked[q]
+                heapq.heappush(self.heap, (self.clock[q], q))
+        heapq.heappush(self.heap, (t, r))
+
+    def on_wait(self, ins: CommWait, r: int, t: float) -> None:
+        need = self.phase_keys[r].get(ins.phase, [])
+        if not all(k in self.end_of for k in need):
+            self.blocked[r] = need
+            return
+        end = max([t] + [self.end_of[k] for k in need])
+        if end > t:
+            self.events[r].append(("wait", t, end))
+        self.exposed[r] += end - t
+        self.clock[r] = end
+        self.pc[r] += 1
+        heapq.heappush(self.heap, (end, r))
+
+    def run(self) -> PassResult:
+        plan = self.plan
+        w = plan.world_size
+        progs = [plan.program(r, self.backward).instructions for r in range(w)]
+        while self.heap:
+            t, r = heapq.heappop(self.heap)
+            if self.pc[r] < len(progs[r]):
+                dispatch(self, progs[r][self.pc[r]], r, t)
+        if self.blocked or any(self.pc[r] < len(progs[r]) for r in range(w)):
+            raise RuntimeError(f"simulation deadlock: ranks {sorted(self.blocked)} wait for messages never sent")
+        makespan = float(self.clock.max()) if w else 0.0
+        return PassResult(makespan, self.busy, self.exposed, makespan - self.clock, self.clock.copy(), self.events)

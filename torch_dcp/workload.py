@@ -8,6 +8,7 @@ the visible pairs.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import numpy as np
@@ -15,11 +16,32 @@ import numpy as np
 from .batch import BatchSpec
 from .masks import count_visible_pairs
 
-__all__ = ["Workload", "FWD_FLOPS_PER_PAIR", "BWD_FLOPS_PER_PAIR", "spans_to_indices", "item_token_bytes"]
+__all__ = ["Workload", "Buf", "FWD_FLOPS_PER_PAIR", "BWD_FLOPS_PER_PAIR", "spans_to_indices", "item_token_bytes"]
 
-#: Transfer kinds: inputs fetched (query side, key/value side) and partials returned home.
-KIND_Q, KIND_KV = "q", "kv"
-FWD_RETURN, BWD_RETURN_Q, BWD_RETURN_KV = "opart", "dq", "dkv"
+
+class Buf(enum.IntEnum):
+    """The buffers of a rank's attention programs (rows = tokens).
+
+    A transfer moves rows of one buffer from a rank's copy to a peer's, so the same names are
+    the transfer kinds: ``Q`` and ``KV`` are inputs fetched from their home, ``OPART``, ``DQ``
+    and ``DKV`` partial results returned home.
+
+    * ``Q``: query side -- Q forward; Q, dO, LSE and ``delta = rowsum(dO * O)`` backward.
+    * ``KV``: K and V.
+    * ``OPART``: partial outputs with their LSE (forward, accumulation dtype).
+    * ``DQ``, ``DKV``: dQ and dK/dV accumulators and received gradient partials (backward).
+    * ``OUT``, ``OUT_DQ``, ``OUT_DKV``: the rank's results in local token order: O and LSE
+      (forward); dQ and dK/dV (backward).
+    """
+
+    Q = 0
+    KV = 1
+    OPART = 2
+    DQ = 3
+    DKV = 4
+    OUT = 5
+    OUT_DQ = 6
+    OUT_DKV = 7
 
 #: Forward attention FLOPs per visible (query, key) pair, per head and head-dim element:
 #: QK^T (2) + PV (2).
@@ -30,22 +52,22 @@ BWD_FLOPS_PER_PAIR = 10
 
 
 def item_token_bytes(batch: BatchSpec) -> dict[tuple[bool, str], int]:
-    """Bytes per token of every transfer kind, keyed ``(backward, kind)``.
+    """Bytes per token of every transfer kind, keyed ``(backward, kind)`` with ``kind`` a :class:`Buf`.
 
-    Forward: ``q`` (Q), ``kv`` (K, V), ``opart`` (partial O and its LSE, accumulation dtype).
-    Backward: ``q`` (Q, dO, LSE, delta), ``kv`` (K, V), ``dq`` and ``dkv`` (gradient
+    Forward: ``Q`` (Q), ``KV`` (K, V), ``OPART`` (partial O and its LSE, accumulation dtype).
+    Backward: ``Q`` (Q, dO, LSE, delta), ``KV`` (K, V), ``DQ`` and ``DKV`` (gradient
     partials, accumulation dtype). The executor moves exactly these bytes.
     """
     e, a = batch.elem_size, batch.acc_size
     hd, kvd, h = batch.n_heads * batch.head_dim, batch.n_kv_heads * batch.head_dim, batch.n_heads
     return {
-        (False, KIND_Q): hd * e,
-        (False, KIND_KV): 2 * kvd * e,
-        (False, FWD_RETURN): hd * a + h * a,
-        (True, KIND_Q): 2 * hd * e + 2 * h * a,
-        (True, KIND_KV): 2 * kvd * e,
-        (True, BWD_RETURN_Q): hd * a,
-        (True, BWD_RETURN_KV): 2 * kvd * a,
+        (False, Buf.Q): hd * e,
+        (False, Buf.KV): 2 * kvd * e,
+        (False, Buf.OPART): hd * a + h * a,
+        (True, Buf.Q): 2 * hd * e + 2 * h * a,
+        (True, Buf.KV): 2 * kvd * e,
+        (True, Buf.DQ): hd * a,
+        (True, Buf.DKV): 2 * kvd * a,
     }
 
 

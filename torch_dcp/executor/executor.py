@@ -4,7 +4,16 @@ Layout (THD, one packed sequence per rank): ``q: [S_local, H, D]``, ``k, v: [S_l
 with the rows in the order of ``plan.token_indices(rank)``. Outputs have the same layout;
 ``lse: [S_local, H]`` in the accumulation dtype (float32, float64 for float64 inputs).
 
-The executor knows nothing about planners: it interprets the five instructions.
+The executor knows nothing about planners. It runs the rank's
+:class:`~torch_dcp.executor.device_plan.DevicePlan` -- the programs turned into steps with all
+indices built on the host ahead of time and uploaded once -- through the instruction table's
+handlers (``on_copy``, ``on_launch``, ``on_wait``, ``on_attention``, ``on_reduction``). Inside a
+step it only launches kernels and posts transfers: per division at most one gather per input
+buffer, the kernel, one write of its results; messages go out of and come into the work
+buffers in place wherever their rows are contiguous.
+
+Work buffers hold one row per token with typed fields side by side (``Buf.Q`` in the backward:
+Q, dO, LSE, delta), so a row moves -- gathered, sent, received -- as one unit.
 """
 
 from __future__ import annotations
@@ -13,32 +22,19 @@ import math
 import time
 from typing import Any, Generator, NamedTuple
 
-import numpy as np
 import torch
 
 from .._interleave import interleave
-from ..plan import (
-    BlockwiseAttention,
-    BlockwiseCopy,
-    BlockwiseReduction,
-    CommLaunch,
-    CommWait,
-    Plan,
-    Program,
-)
-from ..workload import spans_to_indices
-from .division import Division, build_division
-from .kernels import AttentionKernel, get_kernel
-from .reduce import ReductionIndex, reduce_fused, reduce_loop
+from ..plan import Plan
+from ..workload import Buf
+from .device_plan import AttentionStep, CopyStep, DevicePlan, LaunchStep, ReductionStep, UploadedPlan, WaitStep
+from .kernels import DivisionKernel, get_kernel
+from .reduce import merge_partials
 from .transport import InProcessTransport, Mailbox, Transport
 
 __all__ = ["RankExecutor", "InstructionTime", "dcp_attention", "emulate"]
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
-
-
-def _idx(rows: np.ndarray, lens: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(spans_to_indices(rows, lens)).to(device)
 
 
 class InstructionTime(NamedTuple):
@@ -106,6 +102,76 @@ class _Clock:
         self._items.clear()
 
 
+class _Buffer:
+    """Rows of typed fields side by side: ``words`` ``[rows, W]`` int64 (gathers, messages) and a
+    typed view per field. ``flat`` is a typed ``[rows, F]`` view of the whole row when all fields
+    share one dtype and fill it (else None)."""
+
+    def __init__(self, rows: int, fields: list[tuple[str, torch.dtype, tuple[int, ...]]], device: torch.device,
+                 zero: bool = False):
+        off, self.spans = 0, []
+        for name, dt, shape in fields:
+            size = torch.empty((), dtype=dt).element_size()
+            off = -(-off // size) * size
+            n = math.prod(shape) * size
+            self.spans.append((name, dt, shape, off, n))
+            off += n
+        row = max(8, -(-off // 8) * 8)
+        self.words = (torch.zeros if zero else torch.empty)(rows, row // 8, dtype=torch.int64, device=device)
+        self.fields = self.view_rows(self.words)
+        raw = self.words.view(torch.uint8)
+        dts = {s[1] for s in self.spans}
+        self.flat = raw[:, :off].view(dts.pop()) if len(dts) == 1 and off == row else None
+
+    def view_rows(self, words: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed field views of ``words`` rows of this layout (the buffer's own, or gathered)."""
+        raw = words.view(torch.uint8)
+        return {name: raw[:, o:o + n].view(dt).unflatten(1, shape) for name, dt, shape, o, n in self.spans}
+
+    def message(self, rows: slice) -> torch.Tensor:
+        """uint8 view of contiguous ``rows``."""
+        return self.words[rows].reshape(-1).view(torch.uint8)
+
+
+class _Outputs:
+    """Separate contiguous result tensors, addressed like a buffer's fields."""
+
+    def __init__(self, **fields: torch.Tensor):
+        self.fields = fields
+        self.flat = None
+
+
+def _take(t: torch.Tensor, rows: Any) -> torch.Tensor:
+    """Rows of ``t``: a view for a slice, one gather for an index."""
+    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+
+
+def _put(t: torch.Tensor, rows: Any, value: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        t[rows].copy_(value)
+    else:
+        t.index_copy_(0, rows, value)
+
+
+def _add(t: torch.Tensor, rows: Any, value: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        t[rows].add_(value)
+    else:
+        t.index_add_(0, rows, value)
+
+
+class _Run:
+    """The buffers of one pass of one call."""
+
+    def __init__(self, backward: bool):
+        self.backward = backward
+        self.bufs: dict[Buf, _Buffer] = {}
+        self.local: dict[Buf, list[torch.Tensor]] = {}
+        self.out: dict[Buf, torch.Tensor] = {}
+        self.pending: dict[int, Any] = {}
+        self.division = 0
+
+
 class RankExecutor:
     """Executes rank ``rank``'s programs of ``plan``.
 
@@ -115,53 +181,67 @@ class RankExecutor:
         transport: how messages move (:class:`~torch_dcp.executor.transport.TorchDistributedTransport`
             on a process group, or an in-process one).
         kernel: attention kernel (``"auto"``, ``"sdpa"``, ``"reference"``, ``"flex"`` or an
-            instance; default ``"auto"``: chosen on the first call by the inputs' device, see
-            :func:`~torch_dcp.executor.kernels.get_kernel`). A kernel with
-            ``forward_division``/``backward_division`` methods gets each ``BlockwiseAttention``
-            whole (one call per division); others get one call per group of tiles sharing a
-            query block.
+            instance; default ``"auto"``: chosen by the inputs' device, see
+            :func:`~torch_dcp.executor.kernels.get_kernel`).
         scale: softmax scale; default ``1 / sqrt(head_dim)``.
-        reduction: ``"fused"`` (a few launches per ``BlockwiseReduction``), ``"loop"`` (one
-            step per destination block, the reference) or ``"auto"`` (default: fused, except
-            gradient sums on CPU, where the loop measured faster for few large blocks).
         timings: record the compute time of every instruction (see :attr:`timings`).
+        device_plan: a :class:`~torch_dcp.executor.device_plan.DevicePlan` built ahead for this
+            rank and kernel (default: built on first use, or by :meth:`prepare`).
 
     Attributes:
         bytes_sent, bytes_received: bytes this executor has moved so far (all calls).
-        kernel: the kernel in use (None until the first call when chosen automatically).
+        kernel: the kernel in use (None until :meth:`prepare` or the first call when chosen
+            automatically).
+        device_plan: the rank's device plan (None until built).
 
     Raises:
         ValueError: ``rank`` outside the plan, a transport group of another size, an unknown
-            kernel or reduction.
+            kernel, or a device plan for another plan, rank or kernel.
     """
 
-    def __init__(self, plan: Plan, rank: int, transport: Transport, kernel: str | AttentionKernel | None = None,
-                 scale: float | None = None, reduction: str = "auto", timings: bool = False):
+    def __init__(self, plan: Plan, rank: int, transport: Transport, kernel: str | DivisionKernel | None = None,
+                 scale: float | None = None, timings: bool = False, device_plan: DevicePlan | None = None):
         group_size = getattr(transport, "world_size", None)
         if group_size is not None and group_size != plan.world_size:
             raise ValueError(f"the plan is for {plan.world_size} ranks, the transport's group has {group_size}")
+        if not 0 <= int(rank) < plan.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {plan.world_size})")
         self.plan = plan
         self.rank = int(rank)
         self.transport = transport
         self._kernel_spec = kernel
-        self.kernel: AttentionKernel | None = None if kernel is None or kernel == "auto" else get_kernel(kernel)
-        if reduction not in ("auto", "fused", "loop"):
-            raise ValueError(f"reduction must be 'auto', 'fused' or 'loop', got {reduction!r}")
-        self.reduction = reduction
+        self.kernel: DivisionKernel | None = None if kernel is None or kernel == "auto" else get_kernel(kernel)
+        if device_plan is not None:
+            if device_plan.plan is not plan or device_plan.rank != self.rank:
+                raise ValueError("device_plan was built for another plan or rank")
+            if self.kernel is not None and device_plan.kernel is not self.kernel:
+                raise ValueError("device_plan was built for another kernel")
+            self.kernel = device_plan.kernel
+        self.device_plan = device_plan
+        self._uploaded: UploadedPlan | None = None
         self.record_timings = bool(timings)
         self._clock = _Clock()
-        self._divisions: dict[int, tuple[BlockwiseAttention, Division]] = {}
-        self._reductions: dict[tuple[int, str], tuple[BlockwiseReduction, ReductionIndex]] = {}
         b = plan.batch
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(b.head_dim)
         self.dtype = _TORCH_DTYPES[b.dtype]
         self.acc = _TORCH_DTYPES[b.acc_dtype]
         self.local_rows = plan.local_tokens(self.rank)
-        wl = plan.workload
-        self._blen = wl.block_len
-        self._mask_cache: dict[tuple[int, bytes], torch.Tensor | None] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
+
+    # ------------------------------------------------------------------ preparation
+    def prepare(self, device: torch.device | str) -> UploadedPlan:
+        """Choose the kernel for ``device``, build the device plan if needed and upload it
+        (once per device). Called by the first forward; call it ahead to keep it off the step."""
+        device = torch.device(device)
+        if self._uploaded is not None and self._uploaded.device == device:
+            return self._uploaded
+        if self.kernel is None:
+            self.kernel = get_kernel(self._kernel_spec, device=device)
+        if self.device_plan is None:
+            self.device_plan = DevicePlan(self.plan, self.rank, self.kernel)
+        self._uploaded = self.device_plan.upload(device)
+        return self._uploaded
 
     # ------------------------------------------------------------------ checks
     def _check(self, name: str, t: torch.Tensor, heads: int) -> None:
@@ -183,10 +263,6 @@ class RankExecutor:
     def reset_timings(self) -> None:
         """Forget the recorded timings."""
         self._clock.clear()
-
-    def _resolve_kernel(self, device: torch.device) -> None:
-        if self.kernel is None:
-            self.kernel = get_kernel(self._kernel_spec, device=device)
 
     # ------------------------------------------------------------------ public API
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -212,30 +288,41 @@ class RankExecutor:
         """Differentiable forward: :func:`dcp_attention` with this executor."""
         return dcp_attention(q, k, v, self)
 
-    # ------------------------------------------------------------------ programs
+    # ------------------------------------------------------------------ passes
+    def _alloc(self, run: _Run, backward: bool, h: int, hkv: int, d: int, e: torch.dtype, dev: torch.device) -> None:
+        pp = self.device_plan.pass_plan(backward)
+        rows, acc = pp.buffer_rows, self.acc
+        q_fields = [("q", e, (h, d))]
+        if backward:
+            q_fields += [("do", e, (h, d)), ("lse", acc, (h,)), ("delta", acc, (h,))]
+        run.bufs[Buf.Q] = _Buffer(rows[Buf.Q], q_fields, dev)
+        run.bufs[Buf.KV] = _Buffer(rows[Buf.KV], [("k", e, (hkv, d)), ("v", e, (hkv, d))], dev)
+        if backward:  # accumulators, plus a zero row for missing partials
+            run.bufs[Buf.DQ] = _Buffer(rows[Buf.DQ] + 1, [("dq", acc, (h, d))], dev, zero=True)
+            run.bufs[Buf.DKV] = _Buffer(rows[Buf.DKV] + 1, [("dk", acc, (hkv, d)), ("dv", acc, (hkv, d))], dev, zero=True)
+        else:
+            run.bufs[Buf.OPART] = op = _Buffer(rows[Buf.OPART] + 1, [("o", acc, (h, d)), ("lse", acc, (h,))], dev)
+            if pp.needs_null_row:  # the row missing partials point at: output 0, LSE -inf
+                op.fields["o"][-1].zero_()
+                op.fields["lse"][-1].fill_(-math.inf)
+
     def forward_steps(self, q, k, v, scale: float | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`forward` as a generator that yields while waiting for messages."""
         b = self.plan.batch
         self._check("q", q, b.n_heads)
         self._check("k", k, b.n_kv_heads)
         self._check("v", v, b.n_kv_heads)
-        prog = self.plan.program(self.rank, backward=False)
-        dev = q.device
-        self._resolve_kernel(dev)
-        rows = prog.buffer_rows
-        h, d = b.n_heads, b.head_dim
-        ws = {
-            "q": [q.new_empty(rows["qws"], h, d)],
-            "kv": [k.new_empty(rows["kvws"], k.shape[1], d), v.new_empty(rows["kvws"], v.shape[1], d)],
-            "opart": [torch.zeros(rows["opart"], h, d, dtype=self.acc, device=dev),
-                      torch.full((rows["opart"], h), -math.inf, dtype=self.acc, device=dev)],
-        }
-        local = {"q": [q], "kv": [k, v]}
-        out = torch.zeros(self.local_rows, h, d, dtype=self.acc, device=dev)
-        lse = torch.full((self.local_rows, h), -math.inf, dtype=self.acc, device=dev)
-        final = {"o": [out, lse]}
-        yield from self._run(prog, ws, local, final, backward=False, scale=scale)
-        return out.to(q.dtype), lse
+        up = self.prepare(q.device)
+        run = _Run(False)
+        h, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        self._alloc(run, False, h, hkv, d, q.dtype, q.device)
+        run.local = {Buf.Q: [q], Buf.KV: [k, v]}
+        S = self.local_rows
+        run.out[Buf.OUT] = _Outputs(o=torch.empty(S, h, d, dtype=self.acc, device=q.device),
+                                    lse=torch.empty(S, h, dtype=self.acc, device=q.device))
+        yield from self._run(up, run, self.scale if scale is None else float(scale))
+        out = run.out[Buf.OUT]
+        return out.fields["o"].to(q.dtype), out.fields["lse"]
 
     def backward_steps(self, q, k, v, out, lse, dout,
                        scale: float | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -244,204 +331,85 @@ class RankExecutor:
         for name, t, heads in (("q", q, b.n_heads), ("k", k, b.n_kv_heads), ("v", v, b.n_kv_heads),
                                ("out", out, b.n_heads), ("dout", dout, b.n_heads)):
             self._check(name, t, heads)
-        prog = self.plan.program(self.rank, backward=True)
-        dev = q.device
-        self._resolve_kernel(dev)
-        rows = prog.buffer_rows
-        h, d = b.n_heads, b.head_dim
-        delta = (dout.to(self.acc) * out.to(self.acc)).sum(-1)
-        ws = {
-            "q": [q.new_empty(rows["qws"], h, d), dout.new_empty(rows["qws"], h, d),
-                  torch.empty(rows["qws"], h, dtype=self.acc, device=dev),
-                  torch.empty(rows["qws"], h, dtype=self.acc, device=dev)],
-            "kv": [k.new_empty(rows["kvws"], k.shape[1], d), v.new_empty(rows["kvws"], v.shape[1], d)],
-            "dq": [torch.zeros(rows["dqws"], h, d, dtype=self.acc, device=dev)],
-            "dkv": [torch.zeros(rows["dkvws"], k.shape[1], d, dtype=self.acc, device=dev),
-                    torch.zeros(rows["dkvws"], v.shape[1], d, dtype=self.acc, device=dev)],
-        }
-        local = {"q": [q, dout, lse.to(self.acc), delta], "kv": [k, v]}
-        dq = torch.zeros(self.local_rows, h, d, dtype=self.acc, device=dev)
-        dk = torch.zeros(self.local_rows, k.shape[1], d, dtype=self.acc, device=dev)
-        dv = torch.zeros(self.local_rows, v.shape[1], d, dtype=self.acc, device=dev)
-        final = {"dq": [dq], "dkv": [dk, dv]}
-        yield from self._run(prog, ws, local, final, backward=True, scale=scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        up = self.prepare(q.device)
+        run = _Run(True)
+        h, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        self._alloc(run, True, h, hkv, d, q.dtype, q.device)
+        S, acc = self.local_rows, self.acc
+        delta = run.bufs[Buf.Q].fields["delta"][:S]
+        if dout.dtype == acc:
+            torch.sum(dout * out, -1, out=delta)
+        else:
+            torch.sum(dout.to(acc) * out.to(acc), -1, out=delta)
+        run.local = {Buf.Q: [q, dout, lse], Buf.KV: [k, v]}
+        run.out[Buf.OUT_DQ] = _Buffer(S, [("dq", acc, (h, d))], q.device)
+        run.out[Buf.OUT_DKV] = _Buffer(S, [("dk", acc, (hkv, d)), ("dv", acc, (hkv, d))], q.device)
+        yield from self._run(up, run, self.scale if scale is None else float(scale))
+        dkv = run.out[Buf.OUT_DKV].fields
+        return run.out[Buf.OUT_DQ].fields["dq"].to(q.dtype), dkv["dk"].to(k.dtype), dkv["dv"].to(v.dtype)
 
-    # ------------------------------------------------------------------ interpreter
-    def _run(self, prog: Program, ws: dict[str, list[torch.Tensor]], local: dict[str, list[torch.Tensor]],
-             final: dict[str, list[torch.Tensor]], backward: bool, scale: float | None) -> Generator[None, None, None]:
-        dev = ws["q"][0].device
-        blen = self._blen
-        pending: dict[int, tuple[Any, CommLaunch]] = {}
-        bufname = {"opart": "opart", "dqws": "dq", "dkvws": "dkv"}
-        timed = self.record_timings
-        clock = self._clock
-        division = next((int(i.division) for i in prog.instructions if isinstance(i, BlockwiseAttention)), 0)
-        for ins in prog.instructions:
-            t0 = clock.start(dev) if timed and not isinstance(ins, CommWait) else None
-            if isinstance(ins, BlockwiseCopy):
-                kind = "copy"
-                lens = blen[ins.blocks]
-                src = _idx(ins.src_rows, lens, dev)
-                dst = _idx(ins.dst_rows, lens, dev)
-                for s, t in zip(local[ins.kind], ws[ins.kind]):
-                    t.index_copy_(0, dst, s.index_select(0, src).to(t.dtype))
-            elif isinstance(ins, CommLaunch):
-                kind = "pack"
-                sends: dict[int, list[torch.Tensor]] = {}
-                for tr in ins.sends:
-                    idx = _idx(tr.rows, blen[tr.blocks], dev)
-                    for t in ws[tr.kind]:
-                        sends.setdefault(tr.peer, []).append(_as_bytes(t.index_select(0, idx)))
-                recvs: dict[int, int] = {}
-                for tr in ins.recvs:
-                    n = int(blen[tr.blocks].sum())
-                    recvs[tr.peer] = recvs.get(tr.peer, 0) + sum(n * _row_bytes(t) for t in ws[tr.kind])
-                msgs = [(peer, torch.cat(parts)) for peer, parts in sends.items()]
-                self.bytes_sent += sum(m.numel() for _, m in msgs)
-                handle = self.transport.launch(ins.phase, msgs, list(recvs.items()))
-                pending[ins.phase] = (handle, ins)
-            elif isinstance(ins, CommWait):
-                kind = "unpack"
-                handle, launch = pending.pop(ins.phase)
-                got = yield from self.transport.wait(handle)
-                t0 = clock.start(dev) if timed else None
-                offsets = {peer: 0 for peer in got}
-                for tr in launch.recvs:
-                    msg = got[tr.peer]
-                    n = int(blen[tr.blocks].sum())
-                    idx = _idx(tr.rows, blen[tr.blocks], dev)
-                    for t in ws[tr.kind]:
-                        nbytes = n * _row_bytes(t)
-                        part = _from_bytes(msg, offsets[tr.peer], nbytes, t.dtype, (n, *t.shape[1:]))
-                        t.index_copy_(0, idx, part)
-                        offsets[tr.peer] += nbytes
-                self.bytes_received += sum(m.numel() for m in got.values())
-            elif isinstance(ins, BlockwiseAttention):
-                kind = "attention"
-                division = int(ins.division)
-                self._attention(ins, ws, backward, self.scale if scale is None else float(scale))
-            elif isinstance(ins, BlockwiseReduction):
-                kind = "reduction"
-                src = ws[bufname[ins.src]]
-                dst = final[ins.dst] if ins.dst in final else ws[bufname[ins.dst]]
-                self._reduce(ins, src, dst)
-            else:  # pragma: no cover
-                raise RuntimeError(f"unknown instruction {ins!r}")
+    def _run(self, up: UploadedPlan, run: _Run, scale: float) -> Generator[None, None, None]:
+        dev = up.device
+        timed, clock = self.record_timings, self._clock
+        for step, bound in up.bound[run.backward]:
+            t0 = clock.start(dev) if timed and not isinstance(step, WaitStep) else None
+            got = getattr(self, step.handler)(step, bound, run, scale)
+            if got is not None:  # a wait: yields while the messages are not there
+                yield from got
             if t0 is not None:
-                clock.stop(dev, t0, division, kind, backward)
-        if pending:
-            raise RuntimeError(f"rank {self.rank}: phases {sorted(pending)} never waited")
+                clock.stop(dev, t0, run.division, _TIMED_KIND[step.handler], run.backward)
+        if run.pending:
+            raise RuntimeError(f"rank {self.rank}: phases {sorted(run.pending)} never waited")
 
-    def _mask(self, q_block: int, kv_blocks: np.ndarray, device: torch.device) -> torch.Tensor | None:
-        wl = self.plan.workload
-        key = (q_block, kv_blocks.tobytes())
-        if key in self._mask_cache:
-            return self._mask_cache[key]
-        # a group of full tiles needs no mask
-        mask: torch.Tensor | None = None
-        tq_lo = np.searchsorted(wl.tile_q, q_block, side="left")
-        tq_hi = np.searchsorted(wl.tile_q, q_block, side="right")
-        row_kv = wl.tile_kv[tq_lo:tq_hi]
-        pos = np.searchsorted(row_kv, kv_blocks)
-        full = wl.tile_full[tq_lo:tq_hi][pos]
-        if not full.all():
-            b = self.plan.batch
-            doc, qpos = wl.block_positions(np.array([q_block]))
-            starts, ends = b.key_ranges(doc, qpos)
-            _, kpos = wl.block_positions(kv_blocks)
-            m = (kpos[None, :, None] >= starts[:, None, :]) & (kpos[None, :, None] < ends[:, None, :])
-            mask = torch.from_numpy(m.any(axis=2)).to(device)
-        if len(self._mask_cache) < 4096:
-            self._mask_cache[key] = mask
-        return mask
+    # ------------------------------------------------------------------ the table's handlers
+    def on_copy(self, step: CopyStep, bound: dict, run: _Run, scale: float) -> None:
+        buf = run.bufs[step.kind]
+        for t, f in zip(run.local[step.kind], buf.fields.values()):
+            f[:step.n].copy_(t)
 
-    def division(self, ins: BlockwiseAttention) -> Division:
-        """The :class:`~torch_dcp.executor.division.Division` of an instruction (cached)."""
-        hit = self._divisions.get(id(ins))
-        if hit is None or hit[0] is not ins:
-            hit = (ins, build_division(ins, self.plan.workload))
-            self._divisions[id(ins)] = hit
-        return hit[1]
-
-    def _attention(self, ins: BlockwiseAttention, ws: dict[str, list[torch.Tensor]], backward: bool, scale: float) -> None:
-        kernel = self.kernel
-        if hasattr(kernel, "forward_division"):
-            div = self.division(ins)
-            dev = ws["q"][0].device
-            out_rows = _cached_index(div, "out_rows", dev)
-            if not backward:
-                out, lse = kernel.forward_division(ws["q"][0], ws["kv"][0], ws["kv"][1], div, scale, self.acc)
-                ws["opart"][0].index_copy_(0, out_rows, out.to(self.acc))
-                ws["opart"][1].index_copy_(0, out_rows, lse.to(self.acc))
+    def on_launch(self, step: LaunchStep, bound: dict, run: _Run, scale: float) -> None:
+        gathered = {kind: run.bufs[kind].words.index_select(0, rows) for kind, rows in bound["gathers"]}
+        sends = []
+        for m, rows in bound["sends"]:
+            if m.gathered is None:
+                sends.append((m.peer, int(m.kind), run.bufs[m.kind].message(rows)))
             else:
-                dq, dk, dv = kernel.backward_division(ws["q"][0], ws["kv"][0], ws["kv"][1], *ws["q"][1:], div, scale,
-                                                      self.acc)
-                kv_rows = _cached_index(div, "kv_rows", dev)
-                ws["dq"][0].index_add_(0, out_rows, dq.to(self.acc))
-                ws["dkv"][0].index_add_(0, kv_rows, dk.to(self.acc))
-                ws["dkv"][1].index_add_(0, kv_rows, dv.to(self.acc))
+                a, b = m.gathered
+                sends.append((m.peer, int(m.kind), gathered[m.kind][a:b].reshape(-1).view(torch.uint8)))
+        recvs = [(m.peer, int(m.kind), run.bufs[m.kind].message(rows)) for m, rows in bound["recvs"]]
+        self.bytes_sent += sum(s[2].numel() for s in sends)
+        self.bytes_received += sum(r[2].numel() for r in recvs)
+        run.pending[step.phase] = self.transport.launch(step.phase, sends, recvs)
+
+    def on_wait(self, step: WaitStep, bound: dict, run: _Run, scale: float) -> Generator[None, None, None]:
+        return self.transport.wait(run.pending.pop(step.phase))
+
+    def on_attention(self, step: AttentionStep, bound: dict, run: _Run, scale: float) -> None:
+        run.division = step.division
+        qb, kvb = run.bufs[Buf.Q], run.bufs[Buf.KV]
+        qf = qb.view_rows(_take(qb.words, bound["q"]))
+        kvf = kvb.view_rows(_take(kvb.words, bound["kv"]))
+        if not run.backward:
+            out, lse = self.kernel.forward(qf["q"], kvf["k"], kvf["v"], bound["meta"], scale, self.acc)
+            op = run.bufs[Buf.OPART].fields
+            _put(op["o"], bound["out"], out)
+            _put(op["lse"], bound["out"], lse)
             return
-        blen = self._blen
-        dev = ws["q"][0].device
-        for g in range(len(ins.q_block)):
-            qb = int(ins.q_block[g])
-            q0, n = int(ins.q_row[g]), int(blen[qb])
-            lo, hi = int(ins.kv_ptr[g]), int(ins.kv_ptr[g + 1])
-            kvb = ins.kv_block[lo:hi]
-            kidx = _idx(ins.kv_row[lo:hi], blen[kvb], dev)
-            mask = self._mask(qb, kvb, dev)
-            k = ws["kv"][0].index_select(0, kidx)
-            v = ws["kv"][1].index_select(0, kidx)
-            o0 = int(ins.out_row[g])
-            if not backward:
-                q = ws["q"][0][q0:q0 + n]
-                out, lse = kernel.forward(q, k, v, mask, scale, self.acc)
-                ws["opart"][0][o0:o0 + n] = out
-                ws["opart"][1][o0:o0 + n] = lse
-            else:
-                q, do, lse, delta = (t[q0:q0 + n] for t in ws["q"])
-                dq, dk, dv = kernel.backward(q, k, v, do, lse, delta, mask, scale, self.acc)
-                ws["dq"][0][o0:o0 + n] += dq
-                ws["dkv"][0].index_add_(0, kidx, dk)
-                ws["dkv"][1].index_add_(0, kidx, dv)
+        dq, dk, dv = self.kernel.backward(qf["q"], kvf["k"], kvf["v"], qf["do"], qf["lse"], qf["delta"], bound["meta"],
+                                          scale, self.acc)
+        _add(run.bufs[Buf.DQ].fields["dq"], bound["out"], dq)
+        dkv = run.bufs[Buf.DKV].fields
+        _add(dkv["dk"], bound["kv_out"], dk)
+        _add(dkv["dv"], bound["kv_out"], dv)
 
-    def _reduce(self, ins: BlockwiseReduction, src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
-        mode = self.reduction
-        if mode == "auto":
-            mode = "loop" if ins.op == "sum" and dst[0].device.type == "cpu" else "fused"
-        if mode == "loop":
-            reduce_loop(ins, self._blen, src, dst)
-            return
-        key = (id(ins), str(dst[0].device))
-        hit = self._reductions.get(key)
-        if hit is None or hit[0] is not ins:
-            hit = (ins, ReductionIndex(ins, self._blen, dst[0].device))
-            self._reductions[key] = hit
-        reduce_fused(ins, self._blen, src, dst, index=hit[1])
+    def on_reduction(self, step: ReductionStep, bound: dict, run: _Run, scale: float) -> None:
+        src = run.bufs[step.src_buf]
+        dst = run.out[step.dst_buf] if step.dst_buf in run.out else run.bufs[step.dst_buf]
+        merge_partials(step.op, src, dst, bound["src"], bound["dst"], step.n, step.p)
 
 
-def _cached_index(div: Division, name: str, device: torch.device) -> torch.Tensor:
-    key = (name, str(device))
-    t = div.cache.get(key)
-    if t is None:
-        t = div.cache[key] = torch.from_numpy(getattr(div, name)).to(device)
-    return t
-
-
-def _row_bytes(t: torch.Tensor) -> int:
-    return int(np.prod(t.shape[1:], dtype=np.int64)) * t.element_size()
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _from_bytes(msg: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    part = msg[offset:offset + nbytes]
-    if offset % torch.empty((), dtype=dtype).element_size():
-        part = part.clone()
-    return part.view(dtype).reshape(shape)
+_TIMED_KIND = {"on_copy": "copy", "on_launch": "pack", "on_wait": "unpack", "on_attention": "attention",
+               "on_reduction": "reduction"}
 
 
 def _drain(gen: Generator) -> Any:
@@ -482,15 +450,14 @@ def dcp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, executor: R
 
 
 def emulate(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor | None = None,
-            kernel: str | AttentionKernel | None = None, scale: float | None = None, reduction: str = "auto",
-            timings: bool = False) -> Any:
+            kernel: str | DivisionKernel | None = None, scale: float | None = None, timings: bool = False) -> Any:
     """Run every rank of ``plan`` in this process on the in-process transport.
 
     Args:
         q: ``[T, H, D]``, k, v: ``[T, H_kv, D]``: the whole batch in global token order
             (``T = plan.batch.total_tokens``), dtype the plan's.
         grad_out: ``[T, H, D]`` gradient of the output, for a backward pass too.
-        kernel, scale, reduction: as for :class:`RankExecutor`.
+        kernel, scale: as for :class:`RankExecutor`.
         timings: also measure every rank's compute (the ranks run one after another on one
             device, so each instruction's time is that rank's own).
 
@@ -514,8 +481,8 @@ def emulate(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_
     ranks = range(plan.world_size)
     idx = [torch.from_numpy(plan.token_indices(r)).to(q.device) for r in ranks]
     kern = get_kernel(kernel, device=q.device)  # one kernel instance (and its caches) for all ranks
-    execs = [RankExecutor(plan, r, InProcessTransport(mailbox, r), kernel=kern, scale=scale, reduction=reduction,
-                          timings=timings) for r in ranks]
+    execs = [RankExecutor(plan, r, InProcessTransport(mailbox, r), kernel=kern, scale=scale, timings=timings)
+             for r in ranks]
     local = [(q[i], k[i], v[i]) for i in idx]
     fwd = interleave([e.forward_steps(*x) for e, x in zip(execs, local)], lambda: mailbox.events)
     out = torch.empty_like(q)

@@ -6,9 +6,13 @@ arXiv 2412.05496):
 
 * queries: the division's query blocks packed one after another, ``[1, H, N_q, D]``;
   keys/values: the distinct key/value blocks it reads, ``[1, H_kv, N_k, D]`` (GQA through
-  ``enable_gqa``). Both are padded to a multiple of the flex block size (default 128 rows);
-  padding rows see nothing and are seen by nothing.
-* a ``BlockMask`` built directly from the division's tile list (no dense mask evaluation):
+  ``enable_gqa``). Both are padded to a multiple of the flex block size (default 128 rows; the
+  executor gathers the padding rows with the rest); padding rows see nothing and are seen by
+  nothing.
+* a ``BlockMask`` built on the host from the division's tile list when the device plan is
+  built (both directions: the key/value blocks of every query tile and, for the backward, the
+  query blocks of every key/value tile), uploaded with the plan (no dense mask evaluation, no
+  device work per step):
   a flex tile is *present* if any of the division's tiles overlaps it and *full* if every
   pair in it belongs to a full tile of the division;
 * a ``mask_mod`` evaluated in partial flex tiles through index tensors: per packed query its
@@ -54,6 +58,7 @@ import numpy as np
 import torch
 
 from .division import Division
+from .kernels import KernelLayout
 
 __all__ = ["FlexKernel", "flex_available"]
 
@@ -86,50 +91,6 @@ def _compiled_flex() -> Callable:
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-class _State:
-    """Device-side pieces of one division (or one group) for a given flex block size."""
-
-    def __init__(self, n_q: int, n_k: int, bs: int, device: torch.device, q_index: torch.Tensor | None,
-                 kv_index: torch.Tensor | None, mask_mod: Callable, full: np.ndarray, partial: np.ndarray):
-        self.n_q, self.n_k = n_q, n_k
-        self.nq_pad, self.nk_pad = _round_up(n_q, bs), _round_up(n_k, bs)
-        self.bs = bs
-        self.q_index, self.kv_index = q_index, kv_index
-        self.mask_mod = mask_mod
-        self.full, self.partial = full, partial  # bool [n_q_tiles, n_k_tiles]
-        self.block_mask = _block_mask(full, partial, bs, self.nq_pad, self.nk_pad, mask_mod, device)
-        self._dense: torch.Tensor | None = None
-
-    def dense_visible(self, device: torch.device) -> torch.Tensor:
-        """bool ``[N_q_pad, N_k_pad]``: what flex sees (full tiles, or partial tiles where
-        ``mask_mod`` holds)."""
-        if self._dense is None:
-            bs = self.bs
-            full = torch.from_numpy(self.full).to(device)
-            part = torch.from_numpy(self.partial).to(device)
-            full = full.repeat_interleave(bs, 0).repeat_interleave(bs, 1)
-            part = part.repeat_interleave(bs, 0).repeat_interleave(bs, 1)
-            qi = torch.arange(self.nq_pad, device=device)[:, None]
-            ki = torch.arange(self.nk_pad, device=device)[None, :]
-            zero = torch.zeros((), dtype=torch.long, device=device)
-            self._dense = full | (part & self.mask_mod(zero, zero, qi, ki))
-        return self._dense
-
-
-def _kv_blocks(m: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    num = m.sum(axis=1).astype(np.int32)
-    idx = np.argsort(~m, axis=1, kind="stable").astype(np.int32)
-    return torch.from_numpy(num)[None, None], torch.from_numpy(np.ascontiguousarray(idx))[None, None]
-
-
-def _block_mask(full: np.ndarray, partial: np.ndarray, bs: int, nq_pad: int, nk_pad: int, mask_mod: Callable,
-                device: torch.device) -> Any:
-    kv_num, kv_idx = _kv_blocks(partial)
-    full_num, full_idx = _kv_blocks(full)
-    return BlockMask.from_kv_blocks(kv_num.to(device), kv_idx.to(device), full_num.to(device), full_idx.to(device),
-                                    BLOCK_SIZE=bs, mask_mod=mask_mod, seq_lengths=(nq_pad, nk_pad))
 
 
 def _prefix2d(a: np.ndarray) -> np.ndarray:
@@ -169,65 +130,67 @@ def division_tiles(div: Division, bs: int) -> tuple[np.ndarray, np.ndarray]:
     return full, present & ~full
 
 
-def _division_mask_mod(div: Division, nq_pad: int, nk_pad: int, device: torch.device) -> Callable:
-    G, J = div.n_groups, div.n_key_blocks
-    present, _ = div.tile_matrix()
-    tm = np.zeros((G + 1, J + 1), bool)  # row G / column J: padding, sees nothing
-    tm[:G, :J] = present
-    R = div.key_starts.shape[1]
-
-    def pad(a: np.ndarray, n: int, fill: int) -> torch.Tensor:
-        out = np.full((n,) + a.shape[1:], fill, np.int64)
-        out[:len(a)] = a
-        return torch.from_numpy(out).to(device)
-
-    tiles = torch.from_numpy(tm.reshape(-1)).to(device)
-    qg = pad(div.q_group * (J + 1), nq_pad, G * (J + 1))
-    kb = pad(div.k_block, nk_pad, J)
-    kpos = pad(div.k_pos, nk_pad, 0)
-    starts = pad(div.key_starts, nq_pad, 0)
-    ends = pad(div.key_ends, nq_pad, 0)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        kp = kpos[kv_idx]
-        seen = (kp >= starts[q_idx, 0]) & (kp < ends[q_idx, 0])
-        for r in range(1, R):
-            seen = seen | ((kp >= starts[q_idx, r]) & (kp < ends[q_idx, r]))
-        return seen & tiles[qg[q_idx] + kb[kv_idx]]
-
-    return mask_mod
+def _pad(a: np.ndarray, n: int, fill: int) -> np.ndarray:
+    out = np.full((n,) + a.shape[1:], fill, np.int64)
+    out[:len(a)] = a
+    return out
 
 
-def _dense_mask_mod(mask: torch.Tensor, nq_pad: int, nk_pad: int) -> Callable:
-    padded = torch.zeros(nq_pad, nk_pad, dtype=torch.bool, device=mask.device)
-    padded[:mask.shape[0], :mask.shape[1]] = mask
-    flat = padded.reshape(-1)
+def _block_lists(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(num [1, 1, rows], indices [1, 1, rows, cols])`` int32: the columns set in each row of
+    ``m``, in ascending order (the BlockMask index format)."""
+    num = m.sum(axis=1).astype(np.int32)
+    idx = np.argsort(~m, axis=1, kind="stable").astype(np.int32)
+    return num[None, None], np.ascontiguousarray(idx)[None, None]
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return flat[q_idx * nk_pad + kv_idx]
 
-    return mask_mod
+class _FlexMeta:
+    """A division's flex state on the device (built once per upload)."""
+
+    def __init__(self, arrays: dict[str, torch.Tensor], static: tuple):
+        self.n_q, self.n_k, self.nq_pad, self.nk_pad, self.bs, self.n_ranges, self.n_keys = static
+        a = arrays
+        tiles, qg, kb, kpos, starts, ends = a["tiles"], a["qg"], a["kb"], a["kpos"], a["starts"], a["ends"]
+        R = self.n_ranges
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            kp = kpos[kv_idx]
+            seen = (kp >= starts[q_idx, 0]) & (kp < ends[q_idx, 0])
+            for r in range(1, R):
+                seen = seen | ((kp >= starts[q_idx, r]) & (kp < ends[q_idx, r]))
+            return seen & tiles[qg[q_idx] + kb[kv_idx]]
+
+        self.mask_mod = mask_mod
+        self.full, self.partial = a["full"], a["partial"]
+        self.block_mask = BlockMask(
+            seq_lengths=(self.nq_pad, self.nk_pad), kv_num_blocks=a["kv_num"], kv_indices=a["kv_idx"],
+            full_kv_num_blocks=a["full_kv_num"], full_kv_indices=a["full_kv_idx"], q_num_blocks=a["q_num"],
+            q_indices=a["q_idx"], full_q_num_blocks=a["full_q_num"], full_q_indices=a["full_q_idx"],
+            BLOCK_SIZE=(self.bs, self.bs), mask_mod=mask_mod)
+        self._dense: torch.Tensor | None = None
+
+    def dense_visible(self) -> torch.Tensor:
+        """bool ``[N_q_pad, N_k_pad]``: what flex sees (full tiles, or partial tiles where
+        ``mask_mod`` holds); device ops only."""
+        if self._dense is None:
+            bs, dev = self.bs, self.full.device
+            full = self.full.repeat_interleave(bs, 0).repeat_interleave(bs, 1)
+            part = self.partial.repeat_interleave(bs, 0).repeat_interleave(bs, 1)
+            qi = torch.arange(self.nq_pad, device=dev)[:, None]
+            ki = torch.arange(self.nk_pad, device=dev)[None, :]
+            zero = torch.zeros((), dtype=torch.long, device=dev)
+            self._dense = full | (part & self.mask_mod(zero, zero, qi, ki))
+        return self._dense
 
 
 class FlexKernel:
-    """FlexAttention over whole divisions (see the module docstring).
+    """FlexAttention over whole divisions (see the module docstring); the division protocol of
+    :class:`~torch_dcp.executor.kernels.DivisionKernel`.
 
     Args:
         block_size: flex tile size in rows (``BLOCK_SIZE`` of the ``BlockMask``; default 128).
         compile: use ``torch.compile(flex_attention)``; default: on CUDA only (the compiled CPU
             kernel returns no LSE).
-
-    Division protocol (used by the executor):
-
-    * ``forward_division(q_ws, k_ws, v_ws, div, scale, acc_dtype) -> (out [n_q, H, D], lse [n_q, H])``
-    * ``backward_division(q_ws, k_ws, v_ws, do_ws, lse_ws, delta_ws, div, scale, acc_dtype)
-      -> (dq [n_q, H, D], dk [n_k, H_kv, D], dv [n_k, H_kv, D])``
-
-    where the ``*_ws`` are the rank's work buffers (``qws`` rows for Q, dO, LSE, delta;
-    ``kvws`` rows for K, V) and ``div`` the :class:`~torch_dcp.executor.division.Division`;
-    results are in packed order (``div.out_rows`` / ``div.kv_rows``) and ``acc_dtype``. The
-    per-group protocol of :class:`~torch_dcp.executor.kernels.ReferenceKernel` (dense mask)
-    is implemented too.
 
     Raises:
         RuntimeError: this torch has no FlexAttention.
@@ -244,42 +207,37 @@ class FlexKernel:
         self.block_size = int(block_size)
         self.compile = compile
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ host side
+    def prepare(self, div: Division) -> KernelLayout:
+        """Block mask (both directions) and ``mask_mod`` tables of ``div`` (NumPy)."""
+        bs = self.block_size
+        full, partial = division_tiles(div, bs)
+        nq_pad, nk_pad = _round_up(div.n_q, bs), _round_up(div.n_k, bs)
+        G, J = div.n_groups, div.n_key_blocks
+        present, _ = div.tile_matrix()
+        tm = np.zeros((G + 1, J + 1), bool)  # row G / column J: padding, sees nothing
+        tm[:G, :J] = present
+        arrays = {"full": full, "partial": partial, "tiles": tm.reshape(-1),
+                  "qg": _pad(div.q_group * (J + 1), nq_pad, G * (J + 1)), "kb": _pad(div.k_block, nk_pad, J),
+                  "kpos": _pad(div.k_pos, nk_pad, 0), "starts": _pad(div.key_starts, nq_pad, 0),
+                  "ends": _pad(div.key_ends, nq_pad, 0)}
+        for name, m in (("", partial), ("full_", full)):
+            arrays[f"{name}kv_num"], arrays[f"{name}kv_idx"] = _block_lists(m)
+            arrays[f"{name}q_num"], arrays[f"{name}q_idx"] = _block_lists(np.ascontiguousarray(m.T))
+        static = (div.n_q, div.n_k, nq_pad, nk_pad, bs, div.key_starts.shape[1], J)
+        return KernelLayout(nq_pad, nk_pad, arrays, static)
+
+    def bind(self, arrays: dict[str, torch.Tensor], static: tuple) -> _FlexMeta:
+        return _FlexMeta(arrays, static)
+
+    # ------------------------------------------------------------------ device side
     def _compiled(self, device: torch.device) -> bool:
         return self.compile if self.compile is not None else device.type == "cuda"
 
-    def _in_dtype(self, t: torch.Tensor, acc: torch.dtype) -> torch.dtype:
-        return t.dtype if t.device.type == "cuda" else acc
-
-    def _state(self, div: Division, device: torch.device) -> _State:
-        key = ("flex", self.block_size, str(device))
-        st = div.cache.get(key)
-        if st is None:
-            bs = self.block_size
-            full, partial = division_tiles(div, bs)
-            nq_pad, nk_pad = _round_up(div.n_q, bs), _round_up(div.n_k, bs)
-            qi = np.concatenate([div.q_rows, np.full(nq_pad - div.n_q, div.q_rows[0])])
-            ki = np.concatenate([div.kv_rows, np.full(nk_pad - div.n_k, div.kv_rows[0])])
-            st = _State(div.n_q, div.n_k, bs, device, torch.from_numpy(qi).to(device), torch.from_numpy(ki).to(device),
-                        _division_mask_mod(div, nq_pad, nk_pad, device), full, partial)
-            div.cache[key] = st
-        return st
-
-    def _group_state(self, n_q: int, n_k: int, mask: torch.Tensor | None, device: torch.device) -> _State:
-        bs = self.block_size
-        nq_pad, nk_pad = _round_up(n_q, bs), _round_up(n_k, bs)
-        m = mask if mask is not None else torch.ones(n_q, n_k, dtype=torch.bool, device=device)
-        padded = torch.zeros(nq_pad, nk_pad, dtype=torch.bool)
-        padded[:n_q, :n_k] = m.cpu()
-        tiles = padded.reshape(nq_pad // bs, bs, nk_pad // bs, bs).permute(0, 2, 1, 3).reshape(nq_pad // bs, nk_pad // bs, -1)
-        full = tiles.all(-1).numpy()
-        present = tiles.any(-1).numpy()
-        return _State(n_q, n_k, bs, device, None, None, _dense_mask_mod(m, nq_pad, nk_pad), full, present & ~full)
-
-    def _flex(self, q4, k4, v4, st: _State, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _flex(self, q4, k4, v4, meta: _FlexMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """flex_attention with the LSE (natural log), either API spelling."""
         fn = _compiled_flex() if self._compiled(q4.device) else flex_attention
-        kw = dict(block_mask=st.block_mask, scale=scale, enable_gqa=q4.shape[1] != k4.shape[1])
+        kw = dict(block_mask=meta.block_mask, scale=scale, enable_gqa=q4.shape[1] != k4.shape[1])
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
             warnings.filterwarnings("ignore", message=".*return_lse is deprecated.*")
@@ -290,12 +248,12 @@ class FlexKernel:
             return out, lse
 
     @staticmethod
-    def _dense(q4, k4, v4, st: _State, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dense(q4, k4, v4, meta: _FlexMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Differentiable stand-in for flex on devices where flex has no backward: the same
         visible pairs (block mask + mask_mod), dense math."""
         g = q4.shape[1] // k4.shape[1]
         k4, v4 = k4.repeat_interleave(g, 1), v4.repeat_interleave(g, 1)
-        vis = st.dense_visible(q4.device)
+        vis = meta.dense_visible()
         empty = ~vis.any(-1)  # [N_q]
         s = torch.einsum("bhqd,bhkd->bhqk", q4, k4) * scale
         s = s.masked_fill(~vis, -math.inf).masked_fill(empty[:, None], 0.0)
@@ -310,39 +268,33 @@ class FlexKernel:
     def _heads_first(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return t.to(dtype).transpose(0, 1).unsqueeze(0)
 
-    def _gather(self, t: torch.Tensor, index: torch.Tensor | None, n_pad: int, dtype: torch.dtype) -> torch.Tensor:
-        if index is not None:
-            return self._heads_first(t.index_select(0, index), dtype)
-        pad = t.new_zeros((n_pad - t.shape[0],) + tuple(t.shape[1:]))
-        return self._heads_first(torch.cat([t, pad]), dtype)
+    def _in_dtype(self, t: torch.Tensor, acc: torch.dtype) -> torch.dtype:
+        return t.dtype if t.device.type == "cuda" else acc
 
-    # ------------------------------------------------------------------ core
-    def _forward(self, q, k, v, st: _State, scale, acc) -> tuple[torch.Tensor, torch.Tensor]:
-        dt = self._in_dtype(q, acc)
-        q4 = self._gather(q, st.q_index, st.nq_pad, dt)
-        k4 = self._gather(k, st.kv_index, st.nk_pad, dt)
-        v4 = self._gather(v, st.kv_index, st.nk_pad, dt)
+    def forward(self, q, k, v, meta: _FlexMeta, scale, acc_dtype):
+        """Partial output ``[n_q, H, D]`` and LSE ``[n_q, H]`` of the division's queries."""
+        dt = self._in_dtype(q, acc_dtype)
+        q4, k4, v4 = (self._heads_first(t, dt) for t in (q, k, v))
         with torch.no_grad():
-            out, lse = self._flex(q4, k4, v4, st, scale)
-        return out[0, :, :st.n_q].transpose(0, 1).to(acc), lse[0, :, :st.n_q].transpose(0, 1).to(acc)
+            out, lse = self._flex(q4, k4, v4, meta, scale)
+        return out[0, :, :meta.n_q].transpose(0, 1).to(acc_dtype), lse[0, :, :meta.n_q].transpose(0, 1).to(acc_dtype)
 
-    def _backward(self, q, k, v, do, lse, delta, st: _State, scale, acc):
+    def backward(self, q, k, v, do, lse, delta, meta: _FlexMeta, scale, acc_dtype):
+        """``(dq [n_q, H, D], dk [n_k, H_kv, D], dv [n_k, H_kv, D])`` of the division's pairs,
+        given the final LSE and ``delta = rowsum(dO * O)`` (packed like ``q``)."""
+        acc = acc_dtype
         dt = self._in_dtype(q, acc)
-        q4 = self._gather(q, st.q_index, st.nq_pad, dt)
-        k4 = self._gather(k, st.kv_index, st.nk_pad, dt)
-        v4 = self._gather(v, st.kv_index, st.nk_pad, dt)
-        do4 = self._gather(do, st.q_index, st.nq_pad, acc)
-        lse_f = self._gather(lse.unsqueeze(-1), st.q_index, st.nq_pad, acc)[..., 0]  # [1, H, N_q_pad]
-        delta4 = self._gather(delta.unsqueeze(-1), st.q_index, st.nq_pad, acc)[..., 0]
-        if st.q_index is None:  # padding rows of the per-group path: -inf, no gradient
-            lse_f[:, :, st.n_q:] = -math.inf
+        q4, k4, v4 = (self._heads_first(t, dt) for t in (q, k, v))
+        do4 = self._heads_first(do, acc)
+        lse_f = lse.to(acc).transpose(0, 1).unsqueeze(0)  # [1, H, N_q_pad]
+        delta4 = delta.to(acc).transpose(0, 1).unsqueeze(0)
         flex_bwd = q4.device.type not in ("cpu", "mps")  # FlexAttention has no backward there
         with torch.enable_grad():
             qg, kg, vg = (t.detach().requires_grad_(True) for t in (q4, k4, v4))
             if flex_bwd:
-                out_p, lse_p = self._flex(qg, kg, vg, st, scale)
+                out_p, lse_p = self._flex(qg, kg, vg, meta, scale)
             else:
-                out_p, lse_p = self._dense(qg, kg, vg, st, scale)
+                out_p, lse_p = self._dense(qg, kg, vg, meta, scale)
             lp = lse_p.detach().to(acc)
             c = torch.where(torch.isfinite(lp), torch.exp(lp - torch.where(torch.isfinite(lse_f), lse_f, lp)),
                             torch.zeros_like(lp))
@@ -350,30 +302,7 @@ class FlexKernel:
             # with the rounded grad_out, so that flex's own rowsum(grad_out * O_p) cancels exactly
             grad_lse = (grad_out.to(acc) * out_p.detach().to(acc)).sum(-1) - c * delta4
             torch.autograd.backward((out_p, lse_p), (grad_out, grad_lse.to(lse_p.dtype)))
-        dq = qg.grad[0, :, :st.n_q].transpose(0, 1).to(acc)
-        dk = kg.grad[0, :, :st.n_k].transpose(0, 1).to(acc)
-        dv = vg.grad[0, :, :st.n_k].transpose(0, 1).to(acc)
+        dq = qg.grad[0, :, :meta.n_q].transpose(0, 1).to(acc)
+        dk = kg.grad[0, :, :meta.n_k].transpose(0, 1).to(acc)
+        dv = vg.grad[0, :, :meta.n_k].transpose(0, 1).to(acc)
         return dq, dk, dv
-
-    # ------------------------------------------------------------------ division protocol
-    def forward_division(self, q_ws: torch.Tensor, k_ws: torch.Tensor, v_ws: torch.Tensor, div: Division,
-                         scale: float, acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partial output ``[n_q, H, D]`` and LSE ``[n_q, H]`` of every packed query of ``div``."""
-        return self._forward(q_ws, k_ws, v_ws, self._state(div, q_ws.device), scale, acc_dtype)
-
-    def backward_division(self, q_ws, k_ws, v_ws, do_ws, lse_ws, delta_ws, div: Division, scale: float,
-                          acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq [n_q, H, D], dk [n_k, H_kv, D], dv [n_k, H_kv, D])`` of ``div``'s pairs, given the
-        final LSE and ``delta = rowsum(dO * O)`` in ``lse_ws``/``delta_ws`` (``qws`` rows)."""
-        st = self._state(div, q_ws.device)
-        return self._backward(q_ws, k_ws, v_ws, do_ws, lse_ws, delta_ws, st, scale, acc_dtype)
-
-    # ------------------------------------------------------------------ per-group protocol
-    def forward(self, q, k, v, mask, scale, acc_dtype):
-        """One group: ``q [n_q, H, D]`` against ``k, v [n_k, H_kv, D]`` under ``mask [n_q, n_k]``."""
-        return self._forward(q, k, v, self._group_state(q.shape[0], k.shape[0], mask, q.device), scale, acc_dtype)
-
-    def backward(self, q, k, v, do, lse, delta, mask, scale, acc_dtype):
-        """One group's ``(dq, dk, dv)`` given the final LSE and delta (see ``ReferenceKernel``)."""
-        st = self._group_state(q.shape[0], k.shape[0], mask, q.device)
-        return self._backward(q, k, v, do, lse, delta, st, scale, acc_dtype)

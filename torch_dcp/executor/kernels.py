@@ -1,71 +1,188 @@
-"""Attention kernels for groups of tiles that share a query block.
+"""Attention kernels: the division protocol and the per-group kernels.
 
-A kernel computes, for queries ``q: [n_q, H, D]`` against the concatenated keys and values
-of several key/value blocks ``k, v: [n_k, H_kv, D]`` under a boolean mask ``[n_q, n_k]``
-(``None`` = all visible), the partial output and its log-sum-exp (forward), or the
-gradients given the final LSE and ``delta = rowsum(dO * O)`` (backward, FlashAttention-2
-style recomputation: Dao, "FlashAttention-2", 2023, Algorithm 2). GQA: query head ``h``
-uses key/value head ``h // (H / H_kv)``.
+Every kernel runs a whole ``BlockwiseAttention`` instruction (a *division*) per call, on
+*packed* inputs the executor gathers for it: the division's query rows one after another
+(``q: [Q_rows, H, D]``) and the distinct key/value rows it reads (``k, v: [K_rows, H_kv, D]``),
+as laid out by :class:`~torch_dcp.executor.division.Division`; a kernel may ask for padding
+rows at the end (``KernelLayout.q_rows >= div.n_q``). Everything a kernel needs beyond the
+inputs is computed on the host when the device plan is built (:meth:`DivisionKernel.prepare`,
+NumPy) and turned into device objects once per step when it is uploaded
+(:meth:`DivisionKernel.bind`), so the step itself only launches kernels.
 
-Rows that see no key get output 0 and LSE ``-inf``, and no gradient.
+The forward computes the division's partial output and its log-sum-exp; the backward the
+gradients given the *final* LSE and ``delta = rowsum(dO * O)`` (FlashAttention-2 style
+recomputation: Dao, "FlashAttention-2", 2023, Algorithm 2). GQA: query head ``h`` uses
+key/value head ``h // (H / H_kv)``. Rows that see no key get output 0 and LSE ``-inf``, and no
+gradient.
 
-A kernel may also implement the *division* protocol (``forward_division`` /
-``backward_division``, see :class:`DivisionKernel`): the executor then hands it every group
-of a ``BlockwiseAttention`` instruction at once (one launch, or a few, per division) instead of
-calling it group by group. :class:`~torch_dcp.executor.flex.FlexKernel` does.
+:class:`GroupKernel` implements the protocol with one call per group of tiles sharing a query
+block (:class:`ReferenceKernel`, :class:`SDPAKernel`); :class:`~torch_dcp.executor.flex.FlexKernel`
+runs a division in one FlexAttention launch.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
-__all__ = ["AttentionKernel", "DivisionKernel", "ReferenceKernel", "SDPAKernel", "get_kernel"]
+from .division import Division
+
+__all__ = ["KernelLayout", "DivisionKernel", "GroupKernel", "ReferenceKernel", "SDPAKernel", "get_kernel"]
 
 
-class AttentionKernel(Protocol):
-    """What the executor needs from a kernel; all results in ``acc_dtype``."""
+class KernelLayout(NamedTuple):
+    """What a kernel needs for one division, built on the host.
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                scale: float, acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(out [n_q, H, D], lse [n_q, H])``."""
-        ...
+    Attributes:
+        q_rows, k_rows: packed query / key-value rows the kernel is given (``>= div.n_q`` /
+            ``div.n_k``; rows past those are padding: the executor repeats a real row there and
+            the kernel must ignore them).
+        arrays: NumPy arrays to upload with the device plan (any dtype).
+        static: plain Python data for :meth:`DivisionKernel.bind`.
+    """
 
-    def backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-                 delta: torch.Tensor, mask: torch.Tensor | None, scale: float,
-                 acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns ``(dq [n_q, H, D], dk [n_k, H_kv, D], dv [n_k, H_kv, D])``."""
-        ...
+    q_rows: int
+    k_rows: int
+    arrays: dict[str, np.ndarray]
+    static: Any
 
 
 class DivisionKernel(Protocol):
-    """Optional protocol: all groups of one ``BlockwiseAttention`` instruction per call.
+    """What the executor needs from a kernel; all results in ``acc_dtype``."""
 
-    ``q_ws [S_q, H, D]``, ``k_ws, v_ws [S_kv, H_kv, D]`` are the rank's work buffers; ``div``
-    (:class:`~torch_dcp.executor.division.Division`) says which rows the division reads
-    (``div.q_rows``, ``div.kv_rows``), which (query block, key block) tiles it runs and every
-    packed row's document position and key ranges. Results are in packed order and
-    ``acc_dtype``; the executor writes them to ``div.out_rows`` / adds them at ``div.kv_rows``.
+    name: str
+
+    def prepare(self, div: Division) -> KernelLayout:
+        """Host side (NumPy), once per division when the device plan is built."""
+        ...
+
+    def bind(self, arrays: dict[str, torch.Tensor], static: Any) -> Any:
+        """Device side, once per upload: turn the uploaded arrays into what ``forward`` and
+        ``backward`` take as ``meta`` (no host-to-device copies after this)."""
+        ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Any, scale: float,
+                acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(out [n_q, H, D], lse [n_q, H])`` of the division's real query rows."""
+        ...
+
+    def backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+                 delta: torch.Tensor, meta: Any, scale: float,
+                 acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns ``(dq [n_q, H, D], dk [n_k, H_kv, D], dv [n_k, H_kv, D])`` of the global
+        attention restricted to the division's pairs, given the final LSE and delta (packed like
+        ``q``)."""
+        ...
+
+
+class _Group(NamedTuple):
+    q0: int
+    q1: int
+    keys: Any  # slice of the packed keys, or an int64 index tensor into them
+    partial: bool  # some pair of the group is masked: build its mask
+
+
+class _GroupMeta(NamedTuple):
+    groups: list[_Group]
+    n_q: int
+    n_k: int
+    k_pos: torch.Tensor  # [n_k] document-local positions of the packed keys
+    starts: torch.Tensor  # [n_q, R] key ranges [start, end) of the packed queries
+    ends: torch.Tensor
+
+
+class GroupKernel:
+    """The division protocol as one call per group of tiles sharing a query block.
+
+    A group's keys are exactly its tiles' key blocks; its mask, where some tile is partial, is
+    the batch's key ranges evaluated on the device from the document positions in the device
+    plan. Subclasses give :meth:`forward_group` / :meth:`backward_group` (``mask``: bool
+    ``[n_q, n_k]`` or None = all visible).
     """
 
-    def forward_division(self, q_ws: torch.Tensor, k_ws: torch.Tensor, v_ws: torch.Tensor, div,
-                         scale: float, acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(out [n_q, H, D], lse [n_q, H])``, partial over the division's tiles."""
-        ...
+    name = "group"
 
-    def backward_division(self, q_ws: torch.Tensor, k_ws: torch.Tensor, v_ws: torch.Tensor, do_ws: torch.Tensor,
-                          lse_ws: torch.Tensor, delta_ws: torch.Tensor, div, scale: float,
-                          acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Returns ``(dq [n_q, H, D], dk [n_k, H_kv, D], dv [n_k, H_kv, D])`` of the global
-        attention restricted to the division's tiles, given the final LSE and
-        ``delta = rowsum(dO * O)`` (``qws`` rows, like ``do_ws``)."""
-        ...
+    def prepare(self, div: Division) -> KernelLayout:
+        present, full = div.tile_matrix()
+        static, idx, off = [], [], 0
+        for g in range(div.n_groups):
+            js = np.nonzero(present[g])[0]
+            lo, hi = div.k_ptr[js], div.k_ptr[js + 1]
+            rows = np.concatenate([np.arange(a, b) for a, b in zip(lo.tolist(), hi.tolist())]) if len(js) else \
+                np.zeros(0, np.int64)
+            partial = not bool(full[g, js].all())
+            if len(rows) and rows[-1] - rows[0] + 1 == len(rows):
+                keys = ("slice", int(rows[0]), int(rows[-1]) + 1)
+            else:
+                keys = ("index", off, off + len(rows))
+                idx.append(rows)
+                off += len(rows)
+            static.append((int(div.q_ptr[g]), int(div.q_ptr[g + 1]), keys, partial))
+        arrays = {"kidx": np.concatenate(idx).astype(np.int64) if idx else np.zeros(0, np.int64),
+                  "k_pos": div.k_pos.astype(np.int64), "starts": div.key_starts.astype(np.int64),
+                  "ends": div.key_ends.astype(np.int64)}
+        return KernelLayout(div.n_q, div.n_k, arrays, (static, div.n_q, div.n_k))
+
+    def bind(self, arrays: dict[str, torch.Tensor], static: Any) -> _GroupMeta:
+        groups_static, n_q, n_k = static
+        groups = []
+        for q0, q1, (how, a, b), partial in groups_static:
+            keys = slice(a, b) if how == "slice" else arrays["kidx"][a:b]
+            groups.append(_Group(q0, q1, keys, partial))
+        return _GroupMeta(groups, n_q, n_k, arrays["k_pos"], arrays["starts"], arrays["ends"])
+
+    @staticmethod
+    def _keys(t: torch.Tensor, keys: Any) -> torch.Tensor:
+        return t[keys] if isinstance(keys, slice) else t.index_select(0, keys)
+
+    @staticmethod
+    def _mask(meta: _GroupMeta, g: _Group) -> torch.Tensor | None:
+        if not g.partial:
+            return None
+        kp = GroupKernel._keys(meta.k_pos, g.keys)[None, :, None]
+        st, en = meta.starts[g.q0:g.q1, None, :], meta.ends[g.q0:g.q1, None, :]
+        return ((kp >= st) & (kp < en)).any(-1)
+
+    def forward(self, q, k, v, meta: _GroupMeta, scale, acc_dtype):
+        h, d = q.shape[1], q.shape[2]
+        out = torch.zeros(meta.n_q, h, d, dtype=acc_dtype, device=q.device)
+        lse = torch.full((meta.n_q, h), -math.inf, dtype=acc_dtype, device=q.device)
+        for g in meta.groups:
+            o, l = self.forward_group(q[g.q0:g.q1], self._keys(k, g.keys), self._keys(v, g.keys), self._mask(meta, g),
+                                      scale, acc_dtype)
+            out[g.q0:g.q1] = o
+            lse[g.q0:g.q1] = l
+        return out, lse
+
+    def backward(self, q, k, v, do, lse, delta, meta: _GroupMeta, scale, acc_dtype):
+        dq = torch.zeros(meta.n_q, *q.shape[1:], dtype=acc_dtype, device=q.device)
+        dk = torch.zeros(meta.n_k, *k.shape[1:], dtype=acc_dtype, device=q.device)
+        dv = torch.zeros(meta.n_k, *v.shape[1:], dtype=acc_dtype, device=q.device)
+        for g in meta.groups:
+            s = slice(g.q0, g.q1)
+            gq, gk, gv = self.backward_group(q[s], self._keys(k, g.keys), self._keys(v, g.keys), do[s], lse[s], delta[s],
+                                             self._mask(meta, g), scale, acc_dtype)
+            dq[s] = gq
+            if isinstance(g.keys, slice):
+                dk[g.keys] += gk
+                dv[g.keys] += gv
+            else:
+                dk.index_add_(0, g.keys, gk)
+                dv.index_add_(0, g.keys, gv)
+        return dq, dk, dv
+
+    def forward_group(self, q, k, v, mask, scale, acc_dtype):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def backward_group(self, q, k, v, do, lse, delta, mask, scale, acc_dtype):  # pragma: no cover - abstract
+        raise NotImplementedError
 
 
-class ReferenceKernel:
-    """Exact attention in plain torch ops, on any device.
+class ReferenceKernel(GroupKernel):
+    """Exact attention in plain torch ops, on any device (one call per group).
 
     Computes in ``acc_dtype`` (float32, or float64 for float64 inputs); the scores of a group
     are materialised (``[H, n_q, n_k]``), so it is meant for correctness and CPU runs.
@@ -84,7 +201,7 @@ class ReferenceKernel:
             s = s.masked_fill(~mask, -math.inf)
         return qg, s
 
-    def forward(self, q, k, v, mask, scale, acc_dtype):
+    def forward_group(self, q, k, v, mask, scale, acc_dtype):
         nq, h, d = q.shape
         _, s = self._scores(q, k, mask, scale, acc_dtype)
         lse = torch.logsumexp(s, dim=-1)  # [hkv, g, nq]
@@ -93,7 +210,7 @@ class ReferenceKernel:
         out = torch.einsum("hgqk,khd->qhgd", p, v.to(acc_dtype)).reshape(nq, h, d)
         return out, lse.reshape(h, nq).transpose(0, 1)
 
-    def backward(self, q, k, v, do, lse, delta, mask, scale, acc_dtype):
+    def backward_group(self, q, k, v, do, lse, delta, mask, scale, acc_dtype):
         nq, h, d = q.shape
         nk, hkv, _ = k.shape
         g = h // hkv
@@ -114,7 +231,7 @@ class ReferenceKernel:
         return dq, dk, dv
 
 
-class SDPAKernel:
+class SDPAKernel(GroupKernel):
     """PyTorch's fused CPU flash attention (``aten._scaled_dot_product_flash_attention_for_cpu``
     and its backward), which returns the LSE and takes an additive mask; other devices use
     :class:`ReferenceKernel` for now.
@@ -144,9 +261,9 @@ class SDPAKernel:
             return None
         return torch.zeros(mask.shape, dtype=acc, device=mask.device).masked_fill(~mask, -math.inf)
 
-    def forward(self, q, k, v, mask, scale, acc_dtype):
+    def forward_group(self, q, k, v, mask, scale, acc_dtype):
         if q.device.type != "cpu":
-            return self._fallback.forward(q, k, v, mask, scale, acc_dtype)
+            return self._fallback.forward_group(q, k, v, mask, scale, acc_dtype)
         g = q.shape[1] // k.shape[1]
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             self._heads_first(q, acc_dtype), self._heads_first(k, acc_dtype, g), self._heads_first(v, acc_dtype, g),
@@ -160,9 +277,9 @@ class SDPAKernel:
                 out = out.masked_fill(empty[:, None, None], 0.0)
         return out, lse
 
-    def backward(self, q, k, v, do, lse, delta, mask, scale, acc_dtype):
+    def backward_group(self, q, k, v, do, lse, delta, mask, scale, acc_dtype):
         if q.device.type != "cpu":
-            return self._fallback.backward(q, k, v, do, lse, delta, mask, scale, acc_dtype)
+            return self._fallback.backward_group(q, k, v, do, lse, delta, mask, scale, acc_dtype)
         nk, hkv, d = k.shape
         g = q.shape[1] // hkv
         do_acc = do.to(acc_dtype)
@@ -191,14 +308,13 @@ def _flex_kernel():
 _KERNELS = {"reference": ReferenceKernel, "sdpa": SDPAKernel, "flex": _flex_kernel}
 
 
-def get_kernel(kernel: str | AttentionKernel | None, device: torch.device | str | None = None) -> AttentionKernel:
+def get_kernel(kernel: "str | DivisionKernel | None", device: torch.device | str | None = None) -> DivisionKernel:
     """A kernel by name, an instance as is, or the automatic choice.
 
     Names: ``"reference"`` (:class:`ReferenceKernel`), ``"sdpa"`` (:class:`SDPAKernel`),
     ``"flex"`` (:class:`~torch_dcp.executor.flex.FlexKernel`), ``"auto"`` (same as None):
     on a CUDA ``device`` FlexAttention over whole divisions when this torch has it, else (CPU,
-    or no device given) the fused SDPA kernel. ``flash_attn`` varlen is not used: its masks
-    (causal, sliding window) cannot express a division's tile list.
+    or no device given) the fused SDPA kernel.
 
     Raises:
         ValueError: unknown kernel name.

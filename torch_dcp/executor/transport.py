@@ -1,8 +1,9 @@
 """Transports: how an executor's ``CommLaunch``/``CommWait`` move bytes between ranks.
 
-A transport moves one contiguous ``uint8`` message per (phase, sender, receiver). ``wait``
-is a generator: it yields while the messages are not there yet (only the in-process
-transport ever does), so several ranks can run in one process.
+A message is a contiguous ``uint8`` tensor: one per (phase, sender, receiver, kind). Receives
+land in tensors the executor provides (views of its work buffers, so most messages need no
+copy on arrival). ``wait`` is a generator: it yields while the messages are not there yet (only
+the in-process transport ever does), so several ranks can run in one process.
 """
 
 from __future__ import annotations
@@ -13,17 +14,22 @@ import torch
 
 __all__ = ["Transport", "InProcessTransport", "Mailbox", "TorchDistributedTransport"]
 
+#: messages of one (phase, peer) pair are told apart by their kind; tags stay below this
+TAGS_PER_PHASE = 16
+
+Message = tuple[int, int, torch.Tensor]  # (peer, kind tag, uint8 tensor)
+
 
 class Transport:
-    """Interface: ``launch`` posts sends and receives of a phase; ``wait`` completes them."""
+    """Interface: ``launch`` posts the sends and receives of a phase; ``wait`` completes them."""
 
-    def launch(self, phase: int, sends: Sequence[tuple[int, torch.Tensor]],
-               recvs: Sequence[tuple[int, int]]) -> Any:
-        """Post ``sends`` (peer, uint8 message) and receives (peer, byte count); returns a handle."""
+    def launch(self, phase: int, sends: Sequence[Message], recvs: Sequence[Message]) -> Any:
+        """Post ``sends`` and receives into the given tensors (both ``(peer, tag, uint8 tensor)``,
+        the same order on both ends); returns a handle."""
         raise NotImplementedError
 
-    def wait(self, handle: Any) -> Generator[None, None, dict[int, torch.Tensor]]:
-        """Complete a launch; returns ``{peer: uint8 message}`` of its receives."""
+    def wait(self, handle: Any) -> Generator[None, None, None]:
+        """Complete a launch: afterwards every receive tensor holds its message."""
         raise NotImplementedError
 
 
@@ -31,12 +37,12 @@ class Mailbox:
     """Messages in flight between ranks running in one process."""
 
     def __init__(self):
-        self.messages: dict[tuple[int, int, int], torch.Tensor] = {}
+        self.messages: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self.events = 0
 
-    def post(self, key: tuple[int, int, int], message: torch.Tensor) -> None:
+    def post(self, key: tuple[int, int, int, int], message: torch.Tensor) -> None:
         if key in self.messages:
-            raise RuntimeError(f"two messages for (phase, src, dst) = {key}")
+            raise RuntimeError(f"two messages for (phase, tag, src, dst) = {key}")
         self.messages[key] = message
         self.events += 1
 
@@ -54,32 +60,32 @@ class InProcessTransport(Transport):
         self.rank = rank
 
     def launch(self, phase, sends, recvs):
-        for peer, msg in sends:
-            self.mailbox.post((phase, self.rank, peer), msg.clone())
+        for peer, tag, msg in sends:
+            self.mailbox.post((phase, tag, self.rank, peer), msg.clone())
         return phase, list(recvs)
 
     def wait(self, handle):
         phase, recvs = handle
-        out = {}
-        for peer, nbytes in recvs:
-            key = (phase, peer, self.rank)
+        for peer, tag, buf in recvs:
+            key = (phase, tag, peer, self.rank)
             while key not in self.mailbox.messages:
                 yield
             msg = self.mailbox.messages.pop(key)
-            if msg.numel() != nbytes:
-                raise RuntimeError(f"phase {phase}: rank {peer} sent {msg.numel()} bytes to rank {self.rank}, expected {nbytes}")
-            out[peer] = msg
+            if msg.numel() != buf.numel():
+                raise RuntimeError(f"phase {phase}: rank {peer} sent {msg.numel()} bytes to rank {self.rank}, "
+                                   f"expected {buf.numel()}")
+            buf.copy_(msg)
         self.mailbox.events += 1
-        return out
 
 
 class TorchDistributedTransport(Transport):
-    """Point-to-point over ``torch.distributed`` with ``batch_isend_irecv``.
+    """Point-to-point over ``torch.distributed``: every phase's messages posted as one
+    ``batch_isend_irecv``.
 
     Args:
         group: the DCP process group (plan rank ``r`` is group rank ``r``); ``None`` for the
             default group.
-        device: device of the receive buffers (the tensors' device; CPU for gloo).
+        device: the device of the messages (the tensors' device; CPU for gloo).
     """
 
     def __init__(self, group: Any = None, device: torch.device | str = "cpu"):
@@ -89,30 +95,20 @@ class TorchDistributedTransport(Transport):
         self.group = group
         self.device = torch.device(device)
         self.world_size = dist.get_world_size(group)
-
-    def _global(self, rank: int) -> int:
-        if self.group is None:
-            return rank
-        return self.dist.get_global_rank(self.group, rank)
+        self._global = {r: (r if group is None else dist.get_global_rank(group, r)) for r in range(self.world_size)}
 
     def launch(self, phase, sends, recvs):
         dist = self.dist
-        ops = []
-        bufs = {}
-        keep = []  # send buffers must outlive the asynchronous sends
-        for peer, nbytes in recvs:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            bufs[peer] = buf
-            ops.append(dist.P2POp(dist.irecv, buf, self._global(peer), self.group, tag=phase))
-        for peer, msg in sends:
-            keep.append(msg.contiguous())
-            ops.append(dist.P2POp(dist.isend, keep[-1], self._global(peer), self.group, tag=phase))
+        ops = [dist.P2POp(dist.irecv, buf, self._global[peer], self.group, tag=phase * TAGS_PER_PHASE + tag)
+               for peer, tag, buf in recvs]
+        ops += [dist.P2POp(dist.isend, msg, self._global[peer], self.group, tag=phase * TAGS_PER_PHASE + tag)
+                for peer, tag, msg in sends]
         reqs = dist.batch_isend_irecv(ops) if ops else []
-        return reqs, bufs, keep
+        return reqs, [m for _, _, m in sends]  # send tensors must outlive the asynchronous sends
 
     def wait(self, handle):
-        reqs, bufs, _keep = handle
+        reqs, _keep = handle
         for req in reqs:
             req.wait()
-        return bufs
+        return
         yield  # pragma: no cover - makes this a generator that never blocks the caller

@@ -40,7 +40,7 @@ import numpy as np
 
 from ..batch import BatchSpec
 from ..topology import Topology
-from ..workload import BWD_RETURN_KV, BWD_RETURN_Q, FWD_RETURN, KIND_KV, KIND_Q, Workload, item_token_bytes
+from ..workload import Buf, Workload, item_token_bytes
 from .base import Placement
 
 __all__ = ["plan_dcp", "DCPHypergraph", "estimate_seconds"]
@@ -64,8 +64,8 @@ class DCPHypergraph:
     def __init__(self, wl: Workload):
         nt, nb = wl.n_tiles, wl.n_blocks
         itb = item_token_bytes(wl.batch)
-        q_w = itb[(False, KIND_Q)] + itb[(False, FWD_RETURN)] + itb[(True, KIND_Q)] + itb[(True, BWD_RETURN_Q)]
-        kv_w = itb[(False, KIND_KV)] + itb[(True, KIND_KV)] + itb[(True, BWD_RETURN_KV)]
+        q_w = itb[(False, Buf.Q)] + itb[(False, Buf.OPART)] + itb[(True, Buf.Q)] + itb[(True, Buf.DQ)]
+        kv_w = itb[(False, Buf.KV)] + itb[(True, Buf.KV)] + itb[(True, Buf.DKV)]
         self.n_tiles, self.n_blocks = nt, nb
         self.n_vertices = nt + nb
         self.net_weight = np.concatenate([wl.block_len * float(q_w), wl.block_len * float(kv_w)])

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..batch import BatchSpec
 from ..topology import Topology
-from ..workload import BWD_RETURN_KV, KIND_KV, Workload, item_token_bytes
+from ..workload import Buf, Workload, item_token_bytes
 from .base import Placement
 
 __all__ = ["plan_fcp", "congestion_free_rounds"]
@@ -76,7 +76,7 @@ def plan_fcp(batch: BatchSpec, topology: Topology, block_size: int = 1024, eps_m
     flops = wl.tile_flops_fwd + wl.tile_flops_bwd
     row_flops = np.bincount(wl.tile_q, weights=flops, minlength=nb)
     itb = item_token_bytes(batch)
-    kv_bytes = wl.block_len * float(itb[(False, KIND_KV)] + itb[(True, KIND_KV)] + itb[(True, BWD_RETURN_KV)])
+    kv_bytes = wl.block_len * float(itb[(False, Buf.KV)] + itb[(True, Buf.KV)] + itb[(True, Buf.DKV)])
     # neighbours: (q, kv) pairs of distinct blocks, both directions
     off = wl.tile_q != wl.tile_kv
     nq, nkv = wl.tile_q[off], wl.tile_kv[off]

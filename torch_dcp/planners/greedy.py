@@ -18,7 +18,7 @@ import numpy as np
 
 from ..batch import BatchSpec
 from ..topology import Topology
-from ..workload import FWD_RETURN, KIND_KV, KIND_Q, Workload, item_token_bytes
+from ..workload import Buf, Workload, item_token_bytes
 from .base import Placement
 
 __all__ = ["plan_greedy"]
@@ -57,7 +57,7 @@ def plan_greedy(
     # bytes a tile avoids moving when it runs with its query block (Q + O partial + LSE)
     # vs with its key/value block (K + V)
     itb = item_token_bytes(batch)
-    q_first = itb[(False, KIND_Q)] + itb[(False, FWD_RETURN)] >= itb[(False, KIND_KV)]
+    q_first = itb[(False, Buf.Q)] + itb[(False, Buf.OPART)] >= itb[(False, Buf.KV)]
 
     order = np.lexsort((-batch.doc_lens, -doc_flops))
     for d in order:

@@ -1,0 +1,315 @@
+"""The device plan: everything a rank's executor needs for one step, built ahead on the host.
+
+:meth:`DevicePlan.build` walks a rank's forward and backward programs once (through the
+instruction table) and turns every instruction into a *step* of token-row indices: gather and
+scatter indices, each division's kernel metadata (:meth:`DivisionKernel.prepare`), reduction
+indices, message layouts. Index runs that are contiguous become slices (no index at all), so
+most messages are sent from and received into the work buffers in place. All arrays are packed
+into one contiguous byte buffer (NumPy, on the host): building it is part of planning and can
+run off the critical path.
+
+:meth:`DevicePlan.upload` moves that buffer to the device with one copy (from pinned memory,
+non-blocking on CUDA) and binds every step to views of it. After that, a step issues only
+kernel launches and transfers: no NumPy, no host-device copies, no synchronisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+from ..plan import (
+    BlockwiseAttention,
+    BlockwiseCopy,
+    BlockwiseReduction,
+    CommLaunch,
+    CommWait,
+    Plan,
+    ReduceOp,
+    dispatch,
+)
+from ..workload import Buf, spans_to_indices
+from .division import build_division
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .kernels import DivisionKernel
+
+__all__ = ["DevicePlan", "PassPlan", "Rows"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Token rows of a buffer: ``start:stop`` when contiguous (``array`` None), else the
+    int64 index array ``array`` (a name in the device plan's arrays) of ``n`` rows."""
+
+    n: int
+    start: int = 0
+    stop: int = 0
+    array: str | None = None
+
+    def bind(self, views: dict[str, torch.Tensor]) -> slice | torch.Tensor:
+        return slice(self.start, self.stop) if self.array is None else views[self.array]
+
+
+# ---------------------------------------------------------------------- steps (one per instruction)
+@dataclasses.dataclass(frozen=True)
+class CopyStep:
+    """Local inputs of ``kind`` into rows ``[0, n)`` of its work buffer."""
+
+    handler: ClassVar[str] = "on_copy"
+    kind: Buf
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """One message of a phase: ``rows`` of buffer ``kind`` to or from ``peer``. A send's rows
+    that are not contiguous are read from the phase's gathered rows of that kind
+    (``gathered = (start, stop)`` there)."""
+
+    peer: int
+    kind: Buf
+    rows: Rows
+    gathered: tuple[int, int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchStep:
+    """Post a phase: per kind at most one gather of send rows, then every message at once."""
+
+    handler: ClassVar[str] = "on_launch"
+    phase: int
+    gathers: tuple[tuple[Buf, Rows], ...]
+    sends: tuple[Message, ...]
+    recvs: tuple[Message, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class WaitStep:
+    """Complete a phase; receives that did not land in place are scattered (one per kind)."""
+
+    handler: ClassVar[str] = "on_wait"
+    phase: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionStep:
+    """One division: gather packed query rows (``q``) and key/value rows (``kv``), run the
+    kernel, write the partial output at ``out`` (``OPART`` forward) or add the gradients at
+    ``out`` (``DQ``) and ``kv_out`` (``DKV``) backward."""
+
+    handler: ClassVar[str] = "on_attention"
+    division: int
+    q: Rows
+    kv: Rows
+    out: Rows
+    kv_out: Rows | None
+    n_q: int
+    n_k: int
+    kernel_arrays: tuple[str, ...]
+    kernel_static: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ReductionStep:
+    """``dst`` rows get the ``op`` of ``p`` source rows each (``src``: ``n * p`` rows, row-major;
+    a missing partial points at the source buffer's null row, which weighs nothing)."""
+
+    handler: ClassVar[str] = "on_reduction"
+    op: ReduceOp
+    src_buf: Buf
+    dst_buf: Buf
+    n: int
+    p: int
+    src: Rows
+    dst: Rows
+
+
+@dataclasses.dataclass(frozen=True)
+class PassPlan:
+    """One pass of a rank: its steps, buffer sizes (rows, without the null row) and divisions."""
+
+    backward: bool
+    steps: tuple[Any, ...]
+    local_rows: int
+    buffer_rows: dict[Buf, int]
+    divisions: int
+    needs_null_row: bool
+
+
+class _Builder:
+    """Consumer of the instruction table: one step per instruction, arrays collected."""
+
+    def __init__(self, plan: Plan, rank: int, kernel: "DivisionKernel", backward: bool, arrays: dict[str, np.ndarray]):
+        self.plan, self.rank, self.kernel, self.backward = plan, rank, kernel, backward
+        self.blen = plan.workload.block_len
+        self.arrays = arrays
+        self.prefix = "b" if backward else "f"
+        self.prog = plan.program(rank, backward)
+        self.needs_null = False
+
+    def rows(self, idx: np.ndarray) -> Rows:
+        n = len(idx)
+        if n == 0 or (idx[-1] - idx[0] + 1 == n and np.all(np.diff(idx) == 1)):
+            a = int(idx[0]) if n else 0
+            return Rows(n, a, a + n)
+        name = f"{self.prefix}{len(self.arrays)}"
+        self.arrays[name] = np.ascontiguousarray(idx, np.int64)
+        return Rows(n, array=name)
+
+    def tokens(self, starts: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        return spans_to_indices(starts, self.blen[blocks])
+
+    def on_copy(self, ins: BlockwiseCopy) -> CopyStep:
+        n = int(self.blen[ins.blocks].sum())
+        if not (np.array_equal(self.tokens(ins.src_rows, ins.blocks), np.arange(n))
+                and np.array_equal(ins.dst_rows, ins.src_rows)):
+            raise ValueError("device plan: a BlockwiseCopy must copy the local rows in order (rows 0 .. S-1)")
+        return CopyStep(ins.kind, n)
+
+    def on_launch(self, ins: CommLaunch) -> LaunchStep:
+        gathers, sends, pending = [], [], {}
+        for tr in ins.sends:
+            idx = self.tokens(tr.rows, tr.blocks)
+            rows = self.rows(idx)
+            if rows.array is None:
+                sends.append(Message(tr.peer, tr.kind, rows))
+            else:
+                pending.setdefault(tr.kind, []).append((tr.peer, idx))
+        for kind, parts in pending.items():
+            gathers.append((kind, self.rows(np.concatenate([idx for _, idx in parts]))))
+            off = 0
+            for peer, idx in parts:
+                sends.append(Message(peer, kind, Rows(len(idx)), gathered=(off, off + len(idx))))
+                off += len(idx)
+        recvs = []
+        for tr in ins.recvs:
+            rows = self.rows(self.tokens(tr.rows, tr.blocks))
+            if rows.array is not None:  # the compiler lays every receive out contiguously
+                raise ValueError(f"device plan: phase {ins.phase} receives from rank {tr.peer} into scattered rows")
+            recvs.append(Message(tr.peer, tr.kind, rows))
+        order = lambda m: (m.peer, int(m.kind))  # noqa: E731 - both ends post messages in this order
+        return LaunchStep(ins.phase, tuple(gathers), tuple(sorted(sends, key=order)), tuple(sorted(recvs, key=order)))
+
+    def on_wait(self, ins: CommWait) -> WaitStep:
+        return WaitStep(ins.phase)
+
+    def on_attention(self, ins: BlockwiseAttention) -> AttentionStep:
+        div = build_division(ins, self.plan.workload)
+        layout = self.kernel.prepare(div)
+        q_idx = np.concatenate([div.q_rows, np.full(layout.q_rows - div.n_q, div.q_rows[0] if div.n_q else 0)])
+        kv_idx = np.concatenate([div.kv_rows, np.full(layout.k_rows - div.n_k, div.kv_rows[0] if div.n_k else 0)])
+        names = []
+        for key, a in layout.arrays.items():
+            name = f"{self.prefix}{len(self.arrays)}"
+            self.arrays[name] = np.ascontiguousarray(a)
+            names.append((key, name))
+        return AttentionStep(int(ins.division), self.rows(q_idx), self.rows(kv_idx), self.rows(div.out_rows),
+                             self.rows(div.kv_rows) if self.backward else None, div.n_q, div.n_k, tuple(names),
+                             layout.static)
+
+    def on_reduction(self, ins: BlockwiseReduction) -> ReductionStep:
+        lens = self.blen[ins.dst_block]
+        nsrc = np.diff(ins.src_ptr)
+        p = int(nsrc.max()) if len(nsrc) else 0
+        n = int(lens.sum())
+        null = self.prog.buffer_rows[ins.src]  # the row past the buffer: zeros, LSE -inf
+        seg = np.repeat(np.arange(len(lens)), lens)
+        off = spans_to_indices(np.zeros(len(lens), np.int64), lens)
+        slot = np.arange(p, dtype=np.int64)[None, :]
+        valid = slot < nsrc[seg][:, None]
+        src = np.full((n, p), null, np.int64)
+        if p and len(ins.src_row):
+            pick = np.minimum(ins.src_ptr[seg][:, None] + slot, len(ins.src_row) - 1)
+            src = np.where(valid, ins.src_row[pick] + off[:, None], null)
+        self.needs_null |= bool((~valid).any())
+        return ReductionStep(ins.op, ins.src, ins.dst, n, p, self.rows(src.reshape(-1)),
+                             self.rows(spans_to_indices(ins.dst_row, lens)))
+
+    def build(self) -> PassPlan:
+        steps = tuple(dispatch(self, ins) for ins in self.prog.instructions)
+        return PassPlan(self.backward, steps, self.prog.local_rows, dict(self.prog.buffer_rows),
+                        len(self.prog.divisions), self.needs_null)
+
+
+class DevicePlan:
+    """A rank's steps for both passes and their index arrays, packed in one host buffer.
+
+    Args:
+        plan: the step's plan.
+        rank: this rank.
+        kernel: the division kernel the steps are prepared for.
+
+    Attributes:
+        forward, backward: the two :class:`PassPlan`.
+        nbytes: size of the packed buffer.
+        build_seconds: host time it took to build (programs compiled, arrays, packing).
+
+    Raises:
+        ValueError: ``rank`` outside the plan, or a program this executor cannot lay out.
+    """
+
+    def __init__(self, plan: Plan, rank: int, kernel: "DivisionKernel"):
+        t0 = time.perf_counter()
+        self.plan, self.rank, self.kernel = plan, int(rank), kernel
+        arrays: dict[str, np.ndarray] = {}
+        self.forward = _Builder(plan, rank, kernel, False, arrays).build()
+        self.backward = _Builder(plan, rank, kernel, True, arrays).build()
+        # one byte buffer, every array 16-byte aligned
+        self._layout: dict[str, tuple[int, np.dtype, tuple[int, ...]]] = {}
+        off = 0
+        for name, a in arrays.items():
+            self._layout[name] = (off, a.dtype, a.shape)
+            off += -(-a.nbytes // 16) * 16
+        host = np.zeros(max(off, 16), np.uint8)
+        for name, a in arrays.items():
+            o = self._layout[name][0]
+            host[o:o + a.nbytes] = np.frombuffer(a.tobytes(), np.uint8)
+        self.host = torch.from_numpy(host)
+        self.nbytes = int(host.nbytes)
+        self.build_seconds = time.perf_counter() - t0
+
+    def pass_plan(self, backward: bool) -> PassPlan:
+        return self.backward if backward else self.forward
+
+    def upload(self, device: torch.device | str) -> "UploadedPlan":
+        """Copy the buffer to ``device`` (one copy; pinned and non-blocking on CUDA) and bind
+        every step's indices and kernel metadata to views of it."""
+        device = torch.device(device)
+        src = self.host
+        if device.type == "cuda":
+            src = src.pin_memory()
+        buf = src.to(device, non_blocking=True) if device.type != "cpu" else src
+        views: dict[str, torch.Tensor] = {}
+        for name, (off, dt, shape) in self._layout.items():
+            nb = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            tdt = torch.from_numpy(np.zeros(0, dt)).dtype
+            views[name] = buf[off:off + nb].view(tdt).view(shape)
+        return UploadedPlan(self, device, views)
+
+
+class UploadedPlan:
+    """A :class:`DevicePlan` on a device: steps with their indices bound (slices or tensors)."""
+
+    def __init__(self, dp: DevicePlan, device: torch.device, views: dict[str, torch.Tensor]):
+        self.device_plan, self.device = dp, device
+        self.bound = {False: [self._bind(s, views) for s in dp.forward.steps],
+                      True: [self._bind(s, views) for s in dp.backward.steps]}
+
+    def _bind(self, step: Any, views: dict[str, torch.Tensor]) -> tuple[Any, dict[str, Any]]:
+        b: dict[str, Any] = {}
+        if isinstance(step, LaunchStep):
+            b["gathers"] = [(k, r.bind(views)) for k, r in step.gathers]
+            b["sends"] = [(m, m.rows.bind(views)) for m in step.sends]
+            b["recvs"] = [(m, m.rows.bind(views)) for m in step.recvs]
+        elif isinstance(step, AttentionStep):
+            b["q"], b["kv"], b["out"] = step.q.bind(views), step.kv.bind(views), step.out.bind(views)
+            b["kv_out"] = step.kv_out.bind(views) if step.kv_out is not None else None
+            b["meta"] = self.device_plan.kernel.bind({k: views[n] for k, n in step.kernel_arrays}, step.kernel_static)
+        elif isinstance(step, ReductionStep):
+            b["src"], b["dst"] = step.src.bind(views), step.dst.bind(views)
+        return step, b

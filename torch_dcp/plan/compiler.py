@@ -1,0 +1,265 @@
+"""The plan compiler: from placement + divisions to every rank's forward and backward program.
+
+Buffers of a rank (rows = tokens, see :class:`~torch_dcp.workload.Buf`):
+
+* forward: ``Q`` (Q of local blocks, then fetched query blocks), ``KV`` (K and V, the same way),
+  ``OPART`` (partial outputs with their LSE: one slot per (division, query block) computed
+  here, merge slots, and slots for partials received from other ranks), and ``OUT`` (outputs
+  and LSE in local token order).
+* backward: ``Q`` holds Q, dO, LSE and ``delta = rowsum(dO * O)`` of each query block; ``KV`` K
+  and V; ``DQ`` dQ accumulators of every ``Q`` row, then received dQ partials; ``DKV`` dK and dV
+  accumulators likewise; outputs ``OUT_DQ`` and ``OUT_DKV``.
+
+Row order is chosen so that data moves with few operations: fetched blocks are laid out by
+(division, sending peer, block), so every receive of a phase lands in one contiguous run of
+rows per peer; received partials likewise; a division's groups run by (home rank, query block),
+so partial outputs returned to one peer sit side by side.
+
+Communication runs in phases, numbered ``2d`` (fetching the inputs of division ``d``) and
+``2d + 1`` (returning partial outputs or gradients whose last use was division ``d``). Every
+rank launches phases in the same order, ``0, 2, 1, 4, 3, ..., 2T - 1``, skipping the ones it
+takes no part in, so point-to-point messages match pairwise in order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+import numpy as np
+
+from ..workload import Buf
+from .ir import (
+    BlockwiseAttention,
+    BlockwiseCopy,
+    BlockwiseReduction,
+    CommLaunch,
+    CommWait,
+    Instruction,
+    Program,
+    ReduceOp,
+    Transfer,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .plan import Plan
+
+__all__ = ["compile_program", "fetch_tables"]
+
+
+def _i64(a: Iterable[int] | np.ndarray) -> np.ndarray:
+    return np.asarray(a if isinstance(a, np.ndarray) else list(a), dtype=np.int64)
+
+
+def fetch_tables(plan: "Plan") -> dict[str, np.ndarray]:
+    """Fetches and returns of all ranks, vectorised.
+
+    ``fetch_*``: one row per (rank, kind, block) a rank fetches, with its division (``kind`` 0
+    for query blocks, 1 for key/value blocks); ``ret_q_*``/``ret_kv_*``: one row per (rank,
+    remote query/key-value block) with the last division using it.
+    """
+    wl, pl = plan.workload, plan.placement
+    nb = wl.n_blocks
+    tr, td = pl.tile_rank, plan.tile_division
+    out: dict[str, np.ndarray] = {}
+    ranks, kinds, blocks, divs = [], [], [], []
+    for kind, tb in ((0, wl.tile_q), (1, wl.tile_kv)):
+        remote = pl.block_rank[tb] != tr
+        code = tr[remote] * nb + tb[remote]
+        uniq, inv = np.unique(code, return_inverse=True)
+        first = np.full(len(uniq), np.iinfo(np.int64).max)
+        np.minimum.at(first, inv, td[remote])
+        last = np.full(len(uniq), -1)
+        np.maximum.at(last, inv, td[remote])
+        ranks.append(uniq // nb)
+        blocks.append(uniq % nb)
+        kinds.append(np.full(len(uniq), kind))
+        divs.append(first)
+        side = "q" if kind == 0 else "kv"
+        out[f"ret_{side}_rank"] = uniq // nb
+        out[f"ret_{side}_block"] = uniq % nb
+        out[f"ret_{side}_div"] = last
+    out["fetch_rank"] = np.concatenate(ranks)
+    out["fetch_kind"] = np.concatenate(kinds)
+    out["fetch_block"] = np.concatenate(blocks)
+    out["fetch_div"] = np.concatenate(divs)
+    return out
+
+
+def _runs(keys: np.ndarray) -> list[np.ndarray]:
+    """Index runs of equal consecutive rows of ``keys`` ``[n, k]``."""
+    n = len(keys)
+    if n == 0:
+        return []
+    change = np.ones(n, bool)
+    change[1:] = np.any(keys[1:] != keys[:-1], axis=1)
+    starts = np.nonzero(change)[0]
+    return np.split(np.arange(n), starts[1:])
+
+
+def _reduction(op: ReduceOp, src: Buf, dst: Buf, entries: list[tuple[int, int, list[int]]]) -> BlockwiseReduction:
+    ptr = np.concatenate(([0], np.cumsum([len(e[2]) for e in entries]))).astype(np.int64)
+    return BlockwiseReduction(op, src, dst, _i64(e[0] for e in entries), _i64(e[1] for e in entries), ptr,
+                              _i64(r for e in entries for r in e[2]))
+
+
+def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
+    """The forward (or backward) :class:`Program` of ``rank`` (deterministic)."""
+    wl, pl, t = plan.workload, plan.placement, plan.tables
+    T = plan.divisions
+    blen = wl.block_len
+    br = pl.block_rank
+    home = plan.local_blocks(rank)
+    home_row = np.concatenate(([0], np.cumsum(blen[home])[:-1])).astype(np.int64)
+    S = int(blen[home].sum())
+    src_of = br[t["fetch_block"]]
+    kind_of = (Buf.Q, Buf.KV)
+
+    # rows of the work buffers: local blocks first, then fetched blocks by (division, peer, block)
+    mine = t["fetch_rank"] == rank
+    rows: dict[Buf, dict[int, int]] = {}
+    ws_size: dict[Buf, int] = {}
+    for kind_id, kind in enumerate(kind_of):
+        sel = np.nonzero(mine & (t["fetch_kind"] == kind_id))[0]
+        sel = sel[np.lexsort((t["fetch_block"][sel], src_of[sel], t["fetch_div"][sel]))]
+        fb = t["fetch_block"][sel]
+        r = dict(zip(home.tolist(), home_row.tolist()))
+        starts = S + np.concatenate(([0], np.cumsum(blen[fb])[:-1])) if len(fb) else np.zeros(0, np.int64)
+        r.update(zip(fb.tolist(), starts.tolist()))
+        rows[kind] = r
+        ws_size[kind] = S + int(blen[fb].sum())
+
+    # fetch transfers per division: receives (I fetch) and sends (others fetch my blocks)
+    fetch_recv: dict[int, list[Transfer]] = {d: [] for d in range(T)}
+    fetch_send: dict[int, list[Transfer]] = {d: [] for d in range(T)}
+    for sel_mask, peer_arr, out in ((mine, src_of, fetch_recv), (src_of == rank, t["fetch_rank"], fetch_send)):
+        sel = np.nonzero(sel_mask)[0]
+        order = np.lexsort((t["fetch_block"][sel], t["fetch_kind"][sel], peer_arr[sel], t["fetch_div"][sel]))
+        sel = sel[order]
+        keys = np.stack([t["fetch_div"][sel], peer_arr[sel], t["fetch_kind"][sel]], axis=1)
+        for grp in _runs(keys):
+            d, peer, k = (int(x) for x in keys[grp[0]])
+            blocks = t["fetch_block"][sel[grp]]
+            row_map = rows[kind_of[k]]  # a sender sends from its local rows
+            out[d].append(Transfer(peer, kind_of[k], blocks, _i64(row_map[b] for b in blocks.tolist())))
+
+    # tiles of this rank, grouped by (division, query block); groups by (home rank, query block)
+    tiles = np.nonzero(pl.tile_rank == rank)[0]
+    tiles = tiles[np.lexsort((wl.tile_kv[tiles], wl.tile_q[tiles], br[wl.tile_q[tiles]], plan.tile_division[tiles]))]
+    tdiv = plan.tile_division[tiles]
+    tq = wl.tile_q[tiles]
+    groups = _runs(np.stack([tdiv, tq], axis=1))
+
+    instructions: list[Instruction] = [
+        BlockwiseCopy(Buf.Q, home, home_row, home_row),
+        BlockwiseCopy(Buf.KV, home, home_row, home_row),
+    ]
+    # partial-output / gradient slots
+    part_rows = 0 if not backward else ws_size[Buf.Q]
+    kv_part_rows = ws_size[Buf.KV]
+    group_slot: dict[int, list[tuple[int, int]]] = {}  # q block -> [(division, opart row)]
+    attn_by_div: dict[int, BlockwiseAttention] = {}
+    for d in range(T):
+        gs = [g for g in groups if tdiv[g[0]] == d]
+        if not gs:
+            continue
+        q_block, q_row, out_row, kv_ptr = [], [], [], [0]
+        kv_block, kv_row, tile_ids = [], [], []
+        for g in gs:
+            qb = int(tq[g[0]])
+            q_block.append(qb)
+            q_row.append(rows[Buf.Q][qb])
+            if backward:
+                out_row.append(rows[Buf.Q][qb])
+            else:
+                out_row.append(part_rows)
+                group_slot.setdefault(qb, []).append((d, part_rows))
+                part_rows += int(blen[qb])
+            kvs = wl.tile_kv[tiles[g]]
+            kv_block.extend(kvs.tolist())
+            kv_row.extend(rows[Buf.KV][b] for b in kvs.tolist())
+            tile_ids.extend(tiles[g].tolist())
+            kv_ptr.append(len(kv_block))
+        attn_by_div[d] = BlockwiseAttention(d, _i64(q_block), _i64(q_row), _i64(out_row), _i64(kv_ptr),
+                                            _i64(kv_block), _i64(kv_row), _i64(tile_ids))
+
+    # returns: partial outputs (forward) or gradient partials (backward) to block homes
+    ret_send: dict[int, list[Transfer]] = {d: [] for d in range(T)}
+    ret_recv: dict[int, list[Transfer]] = {d: [] for d in range(T)}
+    pre_send_reductions: dict[int, list[tuple[int, int, list[int]]]] = {d: [] for d in range(T)}
+    recv_slots: dict[Buf, dict[int, list[int]]] = {Buf.Q: {}, Buf.KV: {}}
+    sides = ((Buf.Q, Buf.DQ if backward else Buf.OPART),) + (((Buf.KV, Buf.DKV),) if backward else ())
+    for side, kind in sides:
+        name = "q" if side == Buf.Q else "kv"
+        rr, rb, rd = t[f"ret_{name}_rank"], t[f"ret_{name}_block"], t[f"ret_{name}_div"]
+        # sends: my remote blocks, to their homes, after their last division
+        sel = np.nonzero(rr == rank)[0]
+        sel = sel[np.lexsort((rb[sel], br[rb[sel]], rd[sel]))]
+        keys = np.stack([rd[sel], br[rb[sel]]], axis=1)
+        for grp in _runs(keys):
+            d, peer = (int(x) for x in keys[grp[0]])
+            blocks = rb[sel[grp]]
+            send_rows = []
+            for b in blocks.tolist():
+                if backward:
+                    send_rows.append(rows[side][b])
+                else:
+                    slots = [row for _, row in group_slot[b]]
+                    if len(slots) == 1:
+                        send_rows.append(slots[0])
+                    else:
+                        pre_send_reductions[d].append((b, part_rows, slots))
+                        send_rows.append(part_rows)
+                        part_rows += int(blen[b])
+            ret_send[d].append(Transfer(peer, kind, blocks, _i64(send_rows)))
+        # receives: partials of my blocks computed elsewhere, by (division, peer, block)
+        sel = np.nonzero((br[rb] == rank) & (rr != rank))[0]
+        sel = sel[np.lexsort((rb[sel], rr[sel], rd[sel]))]
+        keys = np.stack([rd[sel], rr[sel]], axis=1)
+        for grp in _runs(keys):
+            d, peer = (int(x) for x in keys[grp[0]])
+            blocks = rb[sel[grp]]
+            dst_rows = []
+            for b in blocks.tolist():
+                if side == Buf.Q:
+                    dst_rows.append(part_rows)
+                    recv_slots[side].setdefault(b, []).append(part_rows)
+                    part_rows += int(blen[b])
+                else:
+                    dst_rows.append(kv_part_rows)
+                    recv_slots[side].setdefault(b, []).append(kv_part_rows)
+                    kv_part_rows += int(blen[b])
+            ret_recv[d].append(Transfer(peer, kind, blocks, _i64(dst_rows)))
+
+    # program order
+    fetch_phases = [bool(fetch_send[d] or fetch_recv[d]) for d in range(T)]
+    if fetch_phases[0]:
+        instructions.append(CommLaunch(0, tuple(fetch_send[0]), tuple(fetch_recv[0])))
+        instructions.append(CommWait(0))
+    ret_phases = []
+    for d in range(T):
+        if d + 1 < T and fetch_phases[d + 1]:
+            instructions.append(CommLaunch(2 * (d + 1), tuple(fetch_send[d + 1]), tuple(fetch_recv[d + 1])))
+        if d in attn_by_div:
+            instructions.append(attn_by_div[d])
+        if pre_send_reductions[d]:
+            instructions.append(_reduction(ReduceOp.LSE_MERGE, Buf.OPART, Buf.OPART, pre_send_reductions[d]))
+        if ret_send[d] or ret_recv[d]:
+            instructions.append(CommLaunch(2 * d + 1, tuple(ret_send[d]), tuple(ret_recv[d])))
+            ret_phases.append(2 * d + 1)
+        if d + 1 < T and fetch_phases[d + 1]:
+            instructions.append(CommWait(2 * (d + 1)))
+    instructions.extend(CommWait(p) for p in ret_phases)
+
+    # final reductions into the local outputs
+    hb = home.tolist()
+    if backward:
+        for side, src, dst in ((Buf.Q, Buf.DQ, Buf.OUT_DQ), (Buf.KV, Buf.DKV, Buf.OUT_DKV)):
+            red = [(b, int(hr), [rows[side][b]] + recv_slots[side].get(b, [])) for b, hr in zip(hb, home_row.tolist())]
+            instructions.append(_reduction(ReduceOp.SUM, src, dst, red))
+        buffer_rows = {Buf.Q: ws_size[Buf.Q], Buf.KV: ws_size[Buf.KV], Buf.DQ: part_rows, Buf.DKV: kv_part_rows}
+    else:
+        red = [(b, int(hr), [row for _, row in group_slot.get(b, [])] + recv_slots[Buf.Q].get(b, []))
+               for b, hr in zip(hb, home_row.tolist())]
+        instructions.append(_reduction(ReduceOp.LSE_MERGE, Buf.OPART, Buf.OUT, red))
+        buffer_rows = {Buf.Q: ws_size[Buf.Q], Buf.KV: ws_size[Buf.KV], Buf.OPART: part_rows}
+    return Program(rank, backward, tuple(instructions), S, buffer_rows)

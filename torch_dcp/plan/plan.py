@@ -1,0 +1,234 @@
+"""Plan: what every rank does in one attention step, forward and backward.
+
+A :class:`Plan` is defined by compact arrays -- the workload (blocks and tiles), the
+placement (block and tile ranks) and the schedule (tile divisions) -- from which every
+rank's programs are compiled deterministically (:mod:`~torch_dcp.plan.compiler`), checked
+(:mod:`~torch_dcp.plan.validator`) and serialised (:mod:`~torch_dcp.plan.serialize`).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from ..batch import BatchSpec
+from ..planners.base import Placement
+from ..topology import Topology
+from ..workload import Buf, Workload, item_token_bytes
+from .compiler import compile_program, fetch_tables
+from .ir import Program
+from .serialize import plan_digest, plan_from_bytes, plan_to_bytes
+from .validator import validate_pass
+
+__all__ = ["Plan"]
+
+
+class Plan:
+    """A compiled DCP step: placement + divisions, and every rank's programs.
+
+    Build one with :func:`torch_dcp.plan`. Programs are compiled lazily per rank
+    (:meth:`program`) and are a deterministic function of the stored arrays.
+
+    Raises:
+        ValueError: the topology's world size differs from the placement's, or the
+            division array is malformed.
+    """
+
+    def __init__(
+        self,
+        placement: Placement,
+        topology: Topology,
+        tile_division: np.ndarray,
+        divisions: int,
+        plan_seconds: float = 0.0,
+    ):
+        if topology.world_size != placement.world_size:
+            raise ValueError(
+                f"Plan: topology has {topology.world_size} ranks, placement {placement.world_size}"
+            )
+        td = np.ascontiguousarray(tile_division, dtype=np.int64)
+        if td.shape != (placement.workload.n_tiles,) or (td.size and (td.min() < 0 or td.max() >= divisions)):
+            raise ValueError(f"Plan: tile_division must be [n_tiles] in [0, {divisions})")
+        td.setflags(write=False)
+        self.placement = placement
+        self.topology = topology
+        self.tile_division = td
+        self.divisions = int(divisions)
+        self.plan_seconds = float(plan_seconds)
+        self._programs: dict[tuple[int, bool], Program] = {}
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def workload(self) -> Workload:
+        return self.placement.workload
+
+    @property
+    def batch(self) -> BatchSpec:
+        return self.placement.workload.batch
+
+    @property
+    def world_size(self) -> int:
+        return self.placement.world_size
+
+    @property
+    def planner(self) -> str:
+        return self.placement.planner
+
+    def _check_rank(self, rank: int) -> int:
+        if not 0 <= int(rank) < self.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
+        return int(rank)
+
+    def local_blocks(self, rank: int) -> np.ndarray:
+        """Block ids homed on ``rank``, in global token order (int64)."""
+        return np.nonzero(self.placement.block_rank == self._check_rank(rank))[0]
+
+    def token_indices(self, rank: int) -> np.ndarray:
+        """Global token indices held by ``rank``, in the rank's local order (ascending).
+
+        Raises:
+            ValueError: ``rank`` outside ``[0, world_size)``.
+        """
+        return self.workload.tokens_of_blocks(self.local_blocks(rank))
+
+    def local_tokens(self, rank: int) -> int:
+        """Tokens held by ``rank``."""
+        return int(self.workload.block_len[self.local_blocks(rank)].sum())
+
+    def buffer_sizes(self, rank: int) -> dict[str, int]:
+        """Rows of every buffer of ``rank``'s forward and backward programs."""
+        f, b = self.program(rank, False), self.program(rank, True)
+        return {"local": f.local_rows, **{f"fwd_{k.name.lower()}": v for k, v in f.buffer_rows.items()},
+                **{f"bwd_{k.name.lower()}": v for k, v in b.buffer_rows.items()}}
+
+    # ------------------------------------------------------------------ global tables
+    @cached_property
+    def tables(self) -> dict[str, np.ndarray]:
+        """Fetches and returns of all ranks (see :func:`~torch_dcp.plan.compiler.fetch_tables`)."""
+        return fetch_tables(self)
+
+    # ------------------------------------------------------------------ compile
+    def program(self, rank: int, backward: bool = False) -> Program:
+        """The forward (or backward) program of ``rank`` (compiled once, cached)."""
+        rank = self._check_rank(rank)
+        key = (rank, bool(backward))
+        if key not in self._programs:
+            self._programs[key] = compile_program(self, rank, bool(backward))
+        return self._programs[key]
+
+    # ------------------------------------------------------------------ statistics
+    def transfers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every block transfer of the plan, forward and backward.
+
+        Returns ``(src, dst, nbytes, forward)``: int64 ranks, float64 bytes and a bool
+        forward flag, one entry per (fetched or returned block, rank pair, pass).
+        """
+        wl, pl, t = self.workload, self.placement, self.tables
+        itb = item_token_bytes(self.batch)
+        br = pl.block_rank
+        src, dst, nbytes, fwd = [], [], [], []
+        # fetches: from the block's home to the fetching rank, forward and backward
+        is_q = t["fetch_kind"] == 0
+        for backward in (False, True):
+            per_tok = np.where(is_q, itb[(backward, Buf.Q)], itb[(backward, Buf.KV)])
+            src.append(br[t["fetch_block"]])
+            dst.append(t["fetch_rank"])
+            nbytes.append(per_tok * wl.block_len[t["fetch_block"]])
+            fwd.append(np.full(len(is_q), not backward))
+        # returns: from the computing rank to the block's home
+        for backward, side, kind in ((False, "q", Buf.OPART), (True, "q", Buf.DQ), (True, "kv", Buf.DKV)):
+            blocks = t[f"ret_{side}_block"]
+            src.append(t[f"ret_{side}_rank"])
+            dst.append(br[blocks])
+            nbytes.append(itb[(backward, kind)] * wl.block_len[blocks])
+            fwd.append(np.full(len(blocks), not backward))
+        return (np.concatenate(src).astype(np.int64), np.concatenate(dst).astype(np.int64),
+                np.concatenate(nbytes).astype(np.float64), np.concatenate(fwd))
+
+    def traffic_matrix(self) -> np.ndarray:
+        """Bytes sent from rank ``i`` to rank ``j``, forward + backward: float64 ``[W, W]``."""
+        src, dst, nb, _ = self.transfers()
+        w = self.world_size
+        return np.bincount(src * w + dst, weights=nb, minlength=w * w).reshape(w, w)
+
+    def stats(self) -> dict[str, Any]:
+        """Figures of the plan.
+
+        Returns a dict with ``comm_bytes`` (bytes moved between ranks, forward + backward),
+        ``fwd_comm_bytes``, ``bwd_comm_bytes``, ``inter_node_bytes``, ``max_rank_recv_bytes``,
+        ``max_rank_send_bytes``, ``compute_imbalance`` (max / mean attention FLOPs over
+        ranks), ``memory_imbalance`` (max / mean resident Q/K/V/O bytes), ``flops_fwd`` and
+        ``flops_bwd`` (totals), ``n_blocks``, ``n_tiles``, ``world_size``, ``divisions``,
+        ``planner``, ``plan_seconds``.
+        """
+        wl, pl = self.workload, self.placement
+        br = pl.block_rank
+        w = self.world_size
+        src_a, dst_a, nb_a, fwd_a = self.transfers()
+        node = self.topology.node_of
+        inter = node(src_a) != node(dst_a)
+        flops = pl.rank_flops()
+        mem = np.bincount(br, weights=wl.block_bytes(), minlength=w)
+        return {
+            "planner": self.planner,
+            "world_size": w,
+            "divisions": self.divisions,
+            "n_blocks": wl.n_blocks,
+            "n_tiles": wl.n_tiles,
+            "comm_bytes": int(nb_a.sum()),
+            "fwd_comm_bytes": int(nb_a[fwd_a].sum()),
+            "bwd_comm_bytes": int(nb_a[~fwd_a].sum()),
+            "inter_node_bytes": int(nb_a[inter].sum()),
+            "max_rank_recv_bytes": int(np.bincount(dst_a, weights=nb_a, minlength=w).max()),
+            "max_rank_send_bytes": int(np.bincount(src_a, weights=nb_a, minlength=w).max()),
+            "compute_imbalance": float(flops.max() / flops.mean()) if flops.mean() > 0 else 1.0,
+            "memory_imbalance": float(mem.max() / mem.mean()) if mem.mean() > 0 else 1.0,
+            "flops_fwd": float(wl.tile_flops_fwd.sum()),
+            "flops_bwd": float(wl.tile_flops_bwd.sum()),
+            "plan_seconds": self.plan_seconds,
+        }
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Check the compiled programs of every rank by running them symbolically.
+
+        Proves: every tile is computed exactly once per pass, on its planned rank; every tile's
+        inputs are present in the buffers when it runs; every send has a matching receive
+        (same phase, peer, kind and blocks) and nothing is left unreceived; partial outputs
+        and gradients are merged without counting a tile twice; and every rank ends with the
+        complete outputs (forward) and dQ, dK, dV (backward) of its blocks.
+
+        Raises:
+            PlanError: naming the rank, instruction and what is wrong.
+        """
+        for backward in (False, True):
+            validate_pass(self, backward)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_bytes(self) -> bytes:
+        """Serialise (no pickle): magic, format version, JSON header, raw little-endian arrays
+        (block spans, block and tile ranks, tile divisions in the narrowest integer types;
+        the tiles themselves are recomputed from the batch on load)."""
+        return plan_to_bytes(self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Plan":
+        """Inverse of :meth:`to_bytes`.
+
+        Raises:
+            PlanError: not a plan, an unsupported format version, or a corrupt payload.
+        """
+        return plan_from_bytes(cls, data)
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of the plan's content (everything but timing metadata): equal plans
+        have equal digests on every rank and every run."""
+        return plan_digest(self)
+
+    def __repr__(self) -> str:
+        return (f"Plan(planner={self.planner!r}, world_size={self.world_size}, divisions={self.divisions}, "
+                f"n_blocks={self.workload.n_blocks}, n_tiles={self.workload.n_tiles})")
+
+
