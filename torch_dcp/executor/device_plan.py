@@ -144,10 +144,12 @@ class PassPlan:
 class _Builder:
     """Consumer of the instruction table: one step per instruction, arrays collected."""
 
-    def __init__(self, plan: Plan, rank: int, kernel: "DivisionKernel", backward: bool, arrays: dict[str, np.ndarray]):
+    def __init__(self, plan: Plan, rank: int, kernel: "DivisionKernel", backward: bool, arrays: dict[str, np.ndarray],
+                 divisions: dict[int, tuple]):
         self.plan, self.rank, self.kernel, self.backward = plan, rank, kernel, backward
         self.blen = plan.workload.block_len
         self.arrays = arrays
+        self.divisions = divisions  # division -> (Division, q Rows, kv Rows, kernel arrays, layout): both passes
         self.prefix = "b" if backward else "f"
         self.prog = plan.program(rank, backward)
         self.needs_null = False
@@ -199,18 +201,23 @@ class _Builder:
         return WaitStep(ins.phase)
 
     def on_attention(self, ins: BlockwiseAttention) -> AttentionStep:
-        div = build_division(ins, self.plan.workload)
-        layout = self.kernel.prepare(div)
-        q_idx = np.concatenate([div.q_rows, np.full(layout.q_rows - div.n_q, div.q_rows[0] if div.n_q else 0)])
-        kv_idx = np.concatenate([div.kv_rows, np.full(layout.k_rows - div.n_k, div.kv_rows[0] if div.n_k else 0)])
-        names = []
-        for key, a in layout.arrays.items():
-            name = f"{self.prefix}{len(self.arrays)}"
-            self.arrays[name] = np.ascontiguousarray(a)
-            names.append((key, name))
-        return AttentionStep(int(ins.division), self.rows(q_idx), self.rows(kv_idx), self.rows(div.out_rows),
-                             self.rows(div.kv_rows) if self.backward else None, div.n_q, div.n_k, tuple(names),
-                             layout.static)
+        # the forward and backward instructions of a division read the same rows: one layout
+        d = int(ins.division)
+        if d not in self.divisions:
+            div = build_division(ins, self.plan.workload)
+            layout = self.kernel.prepare(div)
+            q_idx = np.concatenate([div.q_rows, np.full(layout.q_rows - div.n_q, div.q_rows[0] if div.n_q else 0)])
+            kv_idx = np.concatenate([div.kv_rows, np.full(layout.k_rows - div.n_k, div.kv_rows[0] if div.n_k else 0)])
+            names = []
+            for key, a in layout.arrays.items():
+                name = f"k{len(self.arrays)}"
+                self.arrays[name] = np.ascontiguousarray(a)
+                names.append((key, name))
+            self.divisions[d] = (div, self.rows(q_idx), self.rows(kv_idx), tuple(names), layout.static)
+        div, q, kv, names, static = self.divisions[d]
+        out = self.tokens(ins.out_row, ins.q_block)
+        return AttentionStep(d, q, kv, self.rows(out), self.rows(div.kv_rows) if self.backward else None, div.n_q,
+                             div.n_k, names, static)
 
     def on_reduction(self, ins: BlockwiseReduction) -> ReductionStep:
         lens = self.blen[ins.dst_block]
@@ -257,8 +264,9 @@ class DevicePlan:
         t0 = time.perf_counter()
         self.plan, self.rank, self.kernel = plan, int(rank), kernel
         arrays: dict[str, np.ndarray] = {}
-        self.forward = _Builder(plan, rank, kernel, False, arrays).build()
-        self.backward = _Builder(plan, rank, kernel, True, arrays).build()
+        divisions: dict[int, tuple] = {}
+        self.forward = _Builder(plan, rank, kernel, False, arrays, divisions).build()
+        self.backward = _Builder(plan, rank, kernel, True, arrays, divisions).build()
         # one byte buffer, every array 16-byte aligned
         self._layout: dict[str, tuple[int, np.dtype, tuple[int, ...]]] = {}
         off = 0
@@ -268,7 +276,7 @@ class DevicePlan:
         host = np.zeros(max(off, 16), np.uint8)
         for name, a in arrays.items():
             o = self._layout[name][0]
-            host[o:o + a.nbytes] = np.frombuffer(a.tobytes(), np.uint8)
+            host[o:o + a.nbytes] = a.reshape(-1).view(np.uint8)
         self.host = torch.from_numpy(host)
         self.nbytes = int(host.nbytes)
         self.build_seconds = time.perf_counter() - t0

@@ -45,29 +45,28 @@ def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: An
     Args:
         op: :class:`~torch_dcp.plan.ReduceOp`.
         src, dst: buffers with typed ``fields`` (``o [rows, H, D]`` and ``lse [rows, H]`` for
-            the LSE merge) and, for sums, a ``flat`` typed ``[rows, F]`` view.
+            the LSE merge; any fields, paired in order, for sums) and ``flat``: a typed
+            ``[rows, F]`` view of whole rows, or None (sums use it to reduce all fields at once).
         src_rows: the ``n * p`` source rows, row-major (a slice or an int64 index tensor).
         dst_rows: the ``n`` destination rows (a slice or an index tensor).
         n, p: destination rows and partials per row.
-
-    Raises:
-        ValueError: a sum over buffers without a flat view.
     """
     if n == 0:
         return
     if op is ReduceOp.SUM:
-        s, d = src.flat, dst.flat
-        if s is None or d is None:
-            raise ValueError("merge_partials: a sum needs buffers whose rows are one dtype")
-        if p == 0:
-            _write(d, dst_rows, lambda out: out.zero_() if out is not None else d.new_zeros(n, d.shape[1]))
-            return
-        g = _take(s, src_rows)
-        if p == 1:
-            _write(d, dst_rows, lambda out: out.copy_(g) if out is not None else g)
-            return
-        g = g.reshape(n, p, -1)
-        _write(d, dst_rows, lambda out: torch.sum(g, 1, out=out) if out is not None else g.sum(1))
+        # one typed view of the whole row where the layout has one, else field by field
+        pairs = [(src.flat, dst.flat)] if src.flat is not None and dst.flat is not None else \
+            list(zip(src.fields.values(), dst.fields.values()))
+        for s, d in pairs:
+            if p == 0:
+                _write(d, dst_rows, lambda out: out.zero_() if out is not None else d.new_zeros(n, *d.shape[1:]))
+                continue
+            g = _take(s, src_rows)
+            if p == 1:
+                _write(d, dst_rows, lambda out: out.copy_(g) if out is not None else g)
+                continue
+            g = g.reshape(n, p, *s.shape[1:])
+            _write(d, dst_rows, lambda out: torch.sum(g, 1, out=out) if out is not None else g.sum(1))
         return
     o, lse = src.fields["o"], src.fields["lse"]
     do, dl = dst.fields["o"], dst.fields["lse"]

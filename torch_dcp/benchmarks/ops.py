@@ -1,0 +1,254 @@
+"""Operations a rank's executor issues per division, forward and backward.
+
+    python -m torch_dcp.benchmarks.ops                                  # 3 ranks, 2 divisions, CPU
+    python -m torch_dcp.benchmarks.ops --ranks 32 --divisions 4 --tokens 131072 --device cuda
+
+Every rank of a plan runs in this process (in-process transport). A ``TorchDispatchMode``
+counts, per rank and pass, the aten operations the executor dispatches, split into
+
+* ``ops``: operations that do work (a kernel launch on CUDA) outside the attention kernel
+  call -- gathers, copies, writes, the merge;
+* ``views`` and ``allocs``: views and ``empty`` allocations (no kernel);
+* ``kernel_calls`` / ``kernel_ops``: the attention kernel's calls and the operations inside
+  them;
+* ``transport_ops``: the in-process transport's own copies (the emulated network; a real
+  transport posts point-to-point transfers instead).
+
+The second call of a step is counted (the first one uploads the device plan). ``per_div`` is
+``ops`` over the divisions the rank runs. On CUDA the profiler's kernel count of the whole step
+is printed too (all ranks, everything included, the emulated network's copies as well).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_dcp
+from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor, get_kernel
+
+__all__ = ["count_ops", "main"]
+
+_ALLOCS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.rank = 0
+        self.where = "executor"  # or "kernel", "transport"
+        self.counts: dict[tuple[int, str], int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if self.where != "executor":
+            cat = f"{self.where}_ops" if self.where == "transport" else "kernel_ops"
+        elif func.is_view or name in ("view", "_unsafe_view", "alias", "as_strided"):
+            cat = "views"
+        elif name in _ALLOCS:
+            cat = "allocs"
+        else:
+            cat = "ops"
+        key = (self.rank, cat)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+class _CountedKernel:
+    """Delegates to a kernel, marking its calls for the counter."""
+
+    def __init__(self, kernel: Any, counter: _Counter):
+        self.kernel, self.counter = kernel, counter
+        self.name = kernel.name
+
+    def prepare(self, div):
+        return self.kernel.prepare(div)
+
+    def bind(self, arrays, static):
+        return self.kernel.bind(arrays, static)
+
+    def _call(self, fn, *args):
+        c = self.counter
+        c.counts[(c.rank, "kernel_calls")] = c.counts.get((c.rank, "kernel_calls"), 0) + 1
+        c.where = "kernel"
+        try:
+            return fn(*args)
+        finally:
+            c.where = "executor"
+
+    def forward(self, *args):
+        return self._call(self.kernel.forward, *args)
+
+    def backward(self, *args):
+        return self._call(self.kernel.backward, *args)
+
+
+class _CountedTransport(InProcessTransport):
+    def __init__(self, mailbox: Mailbox, rank: int, counter: _Counter):
+        super().__init__(mailbox, rank)
+        self.counter = counter
+
+    def launch(self, phase, sends, recvs):
+        self.counter.where = "transport"
+        try:
+            return super().launch(phase, sends, recvs)
+        finally:
+            self.counter.where = "executor"
+
+    def wait(self, handle):
+        gen = super().wait(handle)
+        while True:
+            self.counter.where = "transport"
+            try:
+                next(gen)
+            except StopIteration:
+                return
+            finally:
+                self.counter.where = "executor"
+            yield
+
+
+def _tagged(gen, rank: int, counter: _Counter):
+    while True:
+        counter.rank = rank
+        try:
+            next(gen)
+        except StopIteration as stop:
+            return stop.value
+        yield
+
+
+def _drive(gens: list, counter: _Counter, mailbox: Mailbox) -> list:
+    from torch_dcp._interleave import interleave
+
+    return interleave([_tagged(g, r, counter) for r, g in enumerate(gens)], lambda: mailbox.events)
+
+
+def count_ops(plan: torch_dcp.Plan, device: str = "cpu", kernel: str | None = None, seed: int = 0) -> list[dict]:
+    """Count the operations of every rank's second forward and backward call of ``plan``.
+
+    Returns one dict per (rank, pass): ``rank``, ``pass``, ``divisions``, ``ops``, ``per_div``,
+    ``views``, ``allocs``, ``kernel_calls``, ``kernel_ops``, ``transport_ops``.
+    """
+    b = plan.batch
+    dt = getattr(torch, b.dtype)
+    g = torch.Generator().manual_seed(seed)
+    T = b.total_tokens
+    q, go = (torch.randn(T, b.n_heads, b.head_dim, generator=g).to(device, dt) for _ in range(2))
+    k, v = (torch.randn(T, b.n_kv_heads, b.head_dim, generator=g).to(device, dt) for _ in range(2))
+    counter = _Counter()
+    mailbox = Mailbox()
+    kern = _CountedKernel(get_kernel(kernel, device=device), counter)
+    ranks = range(plan.world_size)
+    execs = [RankExecutor(plan, r, _CountedTransport(mailbox, r, counter), kernel=kern) for r in ranks]
+    idx = [torch.from_numpy(plan.token_indices(r)).to(device) for r in ranks]
+    local = [(q[i], k[i], v[i]) for i in idx]
+    for e in execs:
+        e.prepare(torch.device(device))
+    rows = []
+    for attempt in range(2):  # the first call warms up (and compiles, for compiled kernels)
+        counter.counts.clear()
+        with counter:
+            fwd = _drive([e.forward_steps(*x) for e, x in zip(execs, local)], counter, mailbox)
+        f_counts = dict(counter.counts)
+        counter.counts.clear()
+        with counter:
+            _drive([e.backward_steps(*x, o, lse, go[i]) for e, x, (o, lse), i in zip(execs, local, fwd, idx)],
+                   counter, mailbox)
+        b_counts = dict(counter.counts)
+    for r in ranks:
+        for name, counts, backward in (("forward", f_counts, False), ("backward", b_counts, True)):
+            divs = len(plan.program(r, backward).divisions)
+            row = {"rank": r, "pass": name, "divisions": divs}
+            for cat in ("ops", "views", "allocs", "kernel_calls", "kernel_ops", "transport_ops"):
+                row[cat] = counts.get((r, cat), 0)
+            row["per_div"] = round(row["ops"] / max(1, divs), 2)
+            rows.append(row)
+    return rows
+
+
+def _plan(args: argparse.Namespace) -> torch_dcp.Plan:
+    from torch_dcp.data import byte_tokenize, load_documents, long_tail_lengths, pack_batches
+
+    if args.batch == "corpus":
+        docs = [byte_tokenize(t) for t in load_documents()]
+        lens = [len(d) for d in next(pack_batches(docs, args.tokens, args.max_doc_len, seed=args.seed))]
+    else:
+        lens = long_tail_lengths(args.tokens, seed=args.seed)
+    masks = {"causal": torch_dcp.Causal(), "lambda": torch_dcp.Lambda(sink=64, window=512),
+             "blockwise": torch_dcp.BlockwiseCausal(block=128, window_blocks=2, sink_blocks=1),
+             "shared_question": torch_dcp.SharedQuestion(0.2, 4)}
+    batch = torch_dcp.BatchSpec(lens, masks[args.mask], n_heads=args.heads, n_kv_heads=args.kv_heads,
+                                head_dim=args.head_dim, dtype=args.dtype)
+    return torch_dcp.plan(batch, args.ranks, planner=args.planner, block_size=args.block_size, divisions=args.divisions)
+
+
+def main(argv: list[str] | None = None, out=sys.stdout) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=3)
+    p.add_argument("--divisions", type=int, default=2)
+    p.add_argument("--planner", default="dcp")
+    p.add_argument("--batch", choices=["corpus", "longtail"], default="corpus")
+    p.add_argument("--mask", choices=["causal", "lambda", "blockwise", "shared_question"], default="causal")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--max-doc-len", type=int, default=4096)
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--kernel", default=None, help="reference, sdpa, flex (default: auto for the device)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    plan = _plan(args)
+    rows = count_ops(plan, device=args.device, kernel=args.kernel, seed=args.seed)
+    for row in rows:
+        print(json.dumps(row), file=out)
+    for name in ("forward", "backward"):
+        sel = [r for r in rows if r["pass"] == name]
+        worst = max(sel, key=lambda r: r["per_div"])
+        total = sum(r["ops"] for r in sel) / max(1, sum(max(1, r["divisions"]) for r in sel))
+        print(f"{name}: executor ops per division, mean {total:.2f}, worst rank {worst['rank']} {worst['per_div']:.2f} "
+              f"({worst['ops']} ops over {worst['divisions']} divisions; kernel calls {worst['kernel_calls']}, "
+              f"views {worst['views']}, allocations {worst['allocs']})", file=out)
+    if args.device.startswith("cuda"):
+        print(json.dumps(cuda_launches(plan, args.kernel)), file=out)
+    return rows
+
+
+def cuda_launches(plan: torch_dcp.Plan, kernel: str | None = None) -> dict:
+    """CUDA kernel launches of the second emulated step, all ranks, per rank and division."""
+    from torch.profiler import ProfilerActivity, profile
+
+    b = plan.batch
+    dt = getattr(torch, b.dtype)
+    T = b.total_tokens
+    q, go = (torch.randn(T, b.n_heads, b.head_dim, device="cuda", dtype=dt) for _ in range(2))
+    k, v = (torch.randn(T, b.n_kv_heads, b.head_dim, device="cuda", dtype=dt) for _ in range(2))
+    kern = get_kernel(kernel, device="cuda")
+    torch_dcp.emulate(plan, q, k, v, go, kernel=kern)
+    res = {}
+    for name in ("forward", "backward"):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            if name == "forward":
+                torch_dcp.emulate(plan, q, k, v, kernel=kern)
+            else:
+                torch_dcp.emulate(plan, q, k, v, go, kernel=kern)
+            torch.cuda.synchronize()
+        n = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+        res[name] = n
+    divs = sum(max(1, len(plan.program(r).divisions)) for r in range(plan.world_size))
+    # the backward emulation runs the forward too
+    return {"cuda_kernels_forward_per_division": round(res["forward"] / divs, 2),
+            "cuda_kernels_backward_per_division": round((res["backward"] - res["forward"]) / divs, 2),
+            "note": "profiler kernel count of emulate(), all ranks, in-process transport copies included"}
+
+
+if __name__ == "__main__":
+    main()
