@@ -16,6 +16,7 @@ kernel launches and transfers: no NumPy, no host-device copies, no synchronisati
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -39,6 +40,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .kernels import DivisionKernel
 
 __all__ = ["DevicePlan", "PassPlan", "Rows"]
+
+_NAMES = itertools.count()  # unique array names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,21 +153,32 @@ class _Builder:
         self.blen = plan.workload.block_len
         self.arrays = arrays
         self.divisions = divisions  # division -> (Division, q Rows, kv Rows, kernel arrays, layout): both passes
-        self.prefix = "b" if backward else "f"
         self.prog = plan.program(rank, backward)
         self.needs_null = False
+
+    def add(self, a: np.ndarray) -> str:
+        """Register an array for upload; returns its name."""
+        name = f"a{next(_NAMES)}"
+        self.arrays[name] = np.ascontiguousarray(a)
+        return name
 
     def rows(self, idx: np.ndarray) -> Rows:
         n = len(idx)
         if n == 0 or (idx[-1] - idx[0] + 1 == n and np.all(np.diff(idx) == 1)):
             a = int(idx[0]) if n else 0
             return Rows(n, a, a + n)
-        name = f"{self.prefix}{len(self.arrays)}"
-        self.arrays[name] = np.ascontiguousarray(idx, np.int64)
-        return Rows(n, array=name)
+        return Rows(n, array=self.add(np.asarray(idx, np.int64)))
 
     def tokens(self, starts: np.ndarray, blocks: np.ndarray) -> np.ndarray:
         return spans_to_indices(starts, self.blen[blocks])
+
+    def block_rows(self, starts: np.ndarray, blocks: np.ndarray) -> Rows:
+        """:meth:`rows` of whole blocks at ``starts`` (contiguity checked per block first)."""
+        lens = self.blen[blocks]
+        if len(starts) and np.array_equal(starts[1:], starts[:-1] + lens[:-1]):
+            n = int(lens.sum())
+            return Rows(n, int(starts[0]), int(starts[0]) + n)
+        return self.rows(self.tokens(starts, blocks))
 
     def on_copy(self, ins: BlockwiseCopy) -> CopyStep:
         n = int(self.blen[ins.blocks].sum())
@@ -176,12 +190,11 @@ class _Builder:
     def on_launch(self, ins: CommLaunch) -> LaunchStep:
         gathers, sends, pending = [], [], {}
         for tr in ins.sends:
-            idx = self.tokens(tr.rows, tr.blocks)
-            rows = self.rows(idx)
+            rows = self.block_rows(tr.rows, tr.blocks)
             if rows.array is None:
                 sends.append(Message(tr.peer, tr.kind, rows))
             else:
-                pending.setdefault(tr.kind, []).append((tr.peer, idx))
+                pending.setdefault(tr.kind, []).append((tr.peer, self.arrays.pop(rows.array)))
         for kind, parts in pending.items():
             gathers.append((kind, self.rows(np.concatenate([idx for _, idx in parts]))))
             off = 0
@@ -190,7 +203,7 @@ class _Builder:
                 off += len(idx)
         recvs = []
         for tr in ins.recvs:
-            rows = self.rows(self.tokens(tr.rows, tr.blocks))
+            rows = self.block_rows(tr.rows, tr.blocks)
             if rows.array is not None:  # the compiler lays every receive out contiguously
                 raise ValueError(f"device plan: phase {ins.phase} receives from rank {tr.peer} into scattered rows")
             recvs.append(Message(tr.peer, tr.kind, rows))
@@ -208,15 +221,10 @@ class _Builder:
             layout = self.kernel.prepare(div)
             q_idx = np.concatenate([div.q_rows, np.full(layout.q_rows - div.n_q, div.q_rows[0] if div.n_q else 0)])
             kv_idx = np.concatenate([div.kv_rows, np.full(layout.k_rows - div.n_k, div.kv_rows[0] if div.n_k else 0)])
-            names = []
-            for key, a in layout.arrays.items():
-                name = f"k{len(self.arrays)}"
-                self.arrays[name] = np.ascontiguousarray(a)
-                names.append((key, name))
+            names = [(key, self.add(a)) for key, a in layout.arrays.items()]
             self.divisions[d] = (div, self.rows(q_idx), self.rows(kv_idx), tuple(names), layout.static)
         div, q, kv, names, static = self.divisions[d]
-        out = self.tokens(ins.out_row, ins.q_block)
-        return AttentionStep(d, q, kv, self.rows(out), self.rows(div.kv_rows) if self.backward else None, div.n_q,
+        return AttentionStep(d, q, kv, self.block_rows(ins.out_row, ins.q_block), self.rows(div.kv_rows) if self.backward else None, div.n_q,
                              div.n_k, names, static)
 
     def on_reduction(self, ins: BlockwiseReduction) -> ReductionStep:
@@ -235,7 +243,7 @@ class _Builder:
             src = np.where(valid, ins.src_row[pick] + off[:, None], null)
         self.needs_null |= bool((~valid).any())
         return ReductionStep(ins.op, ins.src, ins.dst, n, p, self.rows(src.reshape(-1)),
-                             self.rows(spans_to_indices(ins.dst_row, lens)))
+                             self.block_rows(ins.dst_row, ins.dst_block))
 
     def build(self) -> PassPlan:
         steps = tuple(dispatch(self, ins) for ins in self.prog.instructions)
