@@ -8,7 +8,10 @@ import io
 import pytest
 
 from torch_dcp import Topology
-from torch_dcp.bench import bench_paper, bench_sweep, main, scaled_batch
+from torch_dcp.benchmarks.cli import main
+from torch_dcp.benchmarks.common import scaled_batch
+from torch_dcp.benchmarks.planners import bench_paper
+from torch_dcp.benchmarks.sweeps import bench_sweep
 from torch_dcp.data import long_tail_lengths, save_lengths
 
 TOTAL = 16384

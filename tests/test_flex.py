@@ -17,8 +17,9 @@ import torch
 
 import torch_dcp
 from torch_dcp import BatchSpec, Ranges
+from torch_dcp.benchmarks.cli import main as bench_main
+from torch_dcp.benchmarks.kernels import bench_reduce
 from torch_dcp.executor import get_kernel
-from torch_dcp.executor.bench_kernels import bench_reduce, main as bench_main
 from torch_dcp.executor.division import build_division
 from torch_dcp.executor.flex import FlexKernel, division_tiles
 from torch_dcp.executor.kernels import ReferenceKernel, SDPAKernel
@@ -276,8 +277,8 @@ def test_timed_emulation():
 
 def test_efficiency_table_json(tmp_path, capsys):
     out = tmp_path / "table.json"
-    rc = bench_main(["table", "--out", str(out), "--tokens", "16,32", "--head-dims", "16", "--heads", "2",
-                     "--kv-heads", "1", "--kernel", "sdpa", "--device", "cpu", "--repeat", "1", "--copy-mb", "1"])
+    rc = bench_main(["kernels", "table", "--out", str(out), "--tokens", "16,32", "--head-dims", "16", "--heads",
+                     "2", "--kv-heads", "1", "--kernel", "sdpa", "--device", "cpu", "--repeat", "1", "--copy-mb", "1"])
     assert rc == 0
     text = out.read_text()
     cm = torch_dcp.CostModel.from_json(text)
@@ -289,7 +290,7 @@ def test_efficiency_table_json(tmp_path, capsys):
 
 
 def test_division_and_plan_benchmarks_run_small():
-    from torch_dcp.executor.bench_kernels import bench_division, bench_plan
+    from torch_dcp.benchmarks.kernels import bench_division, bench_plan
 
     res = bench_division([96, 40], block=32, heads=2, kv_heads=1, head_dim=16, kernel="flex", device="cpu", repeat=1)
     assert res["useful_pairs"] == 96 * 97 // 2 + 40 * 41 // 2

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch_dcp
-from torch_dcp import BatchSpec, Lambda, Topology, viz
+from torch_dcp import BatchSpec, Lambda, Topology
+from torch_dcp.benchmarks import viz
 
 
 def test_pictures(tmp_path):

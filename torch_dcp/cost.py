@@ -20,7 +20,7 @@ Shipped tables (bf16, head_dim 128):
   from 512 to 16K tokens, backward about 110-195.
 
 A user loads their own table with :meth:`CostModel.from_json` (same keys as
-:meth:`CostModel.to_json`; ``python -m torch_dcp.executor.bench_kernels table`` measures one per
+:meth:`CostModel.to_json`; ``python -m torch_dcp.benchmarks kernels table`` measures one per
 head_dim) and joins several with :meth:`CostModel.merge`: a launch uses the table measured for
 the batch's head_dim and dtype, else the default one.
 """
@@ -183,7 +183,7 @@ class CostModel:
     @classmethod
     def from_json(cls, text: str) -> "CostModel":
         """Load a table measured on your own device (the format of :meth:`to_json`; a
-        ``meta`` object with ``head_dim`` and ``dtype``, as ``bench_kernels table`` writes,
+        ``meta`` object with ``head_dim`` and ``dtype``, as ``benchmarks kernels table`` writes,
         also files the table under that shape in ``tables``).
 
         Raises:

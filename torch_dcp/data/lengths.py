@@ -6,7 +6,7 @@ LongDataCollections (Together's ``Long-Data-Collections``: ``pretrain/*.jsonl.zs
 runs from LongAlign (``THUDM/LongAlign-10k``: ``long.jsonl``, one JSON object with a
 ``messages`` list of ``{"role", "content"}`` per line). Neither ships with this package: a
 user who has them on disk regenerates the length lists with :func:`dataset_lengths` (or the
-two named wrappers) and passes them to the benchmark (``python -m torch_dcp.bench paper
+two named wrappers) and passes them to the benchmark (``python -m torch_dcp.benchmarks paper
 --longalign PATH --long-data-collections PATH``).
 
 Files may be ``.jsonl``, ``.jsonl.gz`` (standard library) or ``.jsonl.zst`` (needs the

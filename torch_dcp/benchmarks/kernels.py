@@ -3,28 +3,28 @@
 ``reduce``: the fused ``BlockwiseReduction`` against the per-block loop, and against the
 memory-bound limit (bytes read and written once over the bandwidth of a plain copy)::
 
-    python -m torch_dcp.executor.bench_kernels reduce                       # 128K tokens x 8 heads x 128, 8 partials
-    python -m torch_dcp.executor.bench_kernels reduce --tokens 16384 --repeat 3   # smaller, for a CPU
+    python -m torch_dcp.benchmarks kernels reduce                       # 128K tokens x 8 heads x 128, 8 partials
+    python -m torch_dcp.benchmarks kernels reduce --tokens 16384 --repeat 3   # smaller, for a CPU
 
 ``table``: attention TFLOP/s against work per launch, written in the format of
 :meth:`torch_dcp.cost.CostModel.from_json`::
 
-    python -m torch_dcp.executor.bench_kernels table --out table.json
-    python -m torch_dcp.executor.bench_kernels table --out t.json --tokens 128,256 --head-dims 64
+    python -m torch_dcp.benchmarks kernels table --out table.json
+    python -m torch_dcp.benchmarks kernels table --out t.json --tokens 128,256 --head-dims 64
 
 ``division``: one division holding every tile of a few causal documents cut into blocks (the
 executor's kernel, one launch per division) against one dense FlexAttention call over the same
 contiguous documents (document-causal block mask), forward and backward, in TFLOP/s of useful
 work::
 
-    python -m torch_dcp.executor.bench_kernels division --docs 16384,16384   # >= 16K x 16K useful pairs
+    python -m torch_dcp.benchmarks kernels division --docs 16384,16384   # >= 16K x 16K useful pairs
 
 ``plan``: every rank of a plan of a 131,072-token long-tail batch on 4 x 8 ranks, run on this
 one device with the in-process transport and timed per instruction (``emulate(timings=True)``),
 against the simulator's prediction of each rank's compute (``--cost a100|h100|table.json``)::
 
-    python -m torch_dcp.executor.bench_kernels plan --planner dcp --cost h100
-    python -m torch_dcp.executor.bench_kernels plan --tokens 8192 --nodes 1 --ranks-per-node 4 --cost t.json  # CPU
+    python -m torch_dcp.benchmarks kernels plan --planner dcp --cost h100
+    python -m torch_dcp.benchmarks kernels plan --tokens 8192 --nodes 1 --ranks-per-node 4 --cost t.json  # CPU
 
 Each table point is one launch over one document (one tile, one division) run through
 :func:`torch_dcp.emulate` with ``timings=True``: ``full`` at ``n = tokens``, ``causal`` at
@@ -35,17 +35,14 @@ forward, 10 backward) over the attention time less the measured launch overhead.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 import time
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-__all__ = ["bench_reduce", "measure_table", "bench_division", "bench_plan", "copy_bandwidth", "launch_overhead", "main"]
+__all__ = ["bench_reduce", "measure_table", "bench_division", "bench_plan", "copy_bandwidth", "launch_overhead"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
@@ -142,7 +139,7 @@ def bench_reduce(tokens: int = 131072, heads: int = 8, head_dim: int = 128, part
         ``bytes`` (minimum bytes moved), ``bandwidth`` (bytes/s), ``of_limit`` (limit / fused),
         ``max_abs_diff``.
     """
-    from .reduce import ReductionIndex, reduce_fused, reduce_loop, reduction_bytes
+    from ..executor.reduce import ReductionIndex, reduce_fused, reduce_loop, reduction_bytes
 
     dev = _device(device)
     tdt = _DTYPES[dtype]
@@ -371,7 +368,7 @@ def _sim_attention(p) -> np.ndarray:
 
 
 def _kernel_name(kernel: str, device: torch.device) -> str:
-    from .kernels import get_kernel
+    from ..executor.kernels import get_kernel
 
     k = get_kernel(kernel, device=device)
     return getattr(k, "name", type(k).__name__)
@@ -381,108 +378,3 @@ def _device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     return dev.type
-
-
-# ---------------------------------------------------------------------- CLI
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m torch_dcp.executor.bench_kernels", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("reduce", help="fused vs per-block BlockwiseReduction")
-    r.add_argument("--tokens", type=int, default=None, help="destination rows (default 131072 on CUDA, 16384 on CPU)")
-    r.add_argument("--heads", type=int, default=8)
-    r.add_argument("--head-dim", type=int, default=128)
-    r.add_argument("--partials", type=int, default=8)
-    r.add_argument("--block", type=int, default=512, help="rows per destination block")
-    r.add_argument("--op", choices=("lse_merge", "sum"), default="lse_merge")
-    r.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    r.add_argument("--device", default="auto")
-    r.add_argument("--repeat", type=int, default=5)
-    r.add_argument("--copy-mb", type=int, default=256, help="MiB copied to measure the bandwidth")
-    t = sub.add_parser("table", help="TFLOP/s vs work per launch, CostModel JSON")
-    t.add_argument("--out", required=True, help="output JSON; with several head dims, NAME.hdD.json each")
-    t.add_argument("--tokens", type=_ints, default=None,
-                   help="comma-separated equivalent tokens (default 512..16384 on CUDA, 128,256,512 on CPU)")
-    t.add_argument("--head-dims", type=_ints, default=[128])
-    t.add_argument("--heads", type=int, default=8)
-    t.add_argument("--kv-heads", type=int, default=2)
-    t.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="default bfloat16 on CUDA, float32 elsewhere")
-    t.add_argument("--kernel", default="auto")
-    t.add_argument("--device", default="auto")
-    t.add_argument("--repeat", type=int, default=3)
-    t.add_argument("--copy-mb", type=int, default=256)
-    dv = sub.add_parser("division", help="one division's kernel vs one dense FlexAttention call, TFLOP/s")
-    dv.add_argument("--docs", type=_ints, default=None, help="causal document lengths (default 16384,16384 on CUDA, "
-                    "1024,512 on CPU)")
-    dv.add_argument("--block", type=int, default=None, help="block size (default 1024 on CUDA, 128 on CPU)")
-    dv.add_argument("--head-dim", type=int, default=128)
-    dv.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
-    dv.add_argument("--kernel", default="auto")
-    dv.add_argument("--device", default="auto")
-    dv.add_argument("--repeat", type=int, default=3)
-    pl = sub.add_parser("plan", help="measured per-rank compute of a plan vs the simulator's prediction")
-    pl.add_argument("--planner", default="dcp")
-    pl.add_argument("--tokens", type=int, default=131072)
-    pl.add_argument("--nodes", type=int, default=4)
-    pl.add_argument("--ranks-per-node", type=int, default=8)
-    pl.add_argument("--block", type=int, default=1024)
-    pl.add_argument("--cost", default="h100", help="a100, h100 or a JSON table (e.g. written by 'table')")
-    pl.add_argument("--dtype", choices=sorted(_DTYPES), default=None)
-    pl.add_argument("--kernel", default="auto")
-    pl.add_argument("--device", default="auto")
-    pl.add_argument("--repeat", type=int, default=1)
-    a = p.parse_args(argv)
-    dev = _device(a.device)
-    if a.cmd == "division":
-        docs = a.docs or ([16384, 16384] if dev.type == "cuda" else [1024, 512])
-        block = a.block or (1024 if dev.type == "cuda" else 128)
-        res = bench_division(docs, block, 8, 2, a.head_dim, a.dtype, a.kernel, str(dev), a.repeat)
-        print(json.dumps({k: round(v, 6) for k, v in res.items()}))
-        print(f"division of {len(docs)} causal documents {docs} in blocks of {block} "
-              f"({res['useful_pairs'] ** 0.5:.0f}^2 useful pairs) on {_device_name(dev)}, kernel "
-              f"{_kernel_name(a.kernel, dev)}: forward {res['division_fwd_tflops']:.3f} vs dense "
-              f"{res['dense_fwd_tflops']:.3f} TFLOP/s ({100 * res['fwd_ratio']:.0f}%), backward "
-              f"{res['division_bwd_tflops']:.3f} vs {res['dense_bwd_tflops']:.3f} ({100 * res['bwd_ratio']:.0f}%)")
-        return 0
-    if a.cmd == "plan":
-        res = bench_plan(a.planner, a.tokens, a.nodes, a.ranks_per_node, a.block, a.cost, a.dtype, a.kernel,
-                         str(dev), a.repeat)
-        print(json.dumps(res))
-        print("| rank | fwd measured ms | fwd predicted ms | bwd measured ms | bwd predicted ms |")
-        print("|---|---|---|---|---|")
-        for r in range(res["world_size"]):
-            print(f"| {r} | {res['fwd_measured_s'][r] * 1e3:.3f} | {res['fwd_predicted_s'][r] * 1e3:.3f} | "
-                  f"{res['bwd_measured_s'][r] * 1e3:.3f} | {res['bwd_predicted_s'][r] * 1e3:.3f} |")
-        for pas in ("fwd", "bwd"):
-            print(f"{pas}: measured / predicted per rank: median {res[f'{pas}_ratio_median']:.2f}, "
-                  f"range {res[f'{pas}_ratio_min']:.2f}-{res[f'{pas}_ratio_max']:.2f}; busiest rank "
-                  f"{res[f'{pas}_max_rank_ratio']:.2f}")
-        return 0
-    if a.cmd == "reduce":
-        tokens = a.tokens or (131072 if dev.type == "cuda" else 16384)
-        res = bench_reduce(tokens, a.heads, a.head_dim, a.partials, a.block, a.op, a.dtype, str(dev), a.repeat, a.copy_mb)
-        print(f"{a.op}: {a.partials} partials -> {tokens} tokens x {a.heads} heads x {a.head_dim}, {a.dtype}, "
-              f"blocks of {a.block}, on {_device_name(dev)}")
-        print(f"  loop      {res['loop_s'] * 1e3:10.3f} ms")
-        print(f"  fused     {res['fused_s'] * 1e3:10.3f} ms   speedup x{res['speedup']:.2f}   "
-              f"max |fused - loop| {res['max_abs_diff']:.2e}")
-        print(f"  limit     {res['limit_s'] * 1e3:10.3f} ms   ({res['bytes'] / 1e9:.3f} GB read+written once at "
-              f"{res['bandwidth'] / 1e9:.1f} GB/s plain-copy bandwidth); fused reaches {100 * res['of_limit']:.0f}% of it")
-        return 0
-    tokens = a.tokens or ([512, 1024, 2048, 4096, 8192, 16384] if dev.type == "cuda" else [128, 256, 512])
-    for hd in a.head_dims:
-        out = a.out if len(a.head_dims) == 1 else a.out.replace(".json", "") + f".hd{hd}.json"
-        table = measure_table(tokens, hd, a.heads, a.kv_heads, a.dtype, a.kernel, str(dev), a.repeat, a.copy_mb,
-                              log=lambda s: print(s, flush=True))
-        with open(out, "w") as f:
-            json.dump(table, f, indent=1)
-        print(f"head_dim {hd}: wrote {out} (memory bandwidth {table['memory_bandwidth'] / 1e9:.1f} GB/s, "
-              f"launch overhead {table['launch_overhead'] * 1e6:.1f} us)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Pictures of a plan (PNG, matplotlib): placement map, traffic matrix, per-rank timeline.
 
-Needs matplotlib (``pip install torch-dcp[viz]``); uses the non-interactive Agg backend.
+Needs matplotlib (``pip install 'torch-dcp[benchmarks]'``); uses the non-interactive Agg backend.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from .plan import Plan
-from .simulate import SimResult
+from ..plan import Plan
+from ..simulate import SimResult
 
 __all__ = ["placement_map", "traffic_matrix", "timeline"]
 
@@ -20,7 +20,7 @@ def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError as err:  # pragma: no cover - optional dependency
-        raise ImportError("torch_dcp.viz needs matplotlib: pip install 'torch-dcp[viz]'") from err
+        raise ImportError("torch_dcp.benchmarks.viz needs matplotlib: pip install 'torch-dcp[benchmarks]'") from err
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

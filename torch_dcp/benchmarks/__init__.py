@@ -1,0 +1,15 @@
+"""Benchmarks of torch_dcp, one command line (the library itself never imports this package)::
+
+    python -m torch_dcp.benchmarks planners [--block-size 1024] ...    planners on the same 131,072-token batches
+    python -m torch_dcp.benchmarks paper [--sweep block-size|sparsity|eps] ...
+                                                                      the DCP paper's microbenchmark, simulated
+    python -m torch_dcp.benchmarks pictures --out docs ...            placement map, traffic, timeline (PNG)
+    python -m torch_dcp.benchmarks kernels reduce|table|division|plan ...
+                                                                      kernel micro-benchmarks
+
+Modules: :mod:`.common` (masks by name, batches, length sources, progress bar),
+:mod:`.planners` (``planners``, ``paper``), :mod:`.sweeps` (``paper --sweep``),
+:mod:`.pictures` and :mod:`.viz` (``pictures``; matplotlib), :mod:`.kernels` (``kernels ...``),
+:mod:`.cli` (the argument parser). The progress bar needs tqdm and the pictures matplotlib:
+``pip install 'torch-dcp[benchmarks]'``.
+"""

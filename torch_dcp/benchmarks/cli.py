@@ -1,0 +1,222 @@
+"""The benchmarks' command line, ``python -m torch_dcp.benchmarks COMMAND ...``: ``planners``,
+``paper`` (:mod:`~torch_dcp.benchmarks.planners`, :mod:`~torch_dcp.benchmarks.sweeps`),
+``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`) and ``kernels reduce|table|division|plan``
+(:mod:`~torch_dcp.benchmarks.kernels`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..topology import Topology
+from . import common, kernels, pictures, planners, sweeps
+from .common import MASKS
+
+__all__ = ["main", "parser"]
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``python -m torch_dcp.benchmarks``."""
+    from . import __doc__ as doc
+
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="python -m torch_dcp.benchmarks", description=doc, formatter_class=raw)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("planners", help="compare planners on the same batches", description=planners.__doc__,
+                        formatter_class=raw)
+    pp.add_argument("--planners", default="ring,greedy,dcp")
+    pp.add_argument("--masks", default=",".join(MASKS))
+    pp.add_argument("--batches", default="corpus,longtail,one")
+    pp.add_argument("--block-size", type=int, default=1024)
+    pp.add_argument("--divisions", type=int, default=4)
+    pp.add_argument("--nodes", type=int, default=4)
+    pp.add_argument("--ranks-per-node", type=int, default=8)
+    pp.set_defaults(run=_planners, error=pp.error)
+    pp2 = sub.add_parser("paper", help="the DCP paper's microbenchmark, simulated, all planners side by side",
+                         description=planners.__doc__, formatter_class=raw)
+    pp2.add_argument("--planners", default="ring,greedy,megatron,fcp,dcp")
+    pp2.add_argument("--masks", default=",".join(MASKS))
+    pp2.add_argument("--scales", default="0.5,1,2,4")
+    pp2.add_argument("--block-sizes", default="512,1024,2048,4096")
+    pp2.add_argument("--divisions", type=int, default=4)
+    pp2.add_argument("--cost", default="a100",
+                     help="a100, h100, or JSON cost tables measured on your GPU (CostModel.to_json format), "
+                          "comma-separated, e.g. one per head_dim")
+    pp2.add_argument("--batches", default=None,
+                     help="length sources to run (default: all): corpus, longtail, longalign, ldc")
+    pp2.add_argument("--longalign", default=None, metavar="PATH",
+                     help="LongAlign-10k's long.jsonl (or its folder, or a saved .json length list)")
+    pp2.add_argument("--long-data-collections", default=None, metavar="PATH",
+                     help="Long-Data-Collections folder (pretrain/, fine-tune/) or file, or a saved .json length list")
+    pp2.add_argument("--sweep", choices=sweeps.SWEEPS, default=None,
+                     help="instead of the timing table: traffic vs block size (fig. 17), vs mask sparsity "
+                          "(fig. 19) or vs imbalance tolerance (fig. 20) on one batch")
+    pp2.add_argument("--sweep-batch", default="longtail", help="length source of the sweep's batch")
+    pp2.add_argument("--sweep-scale", type=float, default=1.0, help="length scale of the sweep's batch")
+    pp2.set_defaults(run=_paper, error=pp2.error)
+    pp3 = sub.add_parser("pictures", help="placement map, traffic matrix and simulated timeline of one plan (PNG)",
+                         description=pictures.__doc__, formatter_class=raw)
+    pp3.add_argument("--out", default=".")
+    pp3.add_argument("--batch", choices=["corpus", "longtail", "one"], default="longtail")
+    pp3.add_argument("--mask", choices=sorted(MASKS), default="lambda")
+    pp3.add_argument("--planner", default="dcp")
+    pp3.add_argument("--block-size", type=int, default=1024)
+    pp3.set_defaults(run=_pictures)
+    kp = sub.add_parser("kernels", help="kernel micro-benchmarks: reduce, table, division, plan",
+                        description=kernels.__doc__, formatter_class=raw)
+    ksub = kp.add_subparsers(dest="kcmd", required=True)
+    r = ksub.add_parser("reduce", help="fused vs per-block BlockwiseReduction")
+    r.add_argument("--tokens", type=int, default=None, help="destination rows (default 131072 on CUDA, 16384 on CPU)")
+    r.add_argument("--heads", type=int, default=8)
+    r.add_argument("--head-dim", type=int, default=128)
+    r.add_argument("--partials", type=int, default=8)
+    r.add_argument("--block", type=int, default=512, help="rows per destination block")
+    r.add_argument("--op", choices=("lse_merge", "sum"), default="lse_merge")
+    r.add_argument("--dtype", choices=sorted(kernels._DTYPES), default="float32")
+    r.add_argument("--device", default="auto")
+    r.add_argument("--repeat", type=int, default=5)
+    r.add_argument("--copy-mb", type=int, default=256, help="MiB copied to measure the bandwidth")
+    r.set_defaults(run=_reduce)
+    t = ksub.add_parser("table", help="TFLOP/s vs work per launch, CostModel JSON")
+    t.add_argument("--out", required=True, help="output JSON; with several head dims, NAME.hdD.json each")
+    t.add_argument("--tokens", type=_ints, default=None,
+                   help="comma-separated equivalent tokens (default 512..16384 on CUDA, 128,256,512 on CPU)")
+    t.add_argument("--head-dims", type=_ints, default=[128])
+    t.add_argument("--heads", type=int, default=8)
+    t.add_argument("--kv-heads", type=int, default=2)
+    t.add_argument("--dtype", choices=sorted(kernels._DTYPES), default=None,
+                   help="default bfloat16 on CUDA, float32 elsewhere")
+    t.add_argument("--kernel", default="auto")
+    t.add_argument("--device", default="auto")
+    t.add_argument("--repeat", type=int, default=3)
+    t.add_argument("--copy-mb", type=int, default=256)
+    t.set_defaults(run=_table)
+    dv = ksub.add_parser("division", help="one division's kernel vs one dense FlexAttention call, TFLOP/s")
+    dv.add_argument("--docs", type=_ints, default=None, help="causal document lengths (default 16384,16384 on CUDA, "
+                    "1024,512 on CPU)")
+    dv.add_argument("--block", type=int, default=None, help="block size (default 1024 on CUDA, 128 on CPU)")
+    dv.add_argument("--head-dim", type=int, default=128)
+    dv.add_argument("--dtype", choices=sorted(kernels._DTYPES), default=None)
+    dv.add_argument("--kernel", default="auto")
+    dv.add_argument("--device", default="auto")
+    dv.add_argument("--repeat", type=int, default=3)
+    dv.set_defaults(run=_division)
+    pl = ksub.add_parser("plan", help="measured per-rank compute of a plan vs the simulator's prediction")
+    pl.add_argument("--planner", default="dcp")
+    pl.add_argument("--tokens", type=int, default=131072)
+    pl.add_argument("--nodes", type=int, default=4)
+    pl.add_argument("--ranks-per-node", type=int, default=8)
+    pl.add_argument("--block", type=int, default=1024)
+    pl.add_argument("--cost", default="h100", help="a100, h100 or a JSON table (e.g. written by 'table')")
+    pl.add_argument("--dtype", choices=sorted(kernels._DTYPES), default=None)
+    pl.add_argument("--kernel", default="auto")
+    pl.add_argument("--device", default="auto")
+    pl.add_argument("--repeat", type=int, default=1)
+    pl.set_defaults(run=_plan)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one benchmark command; returns the exit status."""
+    args = parser().parse_args(argv)
+    return args.run(args)
+
+
+def _planners(args) -> int:
+    masks = args.masks.split(",")
+    for m in masks:
+        if m not in MASKS:
+            args.error(f"unknown mask {m!r}; choose from {sorted(MASKS)}")
+    planners.bench_planners(args.planners.split(","), masks, args.batches.split(","), args.block_size,
+                            args.divisions, Topology(n_nodes=args.nodes, ranks_per_node=args.ranks_per_node))
+    return 0
+
+
+def _paper(args) -> int:
+    for m in args.masks.split(","):
+        if m not in MASKS:
+            args.error(f"unknown mask {m!r}; choose from {sorted(MASKS)}")
+    sources = common.paper_sources(args.longalign, args.long_data_collections)
+    if args.batches:
+        unknown = set(args.batches.split(",")) - set(sources)
+        if unknown:
+            args.error(f"unknown or unavailable length sources {sorted(unknown)}; have {sorted(sources)} "
+                       "(longalign/ldc need --longalign/--long-data-collections)")
+        sources = {k: v for k, v in sources.items() if k in args.batches.split(",")}
+    block_sizes = [int(x) for x in args.block_sizes.split(",")]
+    if args.sweep:
+        sweeps.bench_sweep(args.sweep, Topology(), args.masks.split(","), block_sizes, args.divisions,
+                           args.sweep_batch, args.sweep_scale, sources=sources)
+        return 0
+    planners.bench_paper(args.planners.split(","), args.masks.split(","), [float(x) for x in args.scales.split(",")],
+                         block_sizes, args.divisions, Topology(), args.cost, sources=sources)
+    return 0
+
+
+def _pictures(args) -> int:
+    pictures.write_pictures(args.out, args.batch, args.mask, args.planner, args.block_size)
+    return 0
+
+
+def _reduce(a) -> int:
+    dev = kernels._device(a.device)
+    tokens = a.tokens or (131072 if dev.type == "cuda" else 16384)
+    res = kernels.bench_reduce(tokens, a.heads, a.head_dim, a.partials, a.block, a.op, a.dtype, str(dev), a.repeat,
+                               a.copy_mb)
+    print(f"{a.op}: {a.partials} partials -> {tokens} tokens x {a.heads} heads x {a.head_dim}, {a.dtype}, "
+          f"blocks of {a.block}, on {kernels._device_name(dev)}")
+    print(f"  loop      {res['loop_s'] * 1e3:10.3f} ms")
+    print(f"  fused     {res['fused_s'] * 1e3:10.3f} ms   speedup x{res['speedup']:.2f}   "
+          f"max |fused - loop| {res['max_abs_diff']:.2e}")
+    print(f"  limit     {res['limit_s'] * 1e3:10.3f} ms   ({res['bytes'] / 1e9:.3f} GB read+written once at "
+          f"{res['bandwidth'] / 1e9:.1f} GB/s plain-copy bandwidth); fused reaches {100 * res['of_limit']:.0f}% of it")
+    return 0
+
+
+def _table(a) -> int:
+    dev = kernels._device(a.device)
+    tokens = a.tokens or ([512, 1024, 2048, 4096, 8192, 16384] if dev.type == "cuda" else [128, 256, 512])
+    for hd in a.head_dims:
+        out = a.out if len(a.head_dims) == 1 else a.out.replace(".json", "") + f".hd{hd}.json"
+        table = kernels.measure_table(tokens, hd, a.heads, a.kv_heads, a.dtype, a.kernel, str(dev), a.repeat,
+                                      a.copy_mb, log=lambda s: print(s, flush=True))
+        with open(out, "w") as f:
+            json.dump(table, f, indent=1)
+        print(f"head_dim {hd}: wrote {out} (memory bandwidth {table['memory_bandwidth'] / 1e9:.1f} GB/s, "
+              f"launch overhead {table['launch_overhead'] * 1e6:.1f} us)")
+    return 0
+
+
+def _division(a) -> int:
+    dev = kernels._device(a.device)
+    docs = a.docs or ([16384, 16384] if dev.type == "cuda" else [1024, 512])
+    block = a.block or (1024 if dev.type == "cuda" else 128)
+    res = kernels.bench_division(docs, block, 8, 2, a.head_dim, a.dtype, a.kernel, str(dev), a.repeat)
+    print(json.dumps({k: round(v, 6) for k, v in res.items()}))
+    print(f"division of {len(docs)} causal documents {docs} in blocks of {block} "
+          f"({res['useful_pairs'] ** 0.5:.0f}^2 useful pairs) on {kernels._device_name(dev)}, kernel "
+          f"{kernels._kernel_name(a.kernel, dev)}: forward {res['division_fwd_tflops']:.3f} vs dense "
+          f"{res['dense_fwd_tflops']:.3f} TFLOP/s ({100 * res['fwd_ratio']:.0f}%), backward "
+          f"{res['division_bwd_tflops']:.3f} vs {res['dense_bwd_tflops']:.3f} ({100 * res['bwd_ratio']:.0f}%)")
+    return 0
+
+
+def _plan(a) -> int:
+    dev = kernels._device(a.device)
+    res = kernels.bench_plan(a.planner, a.tokens, a.nodes, a.ranks_per_node, a.block, a.cost, a.dtype, a.kernel,
+                             str(dev), a.repeat)
+    print(json.dumps(res))
+    print("| rank | fwd measured ms | fwd predicted ms | bwd measured ms | bwd predicted ms |")
+    print("|---|---|---|---|---|")
+    for r in range(res["world_size"]):
+        print(f"| {r} | {res['fwd_measured_s'][r] * 1e3:.3f} | {res['fwd_predicted_s'][r] * 1e3:.3f} | "
+              f"{res['bwd_measured_s'][r] * 1e3:.3f} | {res['bwd_predicted_s'][r] * 1e3:.3f} |")
+    for pas in ("fwd", "bwd"):
+        print(f"{pas}: measured / predicted per rank: median {res[f'{pas}_ratio_median']:.2f}, "
+              f"range {res[f'{pas}_ratio_min']:.2f}-{res[f'{pas}_ratio_max']:.2f}; busiest rank "
+              f"{res[f'{pas}_max_rank_ratio']:.2f}")
+    return 0
