@@ -1,4 +1,4 @@
-"""FlexKernel (division-level FlexAttention), the fused reduction, timed emulation and the
+"""FlexKernel (division-level FlexAttention), the merge benchmark, timed emulation and the
 kernel benchmarks.
 
 On CPU FlexAttention runs forward only (eager); FlexKernel's CPU backward uses its dense
@@ -23,8 +23,7 @@ from torch_dcp.executor import get_kernel
 from torch_dcp.executor.division import build_division
 from torch_dcp.executor.flex import FlexKernel, division_tiles
 from torch_dcp.executor.kernels import ReferenceKernel, SDPAKernel
-from torch_dcp.executor.reduce import ReductionIndex, reduce_fused, reduce_loop
-from torch_dcp.plan import BlockwiseAttention, BlockwiseReduction
+from torch_dcp.plan import BlockwiseAttention
 from reference import random_qkv, reference_with_grads
 from test_exact import BLOCK, MASKS, _batch
 
@@ -124,42 +123,16 @@ def test_cpu_backward_stand_in_matches_flex_forward():
     for ins in plan.program(0).instructions:
         if isinstance(ins, BlockwiseAttention):
             div = build_division(ins, plan.workload)
-            st = kern._state(div, torch.device("cpu"))
-            q = torch.randn(1, 8, st.nq_pad, 32, generator=g, dtype=torch.float64)
-            k, v = (torch.randn(1, 2, st.nk_pad, 32, generator=g, dtype=torch.float64) for _ in range(2))
-            o1, l1 = kern._flex(q, k, v, st, 0.2)
-            o2, l2 = kern._dense(q, k, v, st, 0.2)
+            layout = kern.prepare(div)
+            meta = kern.bind({k: torch.from_numpy(a) for k, a in layout.arrays.items()}, layout.static)
+            q = torch.randn(1, 8, layout.q_rows, 32, generator=g, dtype=torch.float64)
+            k, v = (torch.randn(1, 2, layout.k_rows, 32, generator=g, dtype=torch.float64) for _ in range(2))
+            o1, l1 = kern._flex(q, k, v, meta, 0.2)
+            o2, l2 = kern._dense(q, k, v, meta, 0.2)
             assert torch.equal(torch.isinf(l1), torch.isinf(l2))
             assert (o1 - o2).abs().max() < 1e-12
             fin = torch.isfinite(l1)
             assert (l1[fin] - l2[fin]).abs().max() < 1e-12
-
-
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
-@pytest.mark.parametrize("masked", [False, True])
-def test_flex_per_group_protocol(heads, masked):
-    g = torch.Generator().manual_seed(3)
-    h, hkv = heads
-    nq, nk, d = 13, 29, 16
-    q, do = (torch.randn(nq, h, d, generator=g, dtype=torch.float64) for _ in range(2))
-    k, v = (torch.randn(nk, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
-    mask = None
-    if masked:
-        mask = torch.rand(nq, nk, generator=g) > 0.4
-        mask[:2] = False
-    ref, flex = ReferenceKernel(), FlexKernel(block_size=8)
-    o_r, l_r = ref.forward(q, k, v, mask, 0.3, torch.float64)
-    o_f, l_f = flex.forward(q, k, v, mask, 0.3, torch.float64)
-    assert torch.equal(torch.isfinite(l_f), torch.isfinite(l_r))
-    assert (o_f - o_r).abs().max() < 1e-12
-    fin = torch.isfinite(l_r)
-    assert (l_f[fin] - l_r[fin]).abs().max() < 1e-12
-    # a "global" LSE larger than the group's: gradients of the group's share of a bigger softmax
-    lse = torch.where(fin, l_r + 0.7, l_r)
-    delta = (do * o_r).sum(-1) * 0.5
-    for a, b in zip(ref.backward(q, k, v, do, lse, delta, mask, 0.3, torch.float64),
-                    flex.backward(q, k, v, do, lse, delta, mask, 0.3, torch.float64)):
-        assert (a - b).abs().max() < 1e-12
 
 
 def test_flex_float32_and_bfloat16_inputs_on_cpu():
@@ -183,71 +156,12 @@ def test_get_kernel_names_and_auto():
     plan = torch_dcp.plan(batch, 2, block_size=BLOCK)
     ex = torch_dcp.RankExecutor(plan, 0, torch_dcp.executor.InProcessTransport(torch_dcp.executor.Mailbox(), 0))
     assert ex.kernel is None
-    with pytest.raises(ValueError, match="reduction"):
+    with pytest.raises(ValueError, match="unknown kernel"):
         torch_dcp.RankExecutor(plan, 0, torch_dcp.executor.InProcessTransport(torch_dcp.executor.Mailbox(), 0),
-                               reduction="tree")
+                               kernel="tree")
 
 
-# ---------------------------------------------------------------------- fused reduction
-def _random_reduction(op, rng, n_dst=9, max_p=4, block=5, heads=3, dim=4, dtype=torch.float64):
-    lens = rng.integers(1, block + 1, n_dst)
-    nsrc = rng.integers(0, max_p + 1, n_dst)
-    nsrc[0] = 0  # an empty source list
-    slots = []
-    row = 0
-    for i in range(n_dst):
-        for _ in range(nsrc[i]):
-            slots.append(row)
-            row += int(lens[i]) + int(rng.integers(0, 3))
-    order = rng.permutation(n_dst)  # destinations not in row order
-    dst_row = np.concatenate(([0], np.cumsum(lens[order])[:-1]))[np.argsort(order)]
-    ins = BlockwiseReduction(op, "opart", "o", np.arange(n_dst), dst_row.astype(np.int64),
-                             np.concatenate(([0], np.cumsum(nsrc))).astype(np.int64), np.asarray(slots, np.int64))
-    g = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
-    S = row + 1
-    if op == "lse_merge":
-        lse = torch.randn(S, heads, generator=g, dtype=torch.float64) * 3
-        lse[torch.rand(S, heads, generator=g) < 0.2] = -math.inf  # partials that saw nothing
-        out = torch.randn(S, heads, dim, generator=g, dtype=torch.float64)
-        out = torch.where(torch.isinf(lse)[..., None], torch.zeros_like(out), out)
-        src = [out.to(dtype), lse.to(dtype)]
-        dst = [torch.full((int(lens.sum()), heads, dim), 7.0, dtype=dtype),
-               torch.full((int(lens.sum()), heads), 7.0, dtype=dtype)]
-    else:
-        src = [torch.randn(S, heads, dim, generator=g, dtype=torch.float64).to(dtype),
-               torch.randn(S, 2, generator=g, dtype=torch.float64).to(dtype)]
-        dst = [torch.full((int(lens.sum()), heads, dim), 7.0, dtype=dtype),
-               torch.full((int(lens.sum()), 2), 7.0, dtype=dtype)]
-    return ins, lens, src, dst
-
-
-@pytest.mark.parametrize("op", ["lse_merge", "sum"])
-@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
-def test_fused_reduction_matches_loop(op, dtype, tol):
-    rng = np.random.default_rng(0)
-    for trial in range(6):
-        ins, blen, src, dst = _random_reduction(op, rng, max_p=[1, 2, 4, 8, 3, 0][trial], dtype=dtype)
-        want = [t.clone() for t in dst]
-        reduce_loop(ins, blen, src, want)
-        for chunk in (None, 64):  # one chunk / many chunks
-            got = [t.clone() for t in dst]
-            reduce_fused(ins, blen, src, got, index=ReductionIndex(ins, blen, got[0].device), max_chunk_bytes=chunk)
-            for a, b in zip(got, want):
-                assert torch.equal(torch.isinf(a), torch.isinf(b))
-                fin = torch.isfinite(b)
-                assert not fin.any() or (a[fin] - b[fin]).abs().max().item() <= tol
-
-
-def test_fused_and_loop_reduction_give_the_same_emulation():
-    batch = _batch("lambda", "gqa8/2-d32")
-    plan = torch_dcp.plan(batch, 4, planner="dcp", block_size=BLOCK, divisions=3)
-    q, k, v, go = random_qkv(batch)
-    a = torch_dcp.emulate(plan, q, k, v, go, reduction="fused")
-    b = torch_dcp.emulate(plan, q, k, v, go, reduction="loop")
-    for x, y in zip(a, b):
-        assert (x - y).abs().max().item() < 1e-12
-
-
+# ---------------------------------------------------------------------- the merge benchmark
 def test_bench_reduce_runs_small():
     res = bench_reduce(tokens=256, heads=2, head_dim=8, partials=3, block=32, device="cpu", repeat=1, copy_mb=1)
     assert res["max_abs_diff"] < 1e-5

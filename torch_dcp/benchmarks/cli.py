@@ -1,7 +1,7 @@
 """The benchmarks' command line, ``python -m torch_dcp.benchmarks COMMAND ...``: ``planners``,
 ``paper`` (:mod:`~torch_dcp.benchmarks.planners`, :mod:`~torch_dcp.benchmarks.sweeps`),
-``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`) and ``kernels reduce|table|division|plan``
-(:mod:`~torch_dcp.benchmarks.kernels`)."""
+``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`), ``kernels reduce|table|division|plan``
+(:mod:`~torch_dcp.benchmarks.kernels`) and ``ops`` (:mod:`~torch_dcp.benchmarks.ops`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import argparse
 import json
 
 from ..topology import Topology
-from . import common, kernels, pictures, planners, sweeps
+from . import common, kernels, ops, pictures, planners, sweeps
 from .common import MASKS
 
 __all__ = ["main", "parser"]
@@ -117,6 +117,10 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--device", default="auto")
     pl.add_argument("--repeat", type=int, default=1)
     pl.set_defaults(run=_plan)
+    op = sub.add_parser("ops", help="the executor's operations per division (and device-plan build time)",
+                        description=ops.__doc__, formatter_class=raw)
+    ops.add_arguments(op)
+    op.set_defaults(run=lambda a: ops.run(a) and 0)
     return p
 
 

@@ -98,32 +98,56 @@ def launch_overhead(device: torch.device, n: int = 2000) -> float:
 # ---------------------------------------------------------------------- reduce
 def _reduction_case(tokens: int, heads: int, head_dim: int, partials: int, block: int, op: str,
                     dtype: torch.dtype, device: torch.device, seed: int = 0):
-    from ..plan import BlockwiseReduction
+    """A reduction of ``partials`` slots per destination block, the slots scattered over the
+    source buffer: the instruction (for the loop), its source and destination tensors, and the
+    executor's merge arguments (row-major source rows, in order destinations)."""
+    import types
 
+    from ..plan import BlockwiseReduction, ReduceOp
+    from ..workload import Buf, spans_to_indices
+
+    rop = ReduceOp(op)
     nb = -(-tokens // block)
     tokens = nb * block
     rng = np.random.default_rng(seed)
     slots = rng.permutation(nb * partials).astype(np.int64)  # partial slots scattered over the buffer
-    ins = BlockwiseReduction(op, "opart", "o", np.arange(nb, dtype=np.int64), np.arange(nb, dtype=np.int64) * block,
+    ins = BlockwiseReduction(rop, Buf.OPART, Buf.OUT, np.arange(nb, dtype=np.int64), np.arange(nb, dtype=np.int64) * block,
                              np.arange(nb + 1, dtype=np.int64) * partials, slots * block)
     block_len = np.full(nb, block, np.int64)
     g = torch.Generator(device="cpu").manual_seed(seed)
     rows = nb * partials * block
-    if op == "lse_merge":
-        src = [torch.randn(rows, heads, head_dim, generator=g).to(device=device, dtype=dtype),
-               torch.randn(rows, heads, generator=g).to(device=device, dtype=dtype)]
-        dst = [torch.empty(tokens, heads, head_dim, dtype=dtype, device=device),
-               torch.empty(tokens, heads, dtype=dtype, device=device)]
-    else:
-        src = [torch.randn(rows, heads, head_dim, generator=g).to(device=device, dtype=dtype)]
-        dst = [torch.empty(tokens, heads, head_dim, dtype=dtype, device=device)]
-    return ins, block_len, src, dst
+    src = [torch.randn(rows, heads, head_dim, generator=g).to(device=device, dtype=dtype)]
+    dst = [torch.empty(tokens, heads, head_dim, dtype=dtype, device=device)]
+    if rop is ReduceOp.LSE_MERGE:
+        src.append(torch.randn(rows, heads, generator=g).to(device=device, dtype=dtype))
+        dst.append(torch.empty(tokens, heads, dtype=dtype, device=device))
+    # the executor's form: source rows [tokens, partials] row-major, destinations 0 .. tokens-1
+    first = (slots * block).reshape(nb, partials)
+    src_rows = (np.repeat(first, block, axis=0) + np.tile(np.arange(block), nb)[:, None]).reshape(-1)
+    names = ("o", "lse")
+    s_buf = types.SimpleNamespace(fields=dict(zip(names, src)), flat=src[0].view(rows, -1) if len(src) == 1 else None)
+    d_buf = types.SimpleNamespace(fields=dict(zip(names, dst)), flat=dst[0].view(tokens, -1) if len(dst) == 1 else None)
+    merge = (rop, s_buf, d_buf, torch.from_numpy(src_rows).to(device), slice(0, tokens), tokens, partials)
+    return ins, block_len, src, dst, merge
+
+
+def reduction_bytes(ins: BlockwiseReduction, block_len: np.ndarray, src: list[torch.Tensor],
+                    dst: list[torch.Tensor]) -> int:
+    """Bytes a reduction must move at least: every source row read once, every destination
+    row written once."""
+    lens = np.asarray(block_len[ins.dst_block], np.int64)
+    nsrc = np.diff(ins.src_ptr)
+    read_rows = int((lens * nsrc).sum())
+    write_rows = int(lens.sum())
+    return sum(read_rows * math.prod(s.shape[1:]) * s.element_size() for s in src) + \
+        sum(write_rows * math.prod(t.shape[1:]) * t.element_size() for t in dst)
 
 
 def bench_reduce(tokens: int = 131072, heads: int = 8, head_dim: int = 128, partials: int = 8, block: int = 512,
                  op: str = "lse_merge", dtype: str = "float32", device: str | None = None, repeat: int = 5,
                  copy_mb: int = 256, check: bool = True) -> dict[str, float]:
-    """Time the fused reduction against the loop and the memory-bound limit.
+    """Time the executor's merge (:func:`~torch_dcp.executor.reduce.merge_partials`) against
+    the per-block loop and the memory-bound limit.
 
     Args:
         tokens: destination rows (rounded up to whole blocks); heads, head_dim: row shape.
@@ -132,22 +156,21 @@ def bench_reduce(tokens: int = 131072, heads: int = 8, head_dim: int = 128, part
         dtype: accumulation dtype of the buffers (the executor's is float32).
         device: ``"cuda"``, ``"cpu"`` or ``"auto"``/None (CUDA when available).
         copy_mb: size of the plain copy that measures the bandwidth, MiB.
-        check: compare the fused result with the loop's.
+        check: compare the merge's result with the loop's.
 
     Returns:
-        seconds (``loop_s``, ``fused_s``, ``limit_s``), ``speedup`` (loop / fused),
-        ``bytes`` (minimum bytes moved), ``bandwidth`` (bytes/s), ``of_limit`` (limit / fused),
-        ``max_abs_diff``.
+        seconds (``loop_s``, ``fused_s`` -- the merge --, ``limit_s``), ``speedup`` (loop /
+        merge), ``bytes`` (minimum bytes moved), ``bandwidth`` (bytes/s), ``of_limit`` (limit /
+        merge), ``max_abs_diff``.
     """
-    from ..executor.reduce import ReductionIndex, reduce_fused, reduce_loop, reduction_bytes
+    from ..executor.reduce import merge_partials, reduce_loop
 
     dev = _device(device)
     tdt = _DTYPES[dtype]
-    ins, blen, src, dst = _reduction_case(tokens, heads, head_dim, partials, block, op, tdt, dev)
-    index = ReductionIndex(ins, blen, dev)
+    ins, blen, src, dst, merge = _reduction_case(tokens, heads, head_dim, partials, block, op, tdt, dev)
     loop_s = _time(lambda: reduce_loop(ins, blen, src, dst), dev, repeat)
     ref = [t.clone() for t in dst]
-    fused_s = _time(lambda: reduce_fused(ins, blen, src, dst, index=index), dev, repeat)
+    fused_s = _time(lambda: merge_partials(*merge), dev, repeat)
     diff = max(float((a - b).abs().max()) for a, b in zip(dst, ref)) if check else float("nan")
     nbytes = reduction_bytes(ins, blen, src, dst)
     bw = copy_bandwidth(dev, copy_mb << 20, repeat)

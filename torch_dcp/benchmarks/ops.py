@@ -1,7 +1,7 @@
 """Operations a rank's executor issues per division, forward and backward.
 
-    python -m torch_dcp.benchmarks.ops                                  # 3 ranks, 2 divisions, CPU
-    python -m torch_dcp.benchmarks.ops --ranks 32 --divisions 4 --tokens 131072 --device cuda
+    python -m torch_dcp.benchmarks ops                                  # 3 ranks, 2 divisions, CPU
+    python -m torch_dcp.benchmarks ops --ranks 32 --divisions 4 --tokens 131072 --device cuda
 
 Every rank of a plan runs in this process (in-process transport). A ``TorchDispatchMode``
 counts, per rank and pass, the aten operations the executor dispatches, split into
@@ -13,6 +13,12 @@ counts, per rank and pass, the aten operations the executor dispatches, split in
   them;
 * ``transport_ops``: the in-process transport's own copies (the emulated network; a real
   transport posts point-to-point transfers instead).
+
+With ``--build-only``: host time to build every rank's device plan (one core), e.g. for the
+paper batch (131,072 tokens, 4 x 8 ranks, B = 1024)::
+
+    python -m torch_dcp.benchmarks ops --build-only --batch longtail --tokens 131072 --topology 4x8 \
+        --block-size 1024 --divisions 4 --heads 8 --kv-heads 2 --head-dim 128 --dtype bfloat16 --kernel flex
 
 The second call of a step is counted (the first one uploads the device plan). ``per_div`` is
 ``ops`` over the divisions the rank runs. On CUDA the profiler's kernel count of the whole step
@@ -32,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch_dcp
 from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor, get_kernel
 
-__all__ = ["count_ops", "main"]
+__all__ = ["count_ops", "device_plan_seconds", "add_arguments", "run", "main"]
 
 _ALLOCS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
 
@@ -172,6 +178,33 @@ def count_ops(plan: torch_dcp.Plan, device: str = "cpu", kernel: str | None = No
     return rows
 
 
+def device_plan_seconds(plan: torch_dcp.Plan, kernel: str | None = None, device: str = "cpu",
+                        repeat: int = 3) -> dict[str, Any]:
+    """Host seconds to build each rank's :class:`~torch_dcp.executor.DevicePlan` (programs
+    compiled beforehand, as the planner's output), best of ``repeat``, on one thread."""
+    import numpy as np
+
+    from torch_dcp.executor import DevicePlan
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        kern = get_kernel(kernel, device=device)
+        secs, nbytes = [], []
+        for r in range(plan.world_size):
+            plan.program(r, False), plan.program(r, True)
+            best = float("inf")
+            for _ in range(repeat):
+                dp = DevicePlan(plan, r, kern)
+                best = min(best, dp.build_seconds)
+            secs.append(best)
+            nbytes.append(dp.nbytes)
+    finally:
+        torch.set_num_threads(threads)
+    return {"kernel": kern.name, "ranks": plan.world_size, "build_ms_median": round(float(np.median(secs)) * 1e3, 3),
+            "build_ms_max": round(max(secs) * 1e3, 3), "bytes_median": int(np.median(nbytes))}
+
+
 def _plan(args: argparse.Namespace) -> torch_dcp.Plan:
     from torch_dcp.data import byte_tokenize, load_documents, long_tail_lengths, pack_batches
 
@@ -185,11 +218,15 @@ def _plan(args: argparse.Namespace) -> torch_dcp.Plan:
              "shared_question": torch_dcp.SharedQuestion(0.2, 4)}
     batch = torch_dcp.BatchSpec(lens, masks[args.mask], n_heads=args.heads, n_kv_heads=args.kv_heads,
                                 head_dim=args.head_dim, dtype=args.dtype)
-    return torch_dcp.plan(batch, args.ranks, planner=args.planner, block_size=args.block_size, divisions=args.divisions)
+    topo = args.ranks
+    if args.topology:
+        nodes, per = (int(x) for x in args.topology.lower().split("x"))
+        topo = torch_dcp.Topology(n_nodes=nodes, ranks_per_node=per)
+    return torch_dcp.plan(batch, topo, planner=args.planner, block_size=args.block_size, divisions=args.divisions)
 
 
-def main(argv: list[str] | None = None, out=sys.stdout) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m torch_dcp.benchmarks ops``."""
     p.add_argument("--ranks", type=int, default=3)
     p.add_argument("--divisions", type=int, default=2)
     p.add_argument("--planner", default="dcp")
@@ -205,8 +242,17 @@ def main(argv: list[str] | None = None, out=sys.stdout) -> list[dict]:
     p.add_argument("--kernel", default=None, help="reference, sdpa, flex (default: auto for the device)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    p.add_argument("--topology", default=None, help="NODESxRANKS, e.g. 4x8 (default: one node)")
+    p.add_argument("--build-only", action="store_true", help="only time building the device plans")
+
+
+def run(args: argparse.Namespace, out=sys.stdout) -> list[dict]:
+    """Run the benchmark with parsed options; prints JSON lines and a summary, returns the rows."""
     plan = _plan(args)
+    if args.build_only:
+        row = device_plan_seconds(plan, args.kernel, args.device)
+        print(json.dumps(row), file=out)
+        return [row]
     rows = count_ops(plan, device=args.device, kernel=args.kernel, seed=args.seed)
     for row in rows:
         print(json.dumps(row), file=out)
@@ -250,5 +296,8 @@ def cuda_launches(plan: torch_dcp.Plan, kernel: str | None = None) -> dict:
             "note": "profiler kernel count of emulate(), all ranks, in-process transport copies included"}
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str] | None = None, out=sys.stdout) -> list[dict]:
+    """``run`` with its own parser (for scripts and tests)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv), out)

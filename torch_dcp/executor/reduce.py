@@ -24,7 +24,7 @@ import torch
 
 from ..plan import BlockwiseReduction, ReduceOp
 
-__all__ = ["merge_partials", "reduce_loop", "reduction_bytes"]
+__all__ = ["merge_partials", "reduce_loop"]
 
 
 def _take(t: torch.Tensor, rows: Any) -> torch.Tensor:
@@ -119,15 +119,3 @@ def reduce_loop(ins: BlockwiseReduction, block_len: np.ndarray, src: list[torch.
             lse_out[d0:d0 + n] = lse
         else:
             raise RuntimeError(f"unknown reduction {ins.op!r}")
-
-
-def reduction_bytes(ins: BlockwiseReduction, block_len: np.ndarray, src: list[torch.Tensor],
-                    dst: list[torch.Tensor]) -> int:
-    """Bytes a reduction must move at least: every source row read once, every destination
-    row written once."""
-    lens = np.asarray(block_len[ins.dst_block], np.int64)
-    nsrc = np.diff(ins.src_ptr)
-    read_rows = int((lens * nsrc).sum())
-    write_rows = int(lens.sum())
-    return sum(read_rows * _row_elems(s) * s.element_size() for s in src) + \
-        sum(write_rows * _row_elems(t) * t.element_size() for t in dst)
