@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 
 import pytest
@@ -10,10 +11,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import torch_dcp
-from torch_dcp import BatchSpec, BlockwiseCausal, Causal, Full, Lambda, Ranges, SharedQuestion
+from torch_dcp import BatchSpec, BlockwiseCausal, Causal, Full, Lambda, Ranges, SharedQuestion, Topology
+from torch_dcp.attention_op import use_executor
+from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor
 from reference import random_qkv, reference_with_grads
 
 LENS = [1, 19, 45, 6, 33]
@@ -40,6 +44,7 @@ def _spawn(fn, world, tmp_path):
 
 
 def _entry(rank, fn, world, tmp):
+    torch.set_num_threads(1)  # world processes share 2 cores: more threads each only oversubscribe them
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
@@ -50,6 +55,30 @@ def _entry(rank, fn, world, tmp):
             f.write(traceback.format_exc())
     finally:
         dist.destroy_process_group()
+
+
+TOLS = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
+def _check_attention(ctx, rank, q, k, v, go, ref, causal, gqa, label):
+    """SDPA on this rank's tokens of the global ``q, k, v, go: [T, H(_kv), D]`` inside ``ctx``,
+    forward and backward; out, dq, dk, dv compared with the float64 reference ``ref``
+    (tolerance by dtype, relative to the magnitude of the reference when that is above 1)."""
+    idx = torch.from_numpy(ctx.plan.token_indices(rank))
+    h, hkv = q.shape[1], k.shape[1]
+    ql, kl, vl = (t[idx].transpose(0, 1).unsqueeze(0).clone().requires_grad_(True) for t in (q, k, v))
+    kk, vv = (kl, vl) if gqa else (t.repeat_interleave(h // hkv, 1) for t in (kl, vl))
+    out = F.scaled_dot_product_attention(ql, kk, vv, is_causal=causal, enable_gqa=gqa)
+    assert type(out) is torch.Tensor and out.shape == ql.shape and out.dtype == q.dtype
+    out.backward(go[idx].transpose(0, 1).unsqueeze(0))
+    tol = TOLS[q.dtype]
+    for what, got, want in (("out", out, ref[0]), ("dq", ql.grad, ref[1]), ("dk", kl.grad, ref[2]),
+                            ("dv", vl.grad, ref[3])):
+        assert got.dtype == q.dtype, f"{label} {what}: dtype {got.dtype}"
+        want = want[idx]
+        err = (got.detach()[0].transpose(0, 1).double() - want).abs().max().item()
+        bound = tol * max(1.0, want.abs().max().item())
+        assert err <= bound, f"{label} {what}: error {err:.2e} > {bound:.2e}"
 
 
 def _sdpa_matches_reference(rank, world, mesh):
@@ -88,7 +117,8 @@ def _sdpa_matches_reference(rank, world, mesh):
 def _errors_and_restore(rank, world, mesh):
     sdpa, handlers = F.scaled_dot_product_attention, dict(DTensor._op_dispatcher._custom_op_handlers)
     batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=2, head_dim=16, dtype="float32")
-    q, k, v, _ = random_qkv(batch, torch.float32)
+    q, k, v, go = random_qkv(batch, torch.float32)
+    ref = reference_with_grads(batch, q, k, v, go)
     tokens = torch.arange(batch.total_tokens).unsqueeze(0)
     before = tokens.clone()
 
@@ -102,26 +132,45 @@ def _errors_and_restore(rank, world, mesh):
     assert torch.equal(tokens, before)
     assert F.scaled_dot_product_attention is sdpa and DTensor._op_dispatcher._custom_op_handlers == handlers
 
+    # every call the plan cannot honour raises on every rank before any communication, so the
+    # ranks stay in step: the same context, and the next one, still compute exactly
     with torch_dcp.context_parallel(mesh, batch=batch, block_size=8) as ctx:
         n = ctx.plan.local_tokens(rank)
         ql = q[:n].transpose(0, 1).unsqueeze(0)
         kl = k[:n].transpose(0, 1).unsqueeze(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            qa, ka = ql @ torch.eye(16), kl @ torch.eye(16)  # autocast runs matmuls in bfloat16
+        qd = DTensor.from_local(ql, mesh, [Shard(2)], run_check=False)
         cases = [
-            (dict(attn_mask=torch.ones(n, n, dtype=torch.bool), is_causal=False), "attn_mask"),
-            (dict(dropout_p=0.1, is_causal=True), "dropout"),
-            (dict(is_causal=False), "is_causal=False"),
+            ((ql, kl, kl), dict(attn_mask=torch.ones(n, n, dtype=torch.bool), is_causal=False), "attn_mask"),
+            ((ql, kl, kl), dict(dropout_p=0.1, is_causal=True), "dropout"),
+            ((ql, kl, kl), dict(is_causal=False), "is_causal=False"),
+            ((ql[:, :, :-1], kl[:, :, :-1], kl[:, :, :-1]), dict(is_causal=True), "sequence length"),
+            ((ql.double(), kl.double(), kl.double()), dict(is_causal=True), "dtype torch.float64.*float32"),
+            ((qa, ka, ka), dict(is_causal=True), "dtype torch.bfloat16.*float32.*autocast"),
+            ((ql, kl.double(), kl), dict(is_causal=True), "key has dtype torch.float64"),
+            ((ql[..., :8], kl[..., :8], kl[..., :8]), dict(is_causal=True), "head_dim 8"),
+            ((ql[:, :2], kl, kl), dict(is_causal=True), "query has 2 heads"),
+            ((ql, kl[:, :1], kl[:, :1]), dict(is_causal=True), "key/value have 1/1 heads"),
+            ((qd, kl, kl), dict(is_causal=True), "plain tensor"),
         ]
-        for kwargs, msg in cases:
+        for args, kwargs, msg in cases:
             with pytest.raises(ValueError, match=msg):
-                F.scaled_dot_product_attention(ql, kl, kl, enable_gqa=True, **kwargs)
-        with pytest.raises(ValueError, match="sequence length"):
-            F.scaled_dot_product_attention(ql[:, :, :-1], kl[:, :, :-1], kl[:, :, :-1], is_causal=True, enable_gqa=True)
+                F.scaled_dot_product_attention(*args, enable_gqa=True, **kwargs)
         with pytest.raises(ValueError, match="enable_gqa"):
             F.scaled_dot_product_attention(ql, kl, kl, is_causal=True)
         with pytest.raises(RuntimeError, match="already active"):
             with torch_dcp.context_parallel(mesh, batch=batch):
                 pass
+        _check_attention(ctx, rank, q, k, v, go, ref, True, True, "same context after errors")
     assert F.scaled_dot_product_attention is sdpa and DTensor._op_dispatcher._custom_op_handlers == handlers
+    # an error that leaves the body: restored on exit, and the next context works
+    with pytest.raises(ValueError, match="dtype"):
+        with torch_dcp.context_parallel(mesh, batch=batch, block_size=8):
+            F.scaled_dot_product_attention(ql.half(), kl.half(), kl.half(), is_causal=True, enable_gqa=True)
+    assert F.scaled_dot_product_attention is sdpa and DTensor._op_dispatcher._custom_op_handlers == handlers
+    with torch_dcp.context_parallel(mesh, batch=batch, block_size=8) as ctx:
+        _check_attention(ctx, rank, q, k, v, go, ref, True, False, "next context after errors")
 
     full = BatchSpec(LENS, Full(), n_heads=4, n_kv_heads=2, head_dim=16, dtype="float32")
     with torch_dcp.context_parallel(mesh, batch=full, block_size=8) as ctx:
@@ -160,3 +209,110 @@ def test_context_parallel_sdpa_matches_reference(world, tmp_path):
 
 def test_context_parallel_errors_and_restoration(tmp_path):
     _spawn(_errors_and_restore, 2, tmp_path)
+
+
+def _dtypes_and_backends(rank, world, mesh):
+    """Every dtype, under the MATH backend and the default choice, GQA by enable_gqa and by
+    repeated heads: the wrapper never reaches PyTorch's SDPA, so the backend does not matter."""
+    masks = _masks()
+    for dtype, mask_name in ((torch.float32, "causal"), (torch.float64, "shared_question"),
+                             (torch.bfloat16, "lambda"), (torch.float16, "full")):
+        mask, causal = masks[mask_name]
+        batch = BatchSpec(LENS, mask, n_heads=8, n_kv_heads=2, head_dim=16, dtype=dtype)
+        q, k, v, go = random_qkv(batch, dtype, seed=5)
+        ref = reference_with_grads(batch, q, k, v, go)
+        with torch_dcp.context_parallel(mesh, batch=batch, block_size=8) as ctx:
+            for backend in ("math", "default"):
+                for gqa in (True, False):
+                    with sdpa_kernel(SDPBackend.MATH) if backend == "math" else contextlib.nullcontext():
+                        _check_attention(ctx, rank, q, k, v, go, ref, causal, gqa,
+                                         f"{dtype} {mask_name} {backend} gqa={gqa}")
+
+
+def _aten_ops_reach_executor(rank, world, mesh):
+    """A direct call of the aten CPU flash op (and, through autograd, its backward op) with
+    DTensors inside the context runs the plan: exact against the document-masked reference."""
+    batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=4, head_dim=16, dtype="float32")
+    q, k, v, go = random_qkv(batch, torch.float32, seed=7)
+    ref = reference_with_grads(batch, q, k, v, go)
+    with torch_dcp.context_parallel(mesh, batch=batch, block_size=8) as ctx:
+        idx = torch.from_numpy(ctx.plan.token_indices(rank))
+        ql, kl, vl = (t[idx].transpose(0, 1).unsqueeze(0).clone().requires_grad_(True) for t in (q, k, v))
+        qd, kd, vd = (DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in (ql, kl, vl))
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qd, kd, vd, 0.0, True)
+        assert isinstance(out, DTensor) and isinstance(lse, DTensor)
+        assert lse.to_local().shape == (1, 4, len(idx)) and lse.dtype == torch.float32
+        out.to_local().backward(go[idx].transpose(0, 1).unsqueeze(0))
+        for what, got, want in (("out", out.to_local(), ref[0]), ("dq", ql.grad, ref[1]), ("dk", kl.grad, ref[2]),
+                                ("dv", vl.grad, ref[3])):
+            err = (got.detach()[0].transpose(0, 1).double() - want[idx]).abs().max().item()
+            assert err <= 1e-5, f"aten op {what}: error {err:.2e}"
+        # the torch_dcp op on DTensors sharded otherwise is refused
+        from torch.distributed.tensor import Replicate
+
+        rep = DTensor.from_local(ql.detach(), mesh, [Replicate()], run_check=False)
+        with pytest.raises(ValueError, match="Shard"):
+            torch.ops.torch_dcp.attention(rep, kd, vd, None)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_every_dtype_and_sdpa_backend(world, tmp_path):
+    _spawn(_dtypes_and_backends, world, tmp_path)
+
+
+def test_context_parallel_direct_aten_sdpa_op_calls(tmp_path):
+    _spawn(_aten_ops_reach_executor, 2, tmp_path)
+
+
+def _single_rank_executor(batch):
+    plan = torch_dcp.plan(batch, Topology.single_node(1), planner="greedy", block_size=4)
+    return plan, RankExecutor(plan, 0, InProcessTransport(Mailbox(), 0))
+
+
+def test_attention_op_fake_impl_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for dtype, lse_dtype in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                             (torch.float32, torch.float32), (torch.float64, torch.float64)):
+        for hkv in (2, 8):
+            with FakeTensorMode():  # no executor is bound: the fake impl needs none
+                q = torch.empty(1, 8, 37, 16, dtype=dtype)
+                k, v = torch.empty(1, hkv, 37, 16, dtype=dtype), torch.empty(1, hkv, 37, 16, dtype=dtype)
+                out, lse = torch.ops.torch_dcp.attention(q, k, v, None)
+                assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((1, 8, 37, 16), dtype, (1, 8, 37), lse_dtype)
+                dq, dk, dv = torch.ops.torch_dcp.attention_backward(out, q, k, v, out, lse, 0.25)
+                assert [tuple(t.shape) for t in (dq, dk, dv)] == [(1, 8, 37, 16), (1, hkv, 37, 16), (1, hkv, 37, 16)]
+                assert {t.dtype for t in (dq, dk, dv)} == {dtype}
+                with pytest.raises(ValueError, match=r"\[1, heads, S_local, head_dim\]"):
+                    torch.ops.torch_dcp.attention(q[0], k[0], v[0], None)
+
+
+def test_attention_op_opcheck_and_plain_tensors():
+    """On plain tensors the op runs the bound executor (this rank's shard); opcheck compares the
+    real impl with the fake one and checks schema and autograd registration."""
+    with pytest.raises(RuntimeError, match="context_parallel"):
+        torch.ops.torch_dcp.attention(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4))
+    for dtype in (torch.float32, torch.bfloat16):
+        batch = BatchSpec([5, 11], Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype=dtype)
+        plan, ex = _single_rank_executor(batch)
+        q, k, v, go = random_qkv(batch, dtype)
+        ref = reference_with_grads(batch, q, k, v, go)
+        idx = torch.from_numpy(plan.token_indices(0))
+        sdpa = lambda t: t[idx].transpose(0, 1).unsqueeze(0).contiguous()  # noqa: E731
+        args = [sdpa(q).requires_grad_(True), sdpa(k).requires_grad_(True), sdpa(v).requires_grad_(True), None]
+        with use_executor(ex):
+            if dtype == torch.bfloat16:  # (opcheck compiles: once is enough)
+                torch.library.opcheck(torch.ops.torch_dcp.attention.default, args)
+            out, lse = torch.ops.torch_dcp.attention(*args)
+            assert not lse.requires_grad
+            out.backward(sdpa(go))
+            if dtype == torch.bfloat16:
+                torch.library.opcheck(torch.ops.torch_dcp.attention_backward.default,
+                                      [sdpa(go), *(a.detach() for a in args[:3]), out.detach(), lse, 0.3])
+            with pytest.raises(RuntimeError, match="already bound"):
+                with use_executor(ex):
+                    pass
+        for what, got, want in (("out", out, ref[0]), ("dq", args[0].grad, ref[1]), ("dk", args[1].grad, ref[2]),
+                                ("dv", args[2].grad, ref[3])):
+            err = (got.detach()[0].transpose(0, 1).double() - want[idx]).abs().max().item()
+            assert err <= TOLS[dtype] * max(1.0, want.abs().max().item()), f"{dtype} {what}: error {err:.2e}"

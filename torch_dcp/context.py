@@ -5,11 +5,15 @@ buffers with a sequence dimension are resharded in place to this rank's planned 
 attention is intercepted in two levels:
 
 1. ``F.scaled_dot_product_attention`` is wrapped: the wrapper checks the call against the
-   plan (mask, shapes, no ``attn_mask``, no dropout), turns the tensors into DTensors on the
-   mesh, calls the original function and hands plain tensors back to the model;
-2. DTensor custom op handlers for the aten SDPA ops (flash, efficient, cuDNN, the CPU flash
-   op, and their backward ops) run the plan's executor on the local tensors and return
-   DTensors, so autograd reaches the backward handlers.
+   plan (mask, shapes, dtype, no ``attn_mask``, no dropout) before any communication, turns
+   the tensors into DTensors sharded on the sequence dimension and calls the custom op
+   ``torch_dcp::attention`` (:mod:`torch_dcp.attention_op`), never PyTorch's SDPA, so the
+   SDPA backend PyTorch would have picked (flash, efficient, cuDNN, CPU flash, MATH) does
+   not matter; it hands plain tensors back to the model;
+2. DTensor custom op handlers run the plan's executor on the local shards and return
+   DTensors, so autograd reaches the backward: for ``torch_dcp::attention`` and its backward
+   op, and for the aten SDPA ops (flash, efficient, cuDNN, the CPU flash op, and their
+   backward ops) for callers that reach those ops with DTensors directly.
 
 Everything is restored on exit, also when the body raises.
 """
@@ -22,7 +26,9 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import attention_op
 from .api import plan as make_plan
+from .attention_op import as_dtensor, bind_args, like, local
 from .batch import BatchSpec
 from .executor import RankExecutor, TorchDistributedTransport
 from .executor.kernels import DivisionKernel
@@ -120,8 +126,10 @@ def context_parallel(
 
     Inside, the model calls ``F.scaled_dot_product_attention(q, k, v, is_causal=...)`` with
     ``q: [1, H, S_local, D]`` and ``k, v: [1, H_kv, S_local, D]`` (``enable_gqa=True``) or
-    ``[1, H, S_local, D]`` (repeated heads). The mask applied is the batch's mask spec inside
-    every document.
+    ``[1, H, S_local, D]`` (repeated heads), in the BatchSpec's dtype (any of float32,
+    bfloat16, float16, float64). The mask applied is the batch's mask spec inside every
+    document. Whatever SDPA backend PyTorch would pick does not matter: the call goes to the
+    ``torch_dcp::attention`` op.
 
     Yields:
         A :class:`DCPContext` (plan, executor, ``unshard``).
@@ -131,7 +139,10 @@ def context_parallel(
             of different lengths, a buffer whose sequence length is not the batch's, a
             ``no_restore_buffers`` entry that is not a buffer, a plan for another world size,
             a mesh that is not one-dimensional); inside the body, an SDPA call that
-            contradicts the plan (see :func:`_check_call`).
+            contradicts the plan (an ``attn_mask``, dropout, ``is_causal`` against the mask,
+            a sequence length that is not this rank's, another dtype, head count or head_dim
+            than the BatchSpec's, DTensor inputs; see :func:`_check_call`), raised on every
+            rank before any communication, so the process group stays usable.
         RuntimeError: another torch_dcp or PyTorch context-parallel context is active, or the
             ranks hold different plans.
     """
@@ -193,10 +204,12 @@ def context_parallel(
         for name in (*_FWD_OPS, *_BWD_OPS):
             if hasattr(aten, name):
                 handlers[getattr(aten, name).default] = _handler
-        DTensor._op_dispatcher._custom_op_handlers = handlers
-        F.scaled_dot_product_attention = _make_wrapper(saved_sdpa, ctx)
-        _active = ctx
-        yield ctx
+        handlers.update(attention_op.dtensor_handlers())
+        with attention_op.use_executor(executor):
+            DTensor._op_dispatcher._custom_op_handlers = handlers
+            F.scaled_dot_product_attention = _make_wrapper(saved_sdpa, ctx)
+            _active = ctx
+            yield ctx
     finally:
         _active = None
         F.scaled_dot_product_attention = saved_sdpa
@@ -208,7 +221,9 @@ def context_parallel(
 
 
 def _check_call(ctx: DCPContext, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> None:
-    """Raise when an SDPA call contradicts the plan (never compute a silently wrong answer)."""
+    """Raise ``ValueError`` when an SDPA call contradicts the plan (never compute a silently
+    wrong answer). Only local metadata and the plan are read, so every rank raises the same
+    error before any communication."""
     b = ctx.plan.batch
     s_local = ctx.plan.local_tokens(ctx.rank)
     if attn_mask is not None:
@@ -222,10 +237,17 @@ def _check_call(ctx: DCPContext, query, key, value, attn_mask, dropout_p, is_cau
                              "key (Full or a forward-looking Ranges mask)")
         raise ValueError("torch_dcp: SDPA called with is_causal=False, but the batch's mask is causal; pass "
                          "is_causal=True (the BatchSpec's masks decide the exact pattern)")
+    from torch.distributed.tensor import DTensor
+
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != 1:
-            raise ValueError(f"torch_dcp: SDPA {name} must be [1, heads, S_local, head_dim] (one packed sequence), "
-                             f"got {list(getattr(t, 'shape', []))}")
+        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.dim() != 4 or t.shape[0] != 1:
+            raise ValueError(f"torch_dcp: SDPA {name} must be a plain tensor [1, heads, S_local, head_dim] (one packed "
+                             f"sequence of this rank's tokens), got {type(t).__name__} {list(getattr(t, 'shape', []))}")
+        if t.dtype != getattr(torch, b.dtype):
+            raise ValueError(f"torch_dcp: SDPA {name} has dtype {t.dtype}, but the plan's BatchSpec dtype is {b.dtype} "
+                             "(autocast or a cast changed it? build the BatchSpec with the dtype attention runs in)")
+        if t.device != query.device:
+            raise ValueError(f"torch_dcp: SDPA {name} is on {t.device}, query on {query.device}")
         if t.shape[2] != s_local:
             raise ValueError(f"torch_dcp: SDPA {name} has sequence length {t.shape[2]}, but rank {ctx.rank} holds "
                              f"{s_local} tokens of the plan (shard the inputs with buffers=...)")
@@ -242,72 +264,59 @@ def _check_call(ctx: DCPContext, query, key, value, attn_mask, dropout_p, is_cau
 
 
 def _make_wrapper(original: Any, ctx: DCPContext) -> Any:
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
+
+    total = ctx.plan.batch.total_tokens
 
     def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                       enable_gqa=False):
         _check_call(ctx, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
-        args = [DTensor.from_local(t, ctx.mesh, [Shard(2)], run_check=False) if not isinstance(t, DTensor) else t
-                for t in (query, key, value)]
-        out = original(*args, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        return out.to_local() if isinstance(out, DTensor) else out
+        q, k, v = (as_dtensor(t, ctx.mesh, [Shard(2)], (1, t.shape[1], total, t.shape[3])) for t in (query, key, value))
+        out, _ = torch.ops.torch_dcp.attention(q, k, v, scale)
+        return out.to_local()
 
     scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]
     scaled_dot_product_attention.__doc__ = original.__doc__
     return scaled_dot_product_attention
 
 
-def _bind(op_call: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    names = [a.name for a in op_call._schema.arguments]
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    return bound
-
-
-def _local(t: Any) -> Any:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
-    """DTensor custom op handler of the aten SDPA ops: run the active plan's executor."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    """DTensor custom op handler of the aten SDPA ops: the same executor path as
+    ``torch_dcp::attention`` (:func:`torch_dcp.attention_op.attention_forward`/``_backward``)."""
+    from torch.distributed.tensor import Replicate
 
     ctx = _active
     if ctx is None:  # pragma: no cover - handlers are installed only inside the context
         raise RuntimeError("torch_dcp: SDPA handler called outside torch_dcp.context_parallel")
     name = op_call._schema.name.split("::")[-1]
-    a = _bind(op_call, args, kwargs)
-    mesh = ctx.mesh
-
-    def wrap(t: torch.Tensor) -> Any:
-        return DTensor.from_local(t, mesh, [Shard(2)], run_check=False)
+    a = bind_args(op_call, args, kwargs)
+    qd = a["query"]
+    attention_op.check_placements(name, {n: a[n] for n in ("query", "key", "value")})
+    q, k, v = (local(a[n]) for n in ("query", "key", "value"))
+    scale = a.get("scale")
 
     def placeholder() -> Any:
-        return DTensor.from_local(torch.empty(0, device=_local(a["query"]).device), mesh, [Replicate()], run_check=False)
+        return as_dtensor(torch.empty(0, device=q.device), qd.device_mesh, [Replicate()], (0,))
 
-    scale = a.get("scale")
-    q, k, v = (_local(a[n])[0].transpose(0, 1) for n in ("query", "key", "value"))
     if name in _FWD_OPS:
-        if a.get("attn_mask") is not None or a.get("attn_bias") is not None or a.get("dropout_p", 0.0):
-            raise ValueError(f"torch_dcp: {name} called with a mask or dropout, which the plan does not support")
-        out, lse = ctx.executor.forward(q, k, v, scale)
-        results = [wrap(out.transpose(0, 1).unsqueeze(0)), wrap(lse.transpose(0, 1).unsqueeze(0))]
+        mask = a.get("attn_mask", a.get("attn_bias"))
+        _check_call(ctx, q, k, v, mask, a.get("dropout_p", 0.0), a.get("is_causal", False), True)
+        out, lse = attention_op.attention_forward(ctx.executor, q, k, v, scale)
+        results = [like(out, qd), like(lse, qd, tuple(qd.shape[:3]))]
         n_out = _FWD_OPS[name]
         if n_out == 4:  # efficient: philox seed, offset
             results += [placeholder(), placeholder()]
         elif n_out == 9:  # flash/cudnn: cum_seq_q, cum_seq_k, max_q, max_k, philox seed, offset, debug mask
-            s = q.shape[0]
+            s = q.shape[2]
             results += [placeholder(), placeholder(), s, s, placeholder(), placeholder(), placeholder()]
         return tuple(results)
     if name in _BWD_OPS:
-        out = _local(a["out"])[0].transpose(0, 1)
-        lse = _local(a["logsumexp"])[0].transpose(0, 1)
-        dout = _local(a["grad_out"])[0].transpose(0, 1)
-        dq, dk, dv = ctx.executor.backward(q, k, v, out, lse, dout, scale)
-        grads = [wrap(g.transpose(0, 1).unsqueeze(0)) for g in (dq, dk, dv)]
+        grads = attention_op.attention_backward(ctx.executor, local(a["grad_out"]), q, k, v, local(a["out"]),
+                                                local(a["logsumexp"]), scale)
+        results = [like(g, a[n]) for g, n in zip(grads, ("query", "key", "value"))]
         if _BWD_OPS[name] == 4:
-            grads.append(None)
-        return tuple(grads)
+            results.append(None)
+        return tuple(results)
     raise NotImplementedError(f"torch_dcp: no handler for {name}")  # pragma: no cover
 
 
