@@ -84,6 +84,14 @@ def _group(mesh: Any) -> Any:
     return mesh
 
 
+def _mesh_device(mesh: Any) -> torch.device:
+    """The device of a mesh's ranks (this process's current CUDA device for a CUDA mesh)."""
+    kind = getattr(mesh, "device_type", "cpu")
+    if kind == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
 def _pytorch_cp_active() -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -186,8 +194,9 @@ def context_parallel(
             raise ValueError(f"torch_dcp.context_parallel: buffer {i} has sequence length {b.shape[d]}, "
                              f"the batch has {total} tokens")
 
-    device = buffers[0].device if buffers else torch.device("cpu")
+    device = buffers[0].device if buffers else _mesh_device(mesh)
     executor = RankExecutor(plan, rank, TorchDistributedTransport(group, device=device), kernel=kernel)
+    executor.prepare(device)  # the device plan is built and uploaded here, not inside the first SDPA call
     ctx = DCPContext(mesh, plan, executor)
     idx = torch.from_numpy(plan.token_indices(rank)).to(device)
     originals = [None if any(b is x for x in no_restore) else b.clone() for b in buffers]

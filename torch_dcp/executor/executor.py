@@ -234,8 +234,11 @@ class RankExecutor:
         """Choose the kernel for ``device``, build the device plan if needed and upload it
         (once per device). Called by the first forward; call it ahead to keep it off the step."""
         device = torch.device(device)
-        if self._uploaded is not None and self._uploaded.device == device:
-            return self._uploaded
+        if self._uploaded is not None:
+            if self._uploaded.device == device:
+                return self._uploaded
+            if self._kernel_spec in (None, "auto") and self._uploaded.device.type != device.type:
+                self.kernel = self.device_plan = None  # the automatic kernel depends on the device type
         if self.kernel is None:
             self.kernel = get_kernel(self._kernel_spec, device=device)
         if self.device_plan is None:
@@ -343,7 +346,9 @@ class RankExecutor:
             torch.sum(dout.to(acc) * out.to(acc), -1, out=delta)
         run.local = {Buf.Q: [q, dout, lse], Buf.KV: [k, v]}
         run.out[Buf.OUT_DQ] = _Buffer(S, [("dq", acc, (h, d))], q.device)
-        run.out[Buf.OUT_DKV] = _Buffer(S, [("dk", acc, (hkv, d)), ("dv", acc, (hkv, d))], q.device)
+        # dK and dV apart: results that share memory cannot leave a custom op
+        run.out[Buf.OUT_DKV] = _Outputs(dk=torch.empty(S, hkv, d, dtype=acc, device=q.device),
+                                        dv=torch.empty(S, hkv, d, dtype=acc, device=q.device))
         yield from self._run(up, run, self.scale if scale is None else float(scale))
         dkv = run.out[Buf.OUT_DKV].fields
         return run.out[Buf.OUT_DQ].fields["dq"].to(q.dtype), dkv["dk"].to(k.dtype), dkv["dv"].to(v.dtype)
