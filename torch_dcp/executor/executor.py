@@ -29,7 +29,7 @@ from ..plan import Plan
 from ..workload import Buf
 from .device_plan import AttentionStep, CopyStep, DevicePlan, LaunchStep, ReductionStep, UploadedPlan, WaitStep
 from .kernels import DivisionKernel, get_kernel
-from .reduce import merge_partials
+from .reduce import merge_partials, take_rows
 from .transport import InProcessTransport, Mailbox, Transport
 
 __all__ = ["RankExecutor", "InstructionTime", "dcp_attention", "emulate"]
@@ -108,7 +108,7 @@ class _Buffer:
     share one dtype and fill it (else None)."""
 
     def __init__(self, rows: int, fields: list[tuple[str, torch.dtype, tuple[int, ...]]], device: torch.device,
-                 zero: bool = False):
+                 storage: torch.Tensor | None = None):
         off, self.spans = 0, []
         for name, dt, shape in fields:
             size = torch.empty((), dtype=dt).element_size()
@@ -117,11 +117,17 @@ class _Buffer:
             self.spans.append((name, dt, shape, off, n))
             off += n
         row = max(8, -(-off // 8) * 8)
-        self.words = (torch.zeros if zero else torch.empty)(rows, row // 8, dtype=torch.int64, device=device)
+        self.words = (storage[:rows * (row // 8)].view(rows, row // 8) if storage is not None else
+                      torch.empty(rows, row // 8, dtype=torch.int64, device=device))
         self.fields = self.view_rows(self.words)
         raw = self.words.view(torch.uint8)
         dts = {s[1] for s in self.spans}
         self.flat = raw[:, :off].view(dts.pop()) if len(dts) == 1 and off == row else None
+
+    @staticmethod
+    def words_per_row(fields: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
+        """int64 words of one row of this layout (fields aligned, the row padded to 8 bytes)."""
+        return _Buffer(0, fields, torch.device("meta")).words.shape[1]
 
     def view_rows(self, words: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed field views of ``words`` rows of this layout (the buffer's own, or gathered)."""
@@ -139,11 +145,6 @@ class _Outputs:
     def __init__(self, **fields: torch.Tensor):
         self.fields = fields
         self.flat = None
-
-
-def _take(t: torch.Tensor, rows: Any) -> torch.Tensor:
-    """Rows of ``t``: a view for a slice, one gather for an index."""
-    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
 
 
 def _put(t: torch.Tensor, rows: Any, value: torch.Tensor) -> None:
@@ -301,8 +302,11 @@ class RankExecutor:
         run.bufs[Buf.Q] = _Buffer(rows[Buf.Q], q_fields, dev)
         run.bufs[Buf.KV] = _Buffer(rows[Buf.KV], [("k", e, (hkv, d)), ("v", e, (hkv, d))], dev)
         if backward:  # accumulators, plus a zero row for missing partials
-            run.bufs[Buf.DQ] = _Buffer(rows[Buf.DQ] + 1, [("dq", acc, (h, d))], dev, zero=True)
-            run.bufs[Buf.DKV] = _Buffer(rows[Buf.DKV] + 1, [("dk", acc, (hkv, d)), ("dv", acc, (hkv, d))], dev, zero=True)
+            dq_f, dkv_f = [("dq", acc, (h, d))], [("dk", acc, (hkv, d)), ("dv", acc, (hkv, d))]
+            n_dq = (rows[Buf.DQ] + 1) * _Buffer.words_per_row(dq_f)
+            zeros = torch.zeros(n_dq + (rows[Buf.DKV] + 1) * _Buffer.words_per_row(dkv_f), dtype=torch.int64, device=dev)
+            run.bufs[Buf.DQ] = _Buffer(rows[Buf.DQ] + 1, dq_f, dev, storage=zeros[:n_dq])
+            run.bufs[Buf.DKV] = _Buffer(rows[Buf.DKV] + 1, dkv_f, dev, storage=zeros[n_dq:])
         else:
             run.bufs[Buf.OPART] = op = _Buffer(rows[Buf.OPART] + 1, [("o", acc, (h, d)), ("lse", acc, (h,))], dev)
             if pp.needs_null_row:  # the row missing partials point at: output 0, LSE -inf
@@ -392,8 +396,8 @@ class RankExecutor:
     def on_attention(self, step: AttentionStep, bound: dict, run: _Run, scale: float) -> None:
         run.division = step.division
         qb, kvb = run.bufs[Buf.Q], run.bufs[Buf.KV]
-        qf = qb.view_rows(_take(qb.words, bound["q"]))
-        kvf = kvb.view_rows(_take(kvb.words, bound["kv"]))
+        qf = qb.view_rows(take_rows(qb.words, bound["q"]))
+        kvf = kvb.view_rows(take_rows(kvb.words, bound["kv"]))
         if not run.backward:
             out, lse = self.kernel.forward(qf["q"], kvf["k"], kvf["v"], bound["meta"], scale, self.acc)
             op = run.bufs[Buf.OPART].fields
@@ -409,6 +413,12 @@ class RankExecutor:
 
     def on_reduction(self, step: ReductionStep, bound: dict, run: _Run, scale: float) -> None:
         src = run.bufs[step.src_buf]
+        if (step.dst_buf in run.out and step.p == 1 and len(src.fields) == 1 and bound["src"] == slice(0, step.n)
+                and bound["dst"] == slice(0, step.n)):
+            # every row has one partial, already in place: the result is the accumulator itself
+            # (one field only, so results never share memory)
+            run.out[step.dst_buf] = _Outputs(**{k: f[:step.n] for k, f in src.fields.items()})
+            return
         dst = run.out[step.dst_buf] if step.dst_buf in run.out else run.bufs[step.dst_buf]
         merge_partials(step.op, src, dst, bound["src"], bound["dst"], step.n, step.p)
 

@@ -27,7 +27,8 @@ from ..plan import BlockwiseReduction, ReduceOp
 __all__ = ["merge_partials", "reduce_loop"]
 
 
-def _take(t: torch.Tensor, rows: Any) -> torch.Tensor:
+def take_rows(t: torch.Tensor, rows: Any) -> torch.Tensor:
+    """Rows of ``t``: a view for a slice, one gather for an index tensor."""
     return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
 
 
@@ -61,7 +62,7 @@ def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: An
             if p == 0:
                 _write(d, dst_rows, lambda out: out.zero_() if out is not None else d.new_zeros(n, *d.shape[1:]))
                 continue
-            g = _take(s, src_rows)
+            g = take_rows(s, src_rows)
             if p == 1:
                 _write(d, dst_rows, lambda out: out.copy_(g) if out is not None else g)
                 continue
@@ -74,8 +75,8 @@ def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: An
         _write(do, dst_rows, lambda out: out.zero_() if out is not None else do.new_zeros(n, *do.shape[1:]))
         _write(dl, dst_rows, lambda out: out.fill_(-math.inf) if out is not None else dl.new_full((n, dl.shape[1]), -math.inf))
         return
-    lg = _take(lse, src_rows)
-    og = _take(o, src_rows)
+    lg = take_rows(lse, src_rows)
+    og = take_rows(o, src_rows)
     if p == 1:
         _write(do, dst_rows, lambda out: out.copy_(og) if out is not None else og)
         _write(dl, dst_rows, lambda out: out.copy_(lg) if out is not None else lg)
