@@ -9,7 +9,6 @@ marked ``cuda`` run the compiled kernel, forward and backward, and skip without 
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -22,7 +21,7 @@ from torch_dcp.benchmarks.kernels import bench_reduce
 from torch_dcp.executor import get_kernel
 from torch_dcp.executor.division import build_division
 from torch_dcp.executor.flex import FlexKernel, division_tiles
-from torch_dcp.executor.kernels import ReferenceKernel, SDPAKernel
+from torch_dcp.executor.kernels import SDPAKernel
 from torch_dcp.plan import BlockwiseAttention
 from reference import random_qkv, reference_with_grads
 from test_exact import BLOCK, MASKS, _batch

@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import heapq
-from typing import Any
 
 import numpy as np
 

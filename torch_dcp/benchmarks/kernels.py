@@ -37,10 +37,13 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..plan import BlockwiseReduction
 
 __all__ = ["bench_reduce", "measure_table", "bench_division", "bench_plan", "copy_bandwidth", "launch_overhead"]
 
@@ -104,7 +107,7 @@ def _reduction_case(tokens: int, heads: int, head_dim: int, partials: int, block
     import types
 
     from ..plan import BlockwiseReduction, ReduceOp
-    from ..workload import Buf, spans_to_indices
+    from ..workload import Buf
 
     rop = ReduceOp(op)
     nb = -(-tokens // block)
@@ -131,7 +134,7 @@ def _reduction_case(tokens: int, heads: int, head_dim: int, partials: int, block
     return ins, block_len, src, dst, merge
 
 
-def reduction_bytes(ins: BlockwiseReduction, block_len: np.ndarray, src: list[torch.Tensor],
+def reduction_bytes(ins: "BlockwiseReduction", block_len: np.ndarray, src: list[torch.Tensor],
                     dst: list[torch.Tensor]) -> int:
     """Bytes a reduction must move at least: every source row read once, every destination
     row written once."""

@@ -16,8 +16,6 @@ that the plan runs elsewhere are not visible here, so no pair is counted twice.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
 import numpy as np
 
 from ..plan import BlockwiseAttention
@@ -46,7 +44,6 @@ class Division:
             same for the keys (a tile pairs blocks of one document).
         key_starts, key_ends: ``[n_q, R]`` document-local key ranges ``[start, end)`` of each
             packed query (``R`` = the batch's widest mask; unused ranges are empty).
-        cache: scratch space for kernels (device tensors, block masks) keyed as they like.
     """
 
     division: int
@@ -64,7 +61,6 @@ class Division:
     k_pos: np.ndarray
     key_starts: np.ndarray
     key_ends: np.ndarray
-    cache: dict[Any, Any] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def n_q(self) -> int:

@@ -52,7 +52,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
