@@ -48,6 +48,8 @@ def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: An
         src, dst: buffers with typed ``fields`` (``o [rows, H, D]`` and ``lse [rows, H]`` for
             the LSE merge; any fields, paired in order, for sums) and ``flat``: a typed
             ``[rows, F]`` view of whole rows, or None (sums use it to reduce all fields at once).
+            A source with ``words`` (``[rows, W]``, its rows as raw words) and ``view_rows``
+            (typed fields of gathered words) is gathered whole rows at a time.
         src_rows: the ``n * p`` source rows, row-major (a slice or an int64 index tensor).
         dst_rows: the ``n`` destination rows (a slice or an index tensor).
         n, p: destination rows and partials per row.
@@ -75,16 +77,20 @@ def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: An
         _write(do, dst_rows, lambda out: out.zero_() if out is not None else do.new_zeros(n, *do.shape[1:]))
         _write(dl, dst_rows, lambda out: out.fill_(-math.inf) if out is not None else dl.new_full((n, dl.shape[1]), -math.inf))
         return
-    lg = take_rows(lse, src_rows)
-    og = take_rows(o, src_rows)
+    if hasattr(src, "words"):  # whole rows (O and LSE side by side) in one 2-D gather
+        f = src.view_rows(take_rows(src.words, src_rows))
+        og, lg = f["o"], f["lse"]
+    else:  # 2-D gathers take the fast row-copy path
+        og = take_rows(o.reshape(o.shape[0], -1), src_rows).view(-1, *o.shape[1:])
+        lg = take_rows(lse, src_rows)
     if p == 1:
-        _write(do, dst_rows, lambda out: out.copy_(og) if out is not None else og)
-        _write(dl, dst_rows, lambda out: out.copy_(lg) if out is not None else lg)
+        _write(do, dst_rows, lambda out: out.copy_(og) if out is not None else og.contiguous())
+        _write(dl, dst_rows, lambda out: out.copy_(lg) if out is not None else lg.contiguous())
         return
-    lg = lg.reshape(n, p, -1)
+    lg = lg.unflatten(0, (n, p))
     w = torch.softmax(lg, 1).nan_to_num_(0.0)  # rows whose partials all have LSE -inf: weights 0
-    prod = og.reshape(n, p, *o.shape[1:]).mul_(w.unsqueeze(-1)) if not isinstance(src_rows, slice) else \
-        og.reshape(n, p, *o.shape[1:]) * w.unsqueeze(-1)
+    og = og.unflatten(0, (n, p))
+    prod = og * w.unsqueeze(-1) if isinstance(src_rows, slice) else og.mul_(w.unsqueeze(-1))  # gathered: a copy
     _write(do, dst_rows, lambda out: torch.sum(prod, 1, out=out) if out is not None else prod.sum(1))
     _write(dl, dst_rows, lambda out: torch.logsumexp(lg, 1, out=out) if out is not None else torch.logsumexp(lg, 1))
 
