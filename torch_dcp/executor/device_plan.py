@@ -134,13 +134,12 @@ class ReductionStep:
 
 @dataclasses.dataclass(frozen=True)
 class PassPlan:
-    """One pass of a rank: its steps, buffer sizes (rows, without the null row) and divisions."""
+    """One pass of a rank: its steps, buffer sizes (rows, without the null row), and whether a
+    reduction reads the null row."""
 
     backward: bool
     steps: tuple[Any, ...]
-    local_rows: int
     buffer_rows: dict[Buf, int]
-    divisions: int
     needs_null_row: bool
 
 
@@ -247,8 +246,7 @@ class _Builder:
 
     def build(self) -> PassPlan:
         steps = tuple(dispatch(self, ins) for ins in self.prog.instructions)
-        return PassPlan(self.backward, steps, self.prog.local_rows, dict(self.prog.buffer_rows),
-                        len(self.prog.divisions), self.needs_null)
+        return PassPlan(self.backward, steps, dict(self.prog.buffer_rows), self.needs_null)
 
 
 class DevicePlan:

@@ -102,6 +102,19 @@ class _Clock:
         self._items.clear()
 
 
+def _row_layout(fields: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[list, int, int]:
+    """``(spans, used bytes, int64 words per row)``: each field aligned to its element size, the
+    row padded to 8 bytes; a span is ``(name, dtype, shape, byte offset, bytes)``."""
+    off, spans = 0, []
+    for name, dt, shape in fields:
+        size = dt.itemsize
+        off = -(-off // size) * size
+        n = math.prod(shape) * size
+        spans.append((name, dt, shape, off, n))
+        off += n
+    return spans, off, max(1, -(-off // 8))
+
+
 class _Buffer:
     """Rows of typed fields side by side: ``words`` ``[rows, W]`` int64 (gathers, messages) and a
     typed view per field. ``flat`` is a typed ``[rows, F]`` view of the whole row when all fields
@@ -109,25 +122,17 @@ class _Buffer:
 
     def __init__(self, rows: int, fields: list[tuple[str, torch.dtype, tuple[int, ...]]], device: torch.device,
                  storage: torch.Tensor | None = None):
-        off, self.spans = 0, []
-        for name, dt, shape in fields:
-            size = torch.empty((), dtype=dt).element_size()
-            off = -(-off // size) * size
-            n = math.prod(shape) * size
-            self.spans.append((name, dt, shape, off, n))
-            off += n
-        row = max(8, -(-off // 8) * 8)
-        self.words = (storage[:rows * (row // 8)].view(rows, row // 8) if storage is not None else
-                      torch.empty(rows, row // 8, dtype=torch.int64, device=device))
+        self.spans, off, words = _row_layout(fields)
+        self.words = (storage[:rows * words].view(rows, words) if storage is not None else
+                      torch.empty(rows, words, dtype=torch.int64, device=device))
         self.fields = self.view_rows(self.words)
-        raw = self.words.view(torch.uint8)
-        dts = {s[1] for s in self.spans}
-        self.flat = raw[:, :off].view(dts.pop()) if len(dts) == 1 and off == row else None
+        dts = {sp[1] for sp in self.spans}
+        self.flat = self.words.view(torch.uint8)[:, :off].view(dts.pop()) if len(dts) == 1 and off == 8 * words else None
 
     @staticmethod
     def words_per_row(fields: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
-        """int64 words of one row of this layout (fields aligned, the row padded to 8 bytes)."""
-        return _Buffer(0, fields, torch.device("meta")).words.shape[1]
+        """int64 words of one row of this layout."""
+        return _row_layout(fields)[2]
 
     def view_rows(self, words: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed field views of ``words`` rows of this layout (the buffer's own, or gathered)."""
