@@ -4,8 +4,9 @@ from .device_plan import DevicePlan
 from .division import Division, build_division
 from .executor import InstructionTime, RankExecutor, dcp_attention, emulate
 from .flex import FlexKernel
-from .kernels import DivisionKernel, GroupKernel, KernelLayout, ReferenceKernel, SDPAKernel, get_kernel
+from .kernels import AutoKernel, DivisionKernel, GroupKernel, KernelLayout, ReferenceKernel, SDPAKernel, get_kernel
 from .reduce import merge_partials, reduce_loop
+from .varlen import VarlenKernel
 from .transport import InProcessTransport, Mailbox, TorchDistributedTransport, Transport
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "ReferenceKernel",
     "SDPAKernel",
     "FlexKernel",
+    "VarlenKernel",
+    "AutoKernel",
     "get_kernel",
     "Division",
     "build_division",

@@ -40,8 +40,9 @@ class Division:
             index ``j`` of each packed key.
         tile_group, tile_key: ``[n_tiles]`` ``(g, j)`` of each tile; tile_full: bool
             ``[n_tiles]``, every pair of the tile visible.
+        q_doc: ``[n_q]`` document of each packed query (a tile pairs blocks of one document).
         q_pos: ``[n_q]`` document-local position of each packed query; k_pos: ``[n_k]`` the
-            same for the keys (a tile pairs blocks of one document).
+            same for the keys.
         key_starts, key_ends: ``[n_q, R]`` document-local key ranges ``[start, end)`` of each
             packed query (``R`` = the batch's widest mask; unused ranges are empty).
     """
@@ -57,6 +58,7 @@ class Division:
     tile_group: np.ndarray
     tile_key: np.ndarray
     tile_full: np.ndarray
+    q_doc: np.ndarray
     q_pos: np.ndarray
     k_pos: np.ndarray
     key_starts: np.ndarray
@@ -117,6 +119,6 @@ def build_division(ins: BlockwiseAttention, workload: Workload) -> Division:
     return Division(
         division=int(ins.division), q_rows=q_rows, out_rows=out_rows, kv_rows=kv_rows, q_ptr=q_ptr, k_ptr=k_ptr,
         q_group=q_group, k_block=k_block, tile_group=tile_group, tile_key=tile_key,
-        tile_full=np.asarray(workload.tile_full[ins.tile], bool), q_pos=q_pos, k_pos=k_pos,
+        tile_full=np.asarray(workload.tile_full[ins.tile], bool), q_doc=q_doc, q_pos=q_pos, k_pos=k_pos,
         key_starts=starts, key_ends=ends,
     )

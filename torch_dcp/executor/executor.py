@@ -29,7 +29,7 @@ from ..plan import Plan
 from ..workload import Buf
 from .device_plan import AttentionStep, CopyStep, DevicePlan, LaunchStep, ReductionStep, UploadedPlan, WaitStep
 from .kernels import DivisionKernel, get_kernel
-from .reduce import merge_partials, take_rows
+from .reduce import add_rows, merge_partials, put_rows, take_rows
 from .transport import InProcessTransport, Mailbox, Transport
 
 __all__ = ["RankExecutor", "InstructionTime", "dcp_attention", "emulate"]
@@ -152,20 +152,6 @@ class _Outputs:
         self.flat = None
 
 
-def _put(t: torch.Tensor, rows: Any, value: torch.Tensor) -> None:
-    if isinstance(rows, slice):
-        t[rows].copy_(value)
-    else:
-        t.index_copy_(0, rows, value)
-
-
-def _add(t: torch.Tensor, rows: Any, value: torch.Tensor) -> None:
-    if isinstance(rows, slice):
-        t[rows].add_(value)
-    else:
-        t.index_add_(0, rows, value)
-
-
 class _Run:
     """The buffers of one pass of one call."""
 
@@ -246,7 +232,7 @@ class RankExecutor:
             if self._kernel_spec in (None, "auto") and self._uploaded.device.type != device.type:
                 self.kernel = self.device_plan = None  # the automatic kernel depends on the device type
         if self.kernel is None:
-            self.kernel = get_kernel(self._kernel_spec, device=device)
+            self.kernel = get_kernel(self._kernel_spec, device=device, dtype=self.dtype, head_dim=self.plan.batch.head_dim)
         if self.device_plan is None:
             self.device_plan = DevicePlan(self.plan, self.rank, self.kernel)
         self._uploaded = self.device_plan.upload(device)
@@ -406,15 +392,15 @@ class RankExecutor:
         if not run.backward:
             out, lse = self.kernel.forward(qf["q"], kvf["k"], kvf["v"], bound["meta"], scale, self.acc)
             op = run.bufs[Buf.OPART].fields
-            _put(op["o"], bound["out"], out)
-            _put(op["lse"], bound["out"], lse)
+            put_rows(op["o"], bound["out"], out)
+            put_rows(op["lse"], bound["out"], lse)
             return
         dq, dk, dv = self.kernel.backward(qf["q"], kvf["k"], kvf["v"], qf["do"], qf["lse"], qf["delta"], bound["meta"],
                                           scale, self.acc)
-        _add(run.bufs[Buf.DQ].fields["dq"], bound["out"], dq)
+        add_rows(run.bufs[Buf.DQ].fields["dq"], bound["out"], dq)
         dkv = run.bufs[Buf.DKV].fields
-        _add(dkv["dk"], bound["kv_out"], dk)
-        _add(dkv["dv"], bound["kv_out"], dv)
+        add_rows(dkv["dk"], bound["kv_out"], dk)
+        add_rows(dkv["dv"], bound["kv_out"], dv)
 
     def on_reduction(self, step: ReductionStep, bound: dict, run: _Run, scale: float) -> None:
         src = run.bufs[step.src_buf]
@@ -500,7 +486,7 @@ def emulate(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_
     mailbox = Mailbox()
     ranks = range(plan.world_size)
     idx = [torch.from_numpy(plan.token_indices(r)).to(q.device) for r in ranks]
-    kern = get_kernel(kernel, device=q.device)  # one kernel instance (and its caches) for all ranks
+    kern = get_kernel(kernel, device=q.device, dtype=q.dtype, head_dim=q.shape[-1])  # one kernel instance (and its caches) for all ranks
     execs = [RankExecutor(plan, r, InProcessTransport(mailbox, r), kernel=kern, scale=scale, timings=timings)
              for r in ranks]
     local = [(q[i], k[i], v[i]) for i in idx]

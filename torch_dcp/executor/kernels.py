@@ -30,7 +30,7 @@ import torch
 
 from .division import Division
 
-__all__ = ["KernelLayout", "DivisionKernel", "GroupKernel", "ReferenceKernel", "SDPAKernel", "get_kernel"]
+__all__ = ["KernelLayout", "DivisionKernel", "GroupKernel", "ReferenceKernel", "SDPAKernel", "AutoKernel", "get_kernel", "out_with_delta"]
 
 
 class KernelLayout(NamedTuple):
@@ -76,6 +76,21 @@ class DivisionKernel(Protocol):
         attention restricted to the division's pairs, given the final LSE and delta (packed like
         ``q``)."""
         ...
+
+
+def out_with_delta(do: torch.Tensor, delta: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+    """``O' = dO * delta / |dO|^2`` per row and head (0 where ``dO = 0``), in ``acc_dtype``.
+
+    Fused attention backwards take the forward output ``O`` only to form
+    ``delta = rowsum(dO * O)`` (FlashAttention-2, Algorithm 2, line 4); the executor has
+    ``delta`` (the final output never travels), and ``rowsum(dO * O') = delta``. Shapes:
+    ``do [N, H, D]``, ``delta [N, H]``.
+    """
+    do = do.to(acc_dtype)
+    norm = (do * do).sum(-1)
+    ok = norm > 0
+    coef = torch.where(ok, delta.to(acc_dtype) / torch.where(ok, norm, torch.ones_like(norm)), torch.zeros_like(norm))
+    return do * coef.unsqueeze(-1)
 
 
 class _Group(NamedTuple):
@@ -283,10 +298,7 @@ class SDPAKernel(GroupKernel):
         nk, hkv, d = k.shape
         g = q.shape[1] // hkv
         do_acc = do.to(acc_dtype)
-        norm = (do_acc * do_acc).sum(-1)
-        coef = torch.where(norm > 0, delta.to(acc_dtype) / torch.where(norm > 0, norm, torch.ones_like(norm)),
-                           torch.zeros_like(norm))
-        out_like = do_acc * coef.unsqueeze(-1)
+        out_like = out_with_delta(do_acc, delta, acc_dtype)
         lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(acc_dtype)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             self._heads_first(do_acc, acc_dtype), self._heads_first(q, acc_dtype), self._heads_first(k, acc_dtype, g),
@@ -299,34 +311,87 @@ class SDPAKernel(GroupKernel):
         return dq, dk, dv
 
 
+class AutoKernel:
+    """The kernel chosen per division: ``fast`` (the varlen fast path,
+    :class:`~torch_dcp.executor.varlen.VarlenKernel`) where the division's mask is a few flash
+    windows, ``general`` elsewhere. Each division's choice is made once, when the device plan
+    is built.
+
+    Args:
+        general: the kernel for divisions the fast path cannot express (any mask).
+        fast: a kernel with ``try_prepare(div, min_rows) -> KernelLayout | None``, or None
+            (always ``general``).
+        min_rows: the fast path only where its segments average at least this many query rows.
+    """
+
+    name = "auto"
+
+    def __init__(self, general: DivisionKernel, fast: Any = None, min_rows: int = 32):
+        self.general, self.fast, self.min_rows = general, fast, int(min_rows)
+        self._by_name = {k.name: k for k in (general, fast) if k is not None}
+
+    def prepare(self, div: Division) -> KernelLayout:
+        layout = self.fast.try_prepare(div, self.min_rows) if self.fast is not None else None
+        kern = self.fast if layout is not None else self.general
+        if layout is None:
+            layout = self.general.prepare(div)
+        return layout._replace(static=(kern.name, layout.static))
+
+    def bind(self, arrays: dict[str, torch.Tensor], static: Any) -> tuple[DivisionKernel, Any]:
+        name, inner = static
+        kern = self._by_name[name]
+        return kern, kern.bind(arrays, inner)
+
+    def forward(self, q, k, v, meta, scale, acc_dtype):
+        kern, inner = meta
+        return kern.forward(q, k, v, inner, scale, acc_dtype)
+
+    def backward(self, q, k, v, do, lse, delta, meta, scale, acc_dtype):
+        kern, inner = meta
+        return kern.backward(q, k, v, do, lse, delta, inner, scale, acc_dtype)
+
+
 def _flex_kernel():
     from .flex import FlexKernel
 
     return FlexKernel()
 
 
-_KERNELS = {"reference": ReferenceKernel, "sdpa": SDPAKernel, "flex": _flex_kernel}
+def _varlen_kernel():
+    from .varlen import VarlenKernel
+
+    return VarlenKernel()
 
 
-def get_kernel(kernel: "str | DivisionKernel | None", device: torch.device | str | None = None) -> DivisionKernel:
+_KERNELS = {"reference": ReferenceKernel, "sdpa": SDPAKernel, "flex": _flex_kernel, "varlen": _varlen_kernel}
+
+
+def get_kernel(kernel: "str | DivisionKernel | None", device: torch.device | str | None = None,
+               dtype: torch.dtype | None = None, head_dim: int | None = None) -> DivisionKernel:
     """A kernel by name, an instance as is, or the automatic choice.
 
     Names: ``"reference"`` (:class:`ReferenceKernel`), ``"sdpa"`` (:class:`SDPAKernel`),
-    ``"flex"`` (:class:`~torch_dcp.executor.flex.FlexKernel`), ``"auto"`` (same as None):
-    on a CUDA ``device`` FlexAttention over whole divisions when this torch has it, else (CPU,
-    or no device given) the fused SDPA kernel.
+    ``"flex"`` (:class:`~torch_dcp.executor.flex.FlexKernel`), ``"varlen"``
+    (:class:`~torch_dcp.executor.varlen.VarlenKernel`; raises at plan time on masks it cannot
+    express), ``"auto"`` (same as None): on a CUDA ``device``, an :class:`AutoKernel` choosing per
+    division between varlen flash (when ``dtype``/``head_dim`` suit the flash kernel: fp16/bf16,
+    ``head_dim`` a multiple of 8 up to 256) and FlexAttention (when this torch has it; else
+    the reference kernel); on CPU, or with no device given, the fused SDPA kernel.
 
     Raises:
         ValueError: unknown kernel name.
         RuntimeError: ``"flex"`` on a torch without FlexAttention.
     """
     if kernel is None or kernel == "auto":
-        if device is not None and torch.device(device).type == "cuda":
-            from .flex import flex_available
+        if device is None or torch.device(device).type != "cuda":
+            return SDPAKernel()
+        from .flex import flex_available
+        from .varlen import flash_varlen_available
 
-            if flex_available():
-                return _flex_kernel()
-        return SDPAKernel()
+        general = _flex_kernel() if flex_available() else ReferenceKernel()
+        fast = _varlen_kernel() if dtype is not None and head_dim is not None and \
+            flash_varlen_available(device, dtype, head_dim) else None
+        return AutoKernel(general, fast)
     if isinstance(kernel, str):
         try:
             factory = _KERNELS[kernel]

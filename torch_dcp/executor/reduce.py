@@ -32,6 +32,22 @@ def take_rows(t: torch.Tensor, rows: Any) -> torch.Tensor:
     return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
 
 
+def put_rows(t: torch.Tensor, rows: Any, value: torch.Tensor) -> None:
+    """``t[rows] = value`` (``rows``: a slice or an int64 index tensor)."""
+    if isinstance(rows, slice):
+        t[rows].copy_(value)
+    else:
+        t.index_copy_(0, rows, value)
+
+
+def add_rows(t: torch.Tensor, rows: Any, value: torch.Tensor) -> None:
+    """``t[rows] += value`` (``rows``: a slice or an int64 index tensor; repeated indices add up)."""
+    if isinstance(rows, slice):
+        t[rows].add_(value)
+    else:
+        t.index_add_(0, rows, value)
+
+
 def _write(dst: torch.Tensor, rows: Any, compute) -> None:
     """``dst[rows] = compute(out)``, computing straight into ``dst`` where ``rows`` is a slice."""
     if isinstance(rows, slice):

@@ -1,0 +1,159 @@
+"""VarlenKernel (divisions as varlen flash segments) and the automatic kernel choice.
+
+On CPU the varlen calls run segment by segment with the reference kernel under flash's window
+semantics, so these tests check the segment plans (units, windows, gathers, merges) exactly in
+float64; the tests marked ``cuda`` run ``aten._flash_attention_forward/backward`` in bf16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import torch_dcp
+from torch_dcp import BatchSpec, Causal, Lambda
+from torch_dcp.executor import AutoKernel, ReferenceKernel, VarlenKernel, build_division, get_kernel
+from torch_dcp.executor.varlen import _calls, _coalesce, _fit, plan_segments
+from torch_dcp.plan import BlockwiseAttention
+from reference import random_qkv, reference_with_grads
+from test_exact import BLOCK, MASKS, _batch
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flash varlen, bf16)")
+
+
+def _check(plan, batch, kernel, tol=1e-10, seed=0, dtype=torch.float64, device="cpu"):
+    q, k, v, go = (t.to(device) for t in random_qkv(batch, dtype, seed))
+    ref = reference_with_grads(batch, *(t.double().cpu() for t in (q, k, v, go)))
+    got = torch_dcp.emulate(plan, q, k, v, go, kernel=kernel)
+    for name, g, want in zip(("out", "dq", "dk", "dv"), got, ref):
+        err = (g.double().cpu() - want).abs().max().item()
+        assert err <= tol, f"{name}: max abs error {err:.3e} > {tol}"
+
+
+def _divisions(plan):
+    for r in range(plan.world_size):
+        for ins in plan.program(r).instructions:
+            if isinstance(ins, BlockwiseAttention):
+                yield build_division(ins, plan.workload)
+
+
+def _visible(div):
+    """bool [n_q, n_k]: the division's pairs, from its tiles and key ranges (dense)."""
+    present, _ = div.tile_matrix()
+    tile = present[div.q_group[:, None], div.k_block[None, :]]
+    kp = div.k_pos[None, :, None]
+    inr = ((kp >= div.key_starts[:, None, :]) & (kp < div.key_ends[:, None, :])).any(-1)
+    return tile & inr
+
+
+def _covered(div, segs):
+    """int [n_q, n_k]: how many times each pair is covered by the segments' flash windows."""
+    cov = np.zeros((div.n_q, div.n_k), np.int64)
+    for s in segs:
+        lq, lk = s.q1 - s.q0, len(s.keys)
+        i = np.arange(lq)[:, None] + (lk - lq)
+        j = np.arange(lk)[None, :]
+        m = np.ones((lq, lk), bool)
+        if s.wr >= 0:
+            m &= j <= i + s.wr
+        if s.wl >= 0:
+            m &= j >= i - s.wl
+        qi, kj = np.nonzero(m)
+        np.add.at(cov, (s.q0 + qi, s.keys[kj]), 1)
+    return cov
+
+
+def test_fit_windows():
+    n = 6
+    i = np.arange(n)
+    assert _fit(np.zeros(n, np.int64), i + 5) == (0, 10, -1, 0)  # causal, 4 keys before the block
+    assert _fit(np.zeros(n, np.int64), np.full(n, 7)) == (0, 7, -1, -1)  # full rectangle
+    assert _fit(np.maximum(0, i - 2), i + 1) == (0, 6, 2, 0)  # sliding window of 3
+    assert _fit(np.zeros(n, np.int64), np.minimum(4, i + 1)) == (0, 4, -1, 2)  # causal, clamped at the end
+    assert _fit(np.zeros(n, np.int64), np.array([1, 2, 4, 5, 6, 7])) is None  # a jump: no window
+    lo, hi, cnt = _coalesce(np.array([[0, 3, 9], [4, 0, 0]]), np.array([[3, 5, 9], [6, 2, 0]]))
+    assert cnt.tolist() == [1, 2]
+    assert lo[0, 0] == 0 and hi[0, 0] == 5 and lo[1, :2].tolist() == [0, 4] and hi[1, :2].tolist() == [2, 6]
+
+
+@pytest.mark.parametrize("planner,world_size", [("ring", 2), ("greedy", 3), ("dcp", 4), ("fcp", 8), ("dcp", 1)])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_segments_cover_every_visible_pair_once(mask_name, planner, world_size):
+    batch = _batch(mask_name, "gqa8/2-d32")
+    plan = torch_dcp.plan(batch, world_size, planner=planner, block_size=BLOCK, divisions=1 + world_size % 3)
+    expressible = 0
+    for div in _divisions(plan):
+        segs = plan_segments(div)
+        if segs is None:
+            continue
+        expressible += 1
+        cov = _covered(div, segs)
+        assert (cov == _visible(div)).all(), f"division {div.division}: segments differ from the visible pairs"
+    if mask_name in ("causal", "full", "lambda"):
+        assert expressible == sum(1 for _ in _divisions(plan)), f"{mask_name}: every division should be varlen"
+
+
+@pytest.mark.parametrize("planner,world_size", [("ring", 2), ("greedy", 3), ("dcp", 4), ("megatron", 4), ("dcp", 1)])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_auto_varlen_exact_forward_backward(mask_name, planner, world_size):
+    heads = "gqa8/2-d32" if (world_size + len(mask_name)) % 2 else "mha4-d32"
+    batch = _batch(mask_name, heads)
+    plan = torch_dcp.plan(batch, world_size, planner=planner, block_size=BLOCK, divisions=1 + world_size % 3)
+    _check(plan, batch, AutoKernel(ReferenceKernel(), VarlenKernel(), min_rows=1))
+
+
+@pytest.mark.parametrize("mask", [Causal(), Lambda(sink=5, window=24)], ids=["causal", "lambda"])
+def test_varlen_long_documents_one_rank(mask):
+    # whole documents in one division: one segment per document (no key gathered per query block)
+    batch = BatchSpec([70, 9, 133, 1], mask, n_heads=4, n_kv_heads=2, head_dim=16, dtype="float64")
+    plan = torch_dcp.plan(batch, 1, planner="dcp", block_size=16, divisions=1)
+    div = next(_divisions(plan))
+    segs = plan_segments(div)
+    keys = sum(len(s.keys) for s in segs)
+    assert keys <= 2 * div.n_k, f"{keys} keys gathered for {div.n_k} distinct keys"
+    if isinstance(mask, Causal):
+        assert len(segs) == 4
+        calls = _calls(segs)  # the one-token document's full segment joins the causal call
+        assert [(c.wl, c.wr) for c in calls] == [(-1, 0)] and calls[0].q_rows.tolist() == list(range(div.n_q))
+    _check(plan, batch, "varlen")
+    batch32 = BatchSpec([70, 9, 133, 1], mask, n_heads=4, n_kv_heads=2, head_dim=16, dtype="float32")
+    _check(torch_dcp.plan(batch32, 1, planner="dcp", block_size=16, divisions=1), batch32, "varlen", tol=2e-5,
+           dtype=torch.float32)
+
+
+def test_varlen_rejects_masks_it_cannot_express():
+    batch = _batch("lambda", "mha4-d32")  # sink rectangles, windows and causal starts: three calls
+    plan = torch_dcp.plan(batch, 2, planner="greedy", block_size=BLOCK, divisions=1)
+    with pytest.raises(ValueError, match="not expressible"):
+        torch_dcp.emulate(plan, *random_qkv(batch, torch.float64, 0), kernel=VarlenKernel(max_calls=2))
+    auto = AutoKernel(ReferenceKernel(), VarlenKernel(max_calls=2))  # falls back to the general kernel
+    _check(plan, batch, auto)
+
+
+def test_auto_prefers_the_general_kernel_for_tiny_segments():
+    batch = _batch("causal", "mha4-d32")
+    plan = torch_dcp.plan(batch, 3, planner="greedy", block_size=BLOCK, divisions=2)
+    div = next(_divisions(plan))
+    auto = AutoKernel(ReferenceKernel(), VarlenKernel(), min_rows=10 ** 6)
+    assert auto.prepare(div).static[0] == "reference"
+    assert AutoKernel(ReferenceKernel(), VarlenKernel(), min_rows=1).prepare(div).static[0] == "varlen"
+
+
+def test_auto_kernel_choice():
+    assert get_kernel("auto", "cpu").name == "sdpa"
+    assert get_kernel(None).name == "sdpa"
+    assert get_kernel("varlen").name == "varlen"
+    with pytest.raises(ValueError, match="max_calls"):
+        VarlenKernel(max_calls=0)
+
+
+@cuda
+@pytest.mark.parametrize("mask_name", ["causal", "lambda", "full", "shared_question"])
+def test_auto_cuda_bf16(mask_name):
+    batch = _batch(mask_name, "gqa8/2-d64", dtype="bfloat16")
+    for w, planner in ((1, "dcp"), (4, "dcp"), (3, "greedy")):
+        plan = torch_dcp.plan(batch, w, planner=planner, block_size=BLOCK, divisions=2)
+        kern = get_kernel("auto", "cuda", torch.bfloat16, 64)
+        assert kern.fast is not None, "flash varlen should be available on this GPU"
+        _check(plan, batch, kern, tol=3e-2, dtype=torch.bfloat16, device="cuda")
