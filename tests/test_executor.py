@@ -207,11 +207,12 @@ def test_device_plan_built_ahead_is_used_and_checked():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kernel", ["flex", "reference"])
-def test_no_synchronisation_inside_a_cuda_step(kernel):
-    batch = _batch("causal", "gqa8/2-d32", dtype="float32")
+@pytest.mark.parametrize("kernel,dtype", [("flex", "float32"), ("reference", "float32"), ("auto", "bfloat16"),
+                                          ("varlen", "bfloat16")])
+def test_no_synchronisation_inside_a_cuda_step(kernel, dtype):
+    batch = _batch("causal", "gqa8/2-d32", dtype=dtype)
     plan = torch_dcp.plan(batch, 2, planner="dcp", block_size=BLOCK, divisions=2)
-    q, k, v, go = (t.cuda() for t in random_qkv(batch, torch.float32))
+    q, k, v, go = (t.cuda() for t in random_qkv(batch, getattr(torch, dtype)))
     mailbox = Mailbox()
     execs = [RankExecutor(plan, r, InProcessTransport(mailbox, r), kernel=kernel) for r in range(2)]
     idx = [torch.from_numpy(plan.token_indices(r)).cuda() for r in range(2)]
@@ -233,4 +234,4 @@ def test_no_synchronisation_inside_a_cuda_step(kernel):
     for (o, _), (dq, dk, dv), i in zip(fwd, bwd, idx):
         i = i.cpu()
         for got, want in ((o, ref[0]), (dq, ref[1]), (dk, ref[2]), (dv, ref[3])):
-            assert (got.cpu().double() - want[i]).abs().max().item() < 1e-3
+            assert (got.cpu().double() - want[i]).abs().max().item() < (1e-3 if dtype == "float32" else 3e-2)

@@ -23,12 +23,13 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (fla
 
 
 def _check(plan, batch, kernel, tol=1e-10, seed=0, dtype=torch.float64, device="cpu"):
+    """Max abs error over max abs value, per result, at most ``tol``."""
     q, k, v, go = (t.to(device) for t in random_qkv(batch, dtype, seed))
     ref = reference_with_grads(batch, *(t.double().cpu() for t in (q, k, v, go)))
     got = torch_dcp.emulate(plan, q, k, v, go, kernel=kernel)
     for name, g, want in zip(("out", "dq", "dk", "dv"), got, ref):
-        err = (g.double().cpu() - want).abs().max().item()
-        assert err <= tol, f"{name}: max abs error {err:.3e} > {tol}"
+        err = ((g.double().cpu() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        assert err <= tol, f"{name}: max abs error / max abs value {err:.3e} > {tol}"
 
 
 def _divisions(plan):
@@ -156,4 +157,4 @@ def test_auto_cuda_bf16(mask_name):
         plan = torch_dcp.plan(batch, w, planner=planner, block_size=BLOCK, divisions=2)
         kern = get_kernel("auto", "cuda", torch.bfloat16, 64)
         assert kern.fast is not None, "flash varlen should be available on this GPU"
-        _check(plan, batch, kern, tol=3e-2, dtype=torch.bfloat16, device="cuda")
+        _check(plan, batch, kern, tol=2e-2, dtype=torch.bfloat16, device="cuda")
