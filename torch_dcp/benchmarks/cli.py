@@ -176,8 +176,16 @@ def _reduce(a) -> int:
     print(f"  loop      {res['loop_s'] * 1e3:10.3f} ms")
     print(f"  fused     {res['fused_s'] * 1e3:10.3f} ms   speedup x{res['speedup']:.2f}   "
           f"max |fused - loop| {res['max_abs_diff']:.2e}")
+    if res["triton_s"] == res["triton_s"]:  # not NaN: the Triton merge ran
+        print(f"  triton    {res['triton_s'] * 1e3:10.3f} ms   speedup x{res['loop_s'] / res['triton_s']:.2f}   "
+              f"max |triton - loop| {res['triton_max_abs_diff']:.2e}")
+    else:
+        print("  triton           n/a   (LSE merge of >= 2 partials on CUDA with Triton only)")
     print(f"  limit     {res['limit_s'] * 1e3:10.3f} ms   ({res['bytes'] / 1e9:.3f} GB read+written once at "
           f"{res['bandwidth'] / 1e9:.1f} GB/s plain-copy bandwidth); fused reaches {100 * res['of_limit']:.0f}% of it")
+    if res["triton_s"] == res["triton_s"]:
+        print(f"            triton takes x{res['triton_s'] / res['limit_s']:.2f} the limit "
+              f"(reaches {100 * res['triton_of_limit']:.0f}% of it)")
     return 0
 
 

@@ -149,8 +149,9 @@ def reduction_bytes(ins: "BlockwiseReduction", block_len: np.ndarray, src: list[
 def bench_reduce(tokens: int = 131072, heads: int = 8, head_dim: int = 128, partials: int = 8, block: int = 512,
                  op: str = "lse_merge", dtype: str = "float32", device: str | None = None, repeat: int = 5,
                  copy_mb: int = 256, check: bool = True) -> dict[str, float]:
-    """Time the executor's merge (:func:`~torch_dcp.executor.reduce.merge_partials`) against
-    the per-block loop and the memory-bound limit.
+    """Time the executor's merge (:func:`~torch_dcp.executor.reduce.merge_partials`): its torch
+    path, and for the LSE merge on CUDA with Triton its one-pass Triton kernel, against the
+    per-block loop and the memory-bound limit.
 
     Args:
         tokens: destination rows (rounded up to whole blocks); heads, head_dim: row shape.
@@ -162,24 +163,38 @@ def bench_reduce(tokens: int = 131072, heads: int = 8, head_dim: int = 128, part
         check: compare the merge's result with the loop's.
 
     Returns:
-        seconds (``loop_s``, ``fused_s`` -- the merge --, ``limit_s``), ``speedup`` (loop /
-        merge), ``bytes`` (minimum bytes moved), ``bandwidth`` (bytes/s), ``of_limit`` (limit /
-        merge), ``max_abs_diff``.
+        seconds (``loop_s``, ``fused_s`` -- the torch merge --, ``triton_s`` -- the Triton merge,
+        NaN where it does not run (CPU, no Triton, sums) --, ``limit_s``), ``speedup`` (loop /
+        merge), ``bytes`` (minimum bytes moved), ``bandwidth`` (bytes/s), ``of_limit`` and
+        ``triton_of_limit`` (limit / merge), ``max_abs_diff`` and ``triton_max_abs_diff``
+        (against the loop).
     """
     from ..executor.reduce import merge_partials, reduce_loop
+    from ..executor.triton_merge import triton_available
 
     dev = _device(device)
     tdt = _DTYPES[dtype]
     ins, blen, src, dst, merge = _reduction_case(tokens, heads, head_dim, partials, block, op, tdt, dev)
     loop_s = _time(lambda: reduce_loop(ins, blen, src, dst), dev, repeat)
     ref = [t.clone() for t in dst]
-    fused_s = _time(lambda: merge_partials(*merge), dev, repeat)
-    diff = max(float((a - b).abs().max()) for a, b in zip(dst, ref)) if check else float("nan")
+
+    def diff() -> float:
+        return max(float((a - b).abs().max()) for a, b in zip(dst, ref)) if check else float("nan")
+
+    fused_s = _time(lambda: merge_partials(*merge, use_triton=False), dev, repeat)
+    fused_diff = diff()
+    triton_s = triton_diff = float("nan")
+    if op == "lse_merge" and partials >= 2 and dev.type == "cuda" and triton_available(dev):
+        for t in dst:
+            t.fill_(float("nan"))
+        triton_s = _time(lambda: merge_partials(*merge, use_triton=True), dev, repeat)
+        triton_diff = diff()
     nbytes = reduction_bytes(ins, blen, src, dst)
     bw = copy_bandwidth(dev, copy_mb << 20, repeat)
     limit = nbytes / bw
-    return {"loop_s": loop_s, "fused_s": fused_s, "speedup": loop_s / fused_s, "bytes": float(nbytes),
-            "bandwidth": bw, "limit_s": limit, "of_limit": limit / fused_s, "max_abs_diff": diff}
+    return {"loop_s": loop_s, "fused_s": fused_s, "triton_s": triton_s, "speedup": loop_s / fused_s,
+            "bytes": float(nbytes), "bandwidth": bw, "limit_s": limit, "of_limit": limit / fused_s,
+            "triton_of_limit": limit / triton_s, "max_abs_diff": fused_diff, "triton_max_abs_diff": triton_diff}
 
 
 # ---------------------------------------------------------------------- efficiency table

@@ -6,7 +6,9 @@
   LSEs and their softmax over ``p`` as weights, one gather of the partial outputs, their
   weighted sum written straight into the destination, and the merged LSE: a fixed handful of
   launches per reduction, whatever its number of blocks (one gather and one write when every
-  row has one partial).
+  row has one partial). On CUDA with Triton installed, the LSE merge of ``p >= 2`` partials is
+  instead one launch that reads every partial once
+  (:func:`~torch_dcp.executor.triton_merge.merge_lse_triton`).
 * :func:`reduce_loop` -- one step per destination block; the reference.
 
 LSE merge (``op=LSE_MERGE``): ``lse = log sum_i exp(lse_i)``, ``o = sum_i exp(lse_i - lse) o_i``;
@@ -56,7 +58,18 @@ def _write(dst: torch.Tensor, rows: Any, compute) -> None:
         dst.index_copy_(0, rows, compute(None))
 
 
-def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: Any, n: int, p: int) -> None:
+def _use_triton(t: torch.Tensor, use_triton: bool | None) -> bool:
+    if use_triton is not None:
+        return use_triton
+    if not t.is_cuda:
+        return False
+    from .triton_merge import triton_available
+
+    return triton_available(t.device)
+
+
+def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: Any, n: int, p: int,
+                   use_triton: bool | None = None) -> None:
     """Reduce ``p`` partials per destination row.
 
     Args:
@@ -69,6 +82,12 @@ def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: An
         src_rows: the ``n * p`` source rows, row-major (a slice or an int64 index tensor).
         dst_rows: the ``n`` destination rows (a slice or an index tensor).
         n, p: destination rows and partials per row.
+        use_triton: LSE merge of ``p >= 2`` partials with the Triton kernel; None (default):
+            on CUDA when Triton is importable.
+
+    Raises:
+        RuntimeError: ``use_triton=True`` where Triton cannot run (see
+            :func:`~torch_dcp.executor.triton_merge.triton_available`).
     """
     if n == 0:
         return
@@ -92,6 +111,11 @@ def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: An
     if p == 0:
         _write(do, dst_rows, lambda out: out.zero_() if out is not None else do.new_zeros(n, *do.shape[1:]))
         _write(dl, dst_rows, lambda out: out.fill_(-math.inf) if out is not None else dl.new_full((n, dl.shape[1]), -math.inf))
+        return
+    if p >= 2 and _use_triton(o, use_triton):  # one launch, every partial read once, in place
+        from .triton_merge import merge_lse_triton
+
+        merge_lse_triton(o, lse, do, dl, src_rows, dst_rows, n, p)
         return
     if hasattr(src, "words"):  # whole rows (O and LSE side by side) in one 2-D gather
         f = src.view_rows(take_rows(src.words, src_rows))
