@@ -206,13 +206,10 @@ def device_plan_seconds(plan: torch_dcp.Plan, kernel: str | None = None, device:
 
 
 def _plan(args: argparse.Namespace) -> torch_dcp.Plan:
-    from torch_dcp.data import byte_tokenize, load_documents, long_tail_lengths, pack_batches
+    from .common import batch_lengths
 
-    if args.batch == "corpus":
-        docs = [byte_tokenize(t) for t in load_documents()]
-        lens = [len(d) for d in next(pack_batches(docs, args.tokens, args.max_doc_len, seed=args.seed))]
-    else:
-        lens = long_tail_lengths(args.tokens, seed=args.seed)
+    lens = batch_lengths(args.batch, args.tokens, seed=args.seed,
+                         max_doc_len=args.max_doc_len if args.batch == "corpus" else None)
     masks = {"causal": torch_dcp.Causal(), "lambda": torch_dcp.Lambda(sink=64, window=512),
              "blockwise": torch_dcp.BlockwiseCausal(block=128, window_blocks=2, sink_blocks=1),
              "shared_question": torch_dcp.SharedQuestion(0.2, 4)}
