@@ -1,7 +1,8 @@
 """The benchmarks' command line, ``python -m torch_dcp.benchmarks COMMAND ...``: ``planners``,
 ``paper`` (:mod:`~torch_dcp.benchmarks.planners`, :mod:`~torch_dcp.benchmarks.sweeps`),
 ``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`), ``kernels reduce|table|division|plan``
-(:mod:`~torch_dcp.benchmarks.kernels`) and ``ops`` (:mod:`~torch_dcp.benchmarks.ops`)."""
+(:mod:`~torch_dcp.benchmarks.kernels`), ``ops`` (:mod:`~torch_dcp.benchmarks.ops`) and ``step``
+(:mod:`~torch_dcp.benchmarks.step`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import argparse
 import json
 
 from ..topology import Topology
-from . import common, kernels, ops, pictures, planners, sweeps
+from . import common, kernels, ops, pictures, planners, step, sweeps
 from .common import MASKS
 
 __all__ = ["main", "parser"]
@@ -121,6 +122,10 @@ def parser() -> argparse.ArgumentParser:
                         description=ops.__doc__, formatter_class=raw)
     ops.add_arguments(op)
     op.set_defaults(run=lambda a: ops.run(a) and 0)
+    st = sub.add_parser("step", help="forward + backward of the executor vs one dense flex / varlen flash call",
+                        description=step.__doc__, formatter_class=raw)
+    step.add_arguments(st)
+    st.set_defaults(run=lambda a: step.run(a) and 0)
     return p
 
 
