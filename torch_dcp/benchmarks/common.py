@@ -233,9 +233,10 @@ class DenseAttention:
         if self.flex:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-            self.block_mask = create_block_mask(flex_mask_mod(batch, self.device), None, None, T, T,
-                                                device=str(self.device))
             compiled = self.device.type == "cuda"
+            # compiled, the block mask is built without materialising [T, T] (128 GiB at 131K tokens)
+            build = torch.compile(create_block_mask) if compiled else create_block_mask
+            self.block_mask = build(flex_mask_mod(batch, self.device), None, None, T, T, device=str(self.device))
             self._fn = torch.compile(flex_attention) if compiled else flex_attention
             self.name = f"{'compiled ' if compiled else ''}flex_attention, document BlockMask"
         else:
