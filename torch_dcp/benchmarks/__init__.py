@@ -7,11 +7,12 @@
     python -m torch_dcp.benchmarks kernels reduce|table|division|plan ...
                                                                       kernel micro-benchmarks
     python -m torch_dcp.benchmarks ops [--ranks 3 --divisions 2] ...  executor operations per division
+    python -m torch_dcp.benchmarks step [--mask lambda --ranks 32] ...  a step's attention (fwd + bwd) vs dense calls
 
 Modules: :mod:`.common` (masks by name, batches, length sources, progress bar),
 :mod:`.planners` (``planners``, ``paper``), :mod:`.sweeps` (``paper --sweep``),
 :mod:`.pictures` and :mod:`.viz` (``pictures``; matplotlib), :mod:`.kernels` (``kernels ...``),
-:mod:`.ops` (``ops``),
+:mod:`.ops` (``ops``), :mod:`.step` (``step``),
 :mod:`.cli` (the argument parser). The progress bar needs tqdm and the pictures matplotlib:
 ``pip install 'torch-dcp[benchmarks]'``.
 """

@@ -1,7 +1,8 @@
 """The benchmarks' command line, ``python -m torch_dcp.benchmarks COMMAND ...``: ``planners``,
 ``paper`` (:mod:`~torch_dcp.benchmarks.planners`, :mod:`~torch_dcp.benchmarks.sweeps`),
 ``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`), ``kernels reduce|table|division|plan``
-(:mod:`~torch_dcp.benchmarks.kernels`) and ``ops`` (:mod:`~torch_dcp.benchmarks.ops`)."""
+(:mod:`~torch_dcp.benchmarks.kernels`), ``ops`` (:mod:`~torch_dcp.benchmarks.ops`) and ``step``
+(:mod:`~torch_dcp.benchmarks.step`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import argparse
 import json
 
 from ..topology import Topology
-from . import common, kernels, ops, pictures, planners, sweeps
+from . import common, kernels, ops, pictures, planners, step, sweeps
 from .common import MASKS
 
 __all__ = ["main", "parser"]
@@ -76,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--partials", type=int, default=8)
     r.add_argument("--block", type=int, default=512, help="rows per destination block")
     r.add_argument("--op", choices=("lse_merge", "sum"), default="lse_merge")
-    r.add_argument("--dtype", choices=sorted(kernels._DTYPES), default="float32")
+    r.add_argument("--dtype", choices=sorted(common.DTYPES), default="float32")
     r.add_argument("--device", default="auto")
     r.add_argument("--repeat", type=int, default=5)
     r.add_argument("--copy-mb", type=int, default=256, help="MiB copied to measure the bandwidth")
@@ -88,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--head-dims", type=_ints, default=[128])
     t.add_argument("--heads", type=int, default=8)
     t.add_argument("--kv-heads", type=int, default=2)
-    t.add_argument("--dtype", choices=sorted(kernels._DTYPES), default=None,
+    t.add_argument("--dtype", choices=sorted(common.DTYPES), default=None,
                    help="default bfloat16 on CUDA, float32 elsewhere")
     t.add_argument("--kernel", default="auto")
     t.add_argument("--device", default="auto")
@@ -100,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
                     "1024,512 on CPU)")
     dv.add_argument("--block", type=int, default=None, help="block size (default 1024 on CUDA, 128 on CPU)")
     dv.add_argument("--head-dim", type=int, default=128)
-    dv.add_argument("--dtype", choices=sorted(kernels._DTYPES), default=None)
+    dv.add_argument("--dtype", choices=sorted(common.DTYPES), default=None)
     dv.add_argument("--kernel", default="auto")
     dv.add_argument("--device", default="auto")
     dv.add_argument("--repeat", type=int, default=3)
@@ -112,7 +113,7 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--ranks-per-node", type=int, default=8)
     pl.add_argument("--block", type=int, default=1024)
     pl.add_argument("--cost", default="h100", help="a100, h100 or a JSON table (e.g. written by 'table')")
-    pl.add_argument("--dtype", choices=sorted(kernels._DTYPES), default=None)
+    pl.add_argument("--dtype", choices=sorted(common.DTYPES), default=None)
     pl.add_argument("--kernel", default="auto")
     pl.add_argument("--device", default="auto")
     pl.add_argument("--repeat", type=int, default=1)
@@ -121,6 +122,10 @@ def parser() -> argparse.ArgumentParser:
                         description=ops.__doc__, formatter_class=raw)
     ops.add_arguments(op)
     op.set_defaults(run=lambda a: ops.run(a) and 0)
+    st = sub.add_parser("step", help="forward + backward of the executor vs one dense flex / varlen flash call",
+                        description=step.__doc__, formatter_class=raw)
+    step.add_arguments(st)
+    st.set_defaults(run=lambda a: step.run(a) and 0)
     return p
 
 
@@ -167,12 +172,12 @@ def _pictures(args) -> int:
 
 
 def _reduce(a) -> int:
-    dev = kernels._device(a.device)
+    dev = common.pick_device(a.device)
     tokens = a.tokens or (131072 if dev.type == "cuda" else 16384)
     res = kernels.bench_reduce(tokens, a.heads, a.head_dim, a.partials, a.block, a.op, a.dtype, str(dev), a.repeat,
                                a.copy_mb)
     print(f"{a.op}: {a.partials} partials -> {tokens} tokens x {a.heads} heads x {a.head_dim}, {a.dtype}, "
-          f"blocks of {a.block}, on {kernels._device_name(dev)}")
+          f"blocks of {a.block}, on {common.device_name(dev)}")
     print(f"  loop      {res['loop_s'] * 1e3:10.3f} ms")
     print(f"  fused     {res['fused_s'] * 1e3:10.3f} ms   speedup x{res['speedup']:.2f}   "
           f"max |fused - loop| {res['max_abs_diff']:.2e}")
@@ -190,7 +195,7 @@ def _reduce(a) -> int:
 
 
 def _table(a) -> int:
-    dev = kernels._device(a.device)
+    dev = common.pick_device(a.device)
     tokens = a.tokens or ([512, 1024, 2048, 4096, 8192, 16384] if dev.type == "cuda" else [128, 256, 512])
     for hd in a.head_dims:
         out = a.out if len(a.head_dims) == 1 else a.out.replace(".json", "") + f".hd{hd}.json"
@@ -204,21 +209,21 @@ def _table(a) -> int:
 
 
 def _division(a) -> int:
-    dev = kernels._device(a.device)
+    dev = common.pick_device(a.device)
     docs = a.docs or ([16384, 16384] if dev.type == "cuda" else [1024, 512])
     block = a.block or (1024 if dev.type == "cuda" else 128)
     res = kernels.bench_division(docs, block, 8, 2, a.head_dim, a.dtype, a.kernel, str(dev), a.repeat)
     print(json.dumps({k: round(v, 6) for k, v in res.items()}))
     print(f"division of {len(docs)} causal documents {docs} in blocks of {block} "
-          f"({res['useful_pairs'] ** 0.5:.0f}^2 useful pairs) on {kernels._device_name(dev)}, kernel "
-          f"{kernels._kernel_name(a.kernel, dev)}: forward {res['division_fwd_tflops']:.3f} vs dense "
+          f"({res['useful_pairs'] ** 0.5:.0f}^2 useful pairs) on {common.device_name(dev)}, kernel "
+          f"{common.kernel_name(a.kernel, dev)}: forward {res['division_fwd_tflops']:.3f} vs dense "
           f"{res['dense_fwd_tflops']:.3f} TFLOP/s ({100 * res['fwd_ratio']:.0f}%), backward "
           f"{res['division_bwd_tflops']:.3f} vs {res['dense_bwd_tflops']:.3f} ({100 * res['bwd_ratio']:.0f}%)")
     return 0
 
 
 def _plan(a) -> int:
-    dev = kernels._device(a.device)
+    dev = common.pick_device(a.device)
     res = kernels.bench_plan(a.planner, a.tokens, a.nodes, a.ranks_per_node, a.block, a.cost, a.dtype, a.kernel,
                              str(dev), a.repeat)
     print(json.dumps(res))

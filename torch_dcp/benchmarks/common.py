@@ -1,16 +1,25 @@
-"""What the planner, paper and picture benchmarks share: the masks by name, the benchmark
-batches and their document-length sources, and the progress bar (stderr)."""
+"""What the benchmarks share: the masks by name, the benchmark batches and their
+document-length sources, the progress bar (stderr); devices and timing (median seconds with the
+device synchronised); and the dense references over a whole packed batch (one FlexAttention call
+with a document ``BlockMask``, or SDPA with a dense boolean mask)."""
 
 from __future__ import annotations
 
 import sys
+import time
+from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from ..batch import BatchSpec
 from ..masks import BlockwiseCausal, Causal, Lambda, SharedQuestion
 
-__all__ = ["MASKS", "planner_batches", "paper_sources", "scaled_batch", "paper_batches", "bench_batch", "progress"]
+__all__ = ["MASKS", "DTYPES", "planner_batches", "batch_lengths", "paper_sources", "scaled_batch", "paper_batches",
+           "bench_batch", "progress", "pick_device", "sync", "time_median", "device_name", "kernel_name",
+           "global_key_ranges", "dense_mask", "flex_mask_mod", "DenseAttention"]
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
 MASKS = {
     "causal": Causal(),
@@ -22,11 +31,28 @@ MASKS = {
 
 def planner_batches(total: int = 131072, seed: int = 0) -> dict[str, list[int]]:
     """Document lengths of the benchmark batches, ``{name: lengths}``."""
+    return {name: batch_lengths(name, total, seed) for name in ("corpus", "longtail", "one")}
+
+
+def batch_lengths(kind: str, tokens: int, seed: int = 0, max_doc_len: int | None = None) -> list[int]:
+    """Document lengths of one benchmark batch of ``tokens`` tokens: ``longtail``
+    (:func:`torch_dcp.data.long_tail_lengths`, documents up to ``max_doc_len``, default
+    32768), ``corpus`` (the embedded corpus packed, documents cut at
+    ``max_doc_len``, default ``tokens``) or ``one`` (a single document).
+
+    Raises:
+        ValueError: an unknown kind.
+    """
     from ..data import byte_tokenize, load_documents, long_tail_lengths, pack_batches
 
-    docs = [byte_tokenize(t) for t in load_documents()]
-    corpus = [len(d) for d in next(pack_batches(docs, total, total, seed=seed))]
-    return {"corpus": corpus, "longtail": long_tail_lengths(total, seed=seed), "one": [total]}
+    if kind == "longtail":
+        return long_tail_lengths(tokens, max_len=max_doc_len or 32768, seed=seed)
+    if kind == "corpus":
+        docs = [byte_tokenize(t) for t in load_documents()]
+        return [len(d) for d in next(pack_batches(docs, tokens, max_doc_len or tokens, seed=seed))]
+    if kind == "one":
+        return [int(tokens)]
+    raise ValueError(f"unknown batch {kind!r}; choose from corpus, longtail, one")
 
 
 def paper_sources(longalign: str | None = None, long_data_collections: str | None = None,
@@ -90,3 +116,140 @@ def progress(total: int, desc: str):
         raise ImportError("the paper benchmark's progress bar needs tqdm: pip install 'torch-dcp[benchmarks]'") from err
 
     return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------------- devices and timing
+def pick_device(name: str | None) -> torch.device:
+    """``"auto"``/None: CUDA when available, else CPU; otherwise the named device."""
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_median(fn: Callable[[], Any], device: torch.device, repeat: int, warmup: int = 1) -> float:
+    """Median seconds of ``fn`` over ``repeat`` runs (after ``warmup``), the device
+    synchronised before and after each run."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(1, repeat)):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def device_name(dev: torch.device) -> str:
+    """The GPU's name on CUDA, else the device type."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return dev.type
+
+
+def kernel_name(kernel: Any, device: torch.device) -> str:
+    """The name of the executor kernel ``kernel`` resolves to on ``device``."""
+    from ..executor.kernels import get_kernel
+
+    k = get_kernel(kernel, device=device)
+    return getattr(k, "name", type(k).__name__)
+
+
+# ---------------------------------------------------------------------- dense references
+def global_key_ranges(batch: BatchSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Key ranges of every token of the packed batch in global token positions: int64
+    ``(starts, ends)``, ``[T, R]`` (``R`` the widest mask's ranges; empty ranges have
+    ``start == end``). Token ``i`` sees key ``j`` when ``starts[i, r] <= j < ends[i, r]`` for
+    some ``r``; the ranges never leave the token's document."""
+    cu = batch.cu_seqlens
+    doc = np.repeat(np.arange(batch.n_docs, dtype=np.int64), batch.doc_lens)
+    pos = np.arange(batch.total_tokens, dtype=np.int64) - cu[doc]
+    starts, ends = batch.key_ranges(doc, pos)
+    return starts + cu[doc][:, None], ends + cu[doc][:, None]
+
+
+def dense_mask(batch: BatchSpec, device: torch.device | str) -> torch.Tensor:
+    """bool ``[T, T]`` on ``device``: ``[i, j]`` true when token ``i`` sees token ``j``
+    (the batch's masks inside each document, nothing across documents)."""
+    starts, ends = (torch.from_numpy(a).to(device) for a in global_key_ranges(batch))
+    j = torch.arange(batch.total_tokens, device=device)[None, :]
+    m = torch.zeros(batch.total_tokens, batch.total_tokens, dtype=torch.bool, device=device)
+    for r in range(starts.shape[1]):
+        m |= (j >= starts[:, r:r + 1]) & (j < ends[:, r:r + 1])
+    return m
+
+
+def flex_mask_mod(batch: BatchSpec, device: torch.device | str) -> Callable:
+    """A FlexAttention ``mask_mod`` of the packed batch: each token's key ranges (see
+    :func:`global_key_ranges`), looked up per query -- the document and its mask in one."""
+    starts, ends = global_key_ranges(batch)
+    cols = [(torch.from_numpy(starts[:, r].astype(np.int32)).to(device),
+             torch.from_numpy(ends[:, r].astype(np.int32)).to(device)) for r in range(starts.shape[1])
+            if (ends[:, r] > starts[:, r]).any()]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        s, e = cols[0]
+        m = (kv_idx >= s[q_idx]) & (kv_idx < e[q_idx])
+        for s, e in cols[1:]:
+            m = m | ((kv_idx >= s[q_idx]) & (kv_idx < e[q_idx]))
+        return m
+
+    return mask_mod
+
+
+class DenseAttention:
+    """One dense attention call over a whole packed batch, the reference the executor is
+    measured against: on CUDA a compiled ``flex_attention`` with a document ``BlockMask``
+    built from the batch's masks (:func:`flex_mask_mod`); elsewhere (eager FlexAttention has
+    no backward on the CPU) ``F.scaled_dot_product_attention`` with a dense boolean mask
+    (:func:`dense_mask`). GQA native in both.
+
+    Args:
+        batch: the packed batch (document lengths and masks, heads, head_dim).
+        device: where it runs.
+        flex: force FlexAttention (True) or SDPA (False); default by device as above.
+
+    Attributes:
+        name: a description of the call, for printed output.
+
+    Call it with ``q: [1, H, T, D]``, ``k, v: [1, H_kv, T, D]`` (global token order, heads
+    first: :meth:`heads_first`); returns ``out: [1, H, T, D]`` (differentiable).
+    """
+
+    def __init__(self, batch: BatchSpec, device: torch.device | str, flex: bool | None = None):
+        import torch.nn.functional as F
+
+        self.device = torch.device(device)
+        self.flex = self.device.type == "cuda" if flex is None else bool(flex)
+        self.gqa = batch.n_kv_heads != batch.n_heads
+        T = batch.total_tokens
+        if self.flex:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            compiled = self.device.type == "cuda"
+            # compiled, the block mask is built without materialising [T, T] (128 GiB at 131K tokens)
+            build = torch.compile(create_block_mask) if compiled else create_block_mask
+            self.block_mask = build(flex_mask_mod(batch, self.device), None, None, T, T, device=str(self.device))
+            self._fn = torch.compile(flex_attention) if compiled else flex_attention
+            self.name = f"{'compiled ' if compiled else ''}flex_attention, document BlockMask"
+        else:
+            self.mask = dense_mask(batch, self.device)
+            self._fn = F.scaled_dot_product_attention
+            self.name = "sdpa, dense boolean mask"
+
+    @staticmethod
+    def heads_first(t: torch.Tensor) -> torch.Tensor:
+        """``[T, H, D]`` -> contiguous ``[1, H, T, D]``."""
+        return t.transpose(0, 1).unsqueeze(0).contiguous()
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.flex:
+            return self._fn(q, k, v, block_mask=self.block_mask, enable_gqa=self.gqa)
+        return self._fn(q, k, v, attn_mask=self.mask, enable_gqa=self.gqa)

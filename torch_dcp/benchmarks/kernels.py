@@ -42,38 +42,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
+from .common import DTYPES, DenseAttention, device_name, kernel_name, pick_device, sync, time_median
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..plan import BlockwiseReduction
 
 __all__ = ["bench_reduce", "measure_table", "bench_division", "bench_plan", "copy_bandwidth", "launch_overhead"]
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
-
-
-def _device(name: str | None) -> torch.device:
-    if name in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(fn: Callable[[], Any], device: torch.device, repeat: int, warmup: int = 1) -> float:
-    """Median seconds of ``fn`` over ``repeat`` runs (after ``warmup``)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(max(1, repeat)):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28, repeat: int = 5) -> float:
     """Device memory bandwidth in bytes/s: ``2 * nbytes`` (read + write) over the time of a
@@ -81,7 +55,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28, repeat: int = 5)
     n = max(1, nbytes // 4)
     src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    t = _time(lambda: dst.copy_(src), device, repeat)
+    t = time_median(lambda: dst.copy_(src), device, repeat)
     return 2.0 * n * 4 / t
 
 
@@ -90,11 +64,11 @@ def launch_overhead(device: torch.device, n: int = 2000) -> float:
     x = torch.zeros(1, device=device)
     for _ in range(10):
         x.add_(1)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(n):
         x.add_(1)
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - t0) / n
 
 
@@ -172,22 +146,22 @@ def bench_reduce(tokens: int = 131072, heads: int = 8, head_dim: int = 128, part
     from ..executor.reduce import merge_partials, reduce_loop
     from ..executor.triton_merge import triton_available
 
-    dev = _device(device)
-    tdt = _DTYPES[dtype]
+    dev = pick_device(device)
+    tdt = DTYPES[dtype]
     ins, blen, src, dst, merge = _reduction_case(tokens, heads, head_dim, partials, block, op, tdt, dev)
-    loop_s = _time(lambda: reduce_loop(ins, blen, src, dst), dev, repeat)
+    loop_s = time_median(lambda: reduce_loop(ins, blen, src, dst), dev, repeat)
     ref = [t.clone() for t in dst]
 
     def diff() -> float:
         return max(float((a - b).abs().max()) for a, b in zip(dst, ref)) if check else float("nan")
 
-    fused_s = _time(lambda: merge_partials(*merge, use_triton=False), dev, repeat)
+    fused_s = time_median(lambda: merge_partials(*merge, use_triton=False), dev, repeat)
     fused_diff = diff()
     triton_s = triton_diff = float("nan")
     if op == "lse_merge" and partials >= 2 and dev.type == "cuda" and triton_available(dev):
         for t in dst:
             t.fill_(float("nan"))
-        triton_s = _time(lambda: merge_partials(*merge, use_triton=True), dev, repeat)
+        triton_s = time_median(lambda: merge_partials(*merge, use_triton=True), dev, repeat)
         triton_diff = diff()
     nbytes = reduction_bytes(ins, blen, src, dst)
     bw = copy_bandwidth(dev, copy_mb << 20, repeat)
@@ -235,7 +209,7 @@ def measure_table(tokens: list[int], head_dim: int = 128, heads: int = 8, kv_hea
     """
     if not tokens or any(t <= 0 for t in tokens) or list(tokens) != sorted(set(tokens)):
         raise ValueError(f"tokens must be positive and increasing, got {tokens}")
-    dev = _device(device)
+    dev = pick_device(device)
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     overhead = launch_overhead(dev)
     bw = copy_bandwidth(dev, copy_mb << 20)
@@ -252,10 +226,10 @@ def measure_table(tokens: list[int], head_dim: int = 128, heads: int = 8, kv_hea
                 log(f"tokens {x:6d} {name:6s} n={n:6d} sqrt(pairs)={math.sqrt(pairs):8.0f}  "
                     f"fwd {tf * 1e3:8.3f} ms {cols[f'fwd_{name}'][-1]:8.3f} TFLOP/s  "
                     f"bwd {tb * 1e3:8.3f} ms {cols[f'bwd_{name}'][-1]:8.3f} TFLOP/s")
-    kern = _kernel_name(kernel, dev)
+    kern = kernel_name(kernel, dev)
     return {"kernel": {"tokens": [float(t) for t in tokens], **cols}, "memory_bandwidth": bw,
             "launch_overhead": overhead,
-            "meta": {"device": _device_name(dev), "kernel": kern, "dtype": dtype, "head_dim": head_dim,
+            "meta": {"device": device_name(dev), "kernel": kern, "dtype": dtype, "head_dim": head_dim,
                      "heads": heads, "kv_heads": kv_heads, "repeat": repeat, "torch": torch.__version__}}
 
 
@@ -268,12 +242,12 @@ def _timed_attention(plan, dtype: str, kernel: str, device: torch.device, repeat
     b = plan.batch
     t = b.total_tokens
     g = torch.Generator(device="cpu").manual_seed(seed)
-    tdt = _DTYPES[dtype]
+    tdt = DTYPES[dtype]
     q = torch.randn(t, b.n_heads, b.head_dim, generator=g).to(device=device, dtype=tdt)
     k = torch.randn(t, b.n_kv_heads, b.head_dim, generator=g).to(device=device, dtype=tdt)
     v = torch.randn(t, b.n_kv_heads, b.head_dim, generator=g).to(device=device, dtype=tdt)
     go = torch.randn(t, b.n_heads, b.head_dim, generator=g).to(device=device, dtype=tdt)
-    kern = torch_dcp.executor.get_kernel(kernel, device=device)
+    kern = torch_dcp.executor.get_kernel(kernel, device=device, dtype=tdt, head_dim=b.head_dim)
     runs = []
     for i in range(repeat + 1):
         _, times = torch_dcp.emulate(plan, q, k, v, go, kernel=kern, timings=True)
@@ -306,7 +280,7 @@ def bench_division(doc_lens: list[int], block: int = 1024, heads: int = 8, kv_he
     import torch_dcp
     from torch_dcp.masks import Causal
 
-    dev = _device(device)
+    dev = pick_device(device)
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     batch = torch_dcp.BatchSpec(doc_lens, Causal(), n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
                                 dtype=dtype)
@@ -330,32 +304,28 @@ def _dense_flex(doc_lens: list[int], heads: int, kv_heads: int, head_dim: int, d
                 repeat: int) -> tuple[float, float]:
     """Seconds of one FlexAttention call (forward; forward + backward less forward) over
     contiguous causal documents; backward NaN where flex has none (CPU)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    import torch_dcp
+    from torch_dcp.masks import Causal
 
-    t = int(sum(doc_lens))
-    doc = torch.repeat_interleave(torch.arange(len(doc_lens), device=dev), torch.tensor(doc_lens, device=dev))
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (doc[q_idx] == doc[kv_idx]) & (kv_idx <= q_idx)
-
-    bm = create_block_mask(mask_mod, None, None, t, t, device=str(dev))
-    fn = torch.compile(flex_attention) if dev.type == "cuda" else flex_attention
+    batch = torch_dcp.BatchSpec(doc_lens, Causal(), n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
+                                dtype=dtype)
+    fn = DenseAttention(batch, dev, flex=True)
+    t = batch.total_tokens
     g = torch.Generator(device="cpu").manual_seed(1)
-    tdt = _DTYPES[dtype]
+    tdt = DTYPES[dtype]
     q = torch.randn(1, heads, t, head_dim, generator=g).to(device=dev, dtype=tdt)
     k = torch.randn(1, kv_heads, t, head_dim, generator=g).to(device=dev, dtype=tdt)
     v = torch.randn(1, kv_heads, t, head_dim, generator=g).to(device=dev, dtype=tdt)
-    fwd = _time(lambda: fn(q, k, v, block_mask=bm, enable_gqa=kv_heads != heads), dev, repeat)
+    fwd = time_median(lambda: fn(q, k, v), dev, repeat)
     if dev.type != "cuda":
         return fwd, float("nan")
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
     go = torch.randn_like(q)
 
     def both():
-        o = fn(qg, kg, vg, block_mask=bm, enable_gqa=kv_heads != heads)
-        o.backward(go)
+        fn(qg, kg, vg).backward(go)
 
-    return fwd, max(_time(both, dev, repeat) - fwd, 1e-12)
+    return fwd, max(time_median(both, dev, repeat) - fwd, 1e-12)
 
 
 def bench_plan(planner: str = "dcp", tokens: int = 131072, nodes: int = 4, ranks_per_node: int = 8,
@@ -378,7 +348,7 @@ def bench_plan(planner: str = "dcp", tokens: int = 131072, nodes: int = 4, ranks
     from torch_dcp.masks import Causal
     from torch_dcp.simulate import simulate
 
-    dev = _device(device)
+    dev = pick_device(device)
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     cm = CostModel.load(cost)
     lens = long_tail_lengths(tokens, max_len=min(32768, tokens), seed=seed)
@@ -389,7 +359,7 @@ def bench_plan(planner: str = "dcp", tokens: int = 131072, nodes: int = 4, ranks
     pred = {"fwd": _sim_attention(sim.forward), "bwd": _sim_attention(sim.backward)}
     meas = _timed_attention(plan, dtype, kernel, dev, repeat)
     out: dict[str, Any] = {"planner": planner, "tokens": tokens, "world_size": plan.world_size, "device":
-                           _device_name(dev), "kernel": _kernel_name(kernel, dev), "dtype": dtype}
+                           device_name(dev), "kernel": kernel_name(kernel, dev), "dtype": dtype}
     for pas in ("fwd", "bwd"):
         m, p_ = meas[f"{pas}_attention"], pred[pas]
         ratio = m / np.maximum(p_, 1e-12)
@@ -406,16 +376,3 @@ def _sim_attention(p) -> np.ndarray:
     """Per-rank simulated attention seconds of a pass."""
     w = len(p.events)
     return np.array([sum(e - s for kind, s, e in p.events[r] if kind == "attention") for r in range(w)])
-
-
-def _kernel_name(kernel: str, device: torch.device) -> str:
-    from ..executor.kernels import get_kernel
-
-    k = get_kernel(kernel, device=device)
-    return getattr(k, "name", type(k).__name__)
-
-
-def _device_name(dev: torch.device) -> str:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    return dev.type

@@ -149,7 +149,7 @@ def count_ops(plan: torch_dcp.Plan, device: str = "cpu", kernel: str | None = No
     k, v = (torch.randn(T, b.n_kv_heads, b.head_dim, generator=g).to(device, dt) for _ in range(2))
     counter = _Counter()
     mailbox = Mailbox()
-    kern = _CountedKernel(get_kernel(kernel, device=device), counter)
+    kern = _CountedKernel(get_kernel(kernel, device=device, dtype=dt, head_dim=b.head_dim), counter)
     ranks = range(plan.world_size)
     execs = [RankExecutor(plan, r, _CountedTransport(mailbox, r, counter), kernel=kern) for r in ranks]
     idx = [torch.from_numpy(plan.token_indices(r)).to(device) for r in ranks]
@@ -189,7 +189,7 @@ def device_plan_seconds(plan: torch_dcp.Plan, kernel: str | None = None, device:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        kern = get_kernel(kernel, device=device)
+        kern = get_kernel(kernel, device=device, dtype=getattr(torch, plan.batch.dtype), head_dim=plan.batch.head_dim)
         secs, nbytes = [], []
         for r in range(plan.world_size):
             plan.program(r, False), plan.program(r, True)
@@ -206,13 +206,10 @@ def device_plan_seconds(plan: torch_dcp.Plan, kernel: str | None = None, device:
 
 
 def _plan(args: argparse.Namespace) -> torch_dcp.Plan:
-    from torch_dcp.data import byte_tokenize, load_documents, long_tail_lengths, pack_batches
+    from .common import batch_lengths
 
-    if args.batch == "corpus":
-        docs = [byte_tokenize(t) for t in load_documents()]
-        lens = [len(d) for d in next(pack_batches(docs, args.tokens, args.max_doc_len, seed=args.seed))]
-    else:
-        lens = long_tail_lengths(args.tokens, seed=args.seed)
+    lens = batch_lengths(args.batch, args.tokens, seed=args.seed,
+                         max_doc_len=args.max_doc_len if args.batch == "corpus" else None)
     masks = {"causal": torch_dcp.Causal(), "lambda": torch_dcp.Lambda(sink=64, window=512),
              "blockwise": torch_dcp.BlockwiseCausal(block=128, window_blocks=2, sink_blocks=1),
              "shared_question": torch_dcp.SharedQuestion(0.2, 4)}
@@ -277,7 +274,7 @@ def cuda_launches(plan: torch_dcp.Plan, kernel: str | None = None) -> dict:
     T = b.total_tokens
     q, go = (torch.randn(T, b.n_heads, b.head_dim, device="cuda", dtype=dt) for _ in range(2))
     k, v = (torch.randn(T, b.n_kv_heads, b.head_dim, device="cuda", dtype=dt) for _ in range(2))
-    kern = get_kernel(kernel, device="cuda")
+    kern = get_kernel(kernel, device="cuda", dtype=dt, head_dim=b.head_dim)
     torch_dcp.emulate(plan, q, k, v, go, kernel=kern)
     res = {}
     for name in ("forward", "backward"):
