@@ -51,7 +51,8 @@ class KernelLayout(NamedTuple):
 
 
 class DivisionKernel(Protocol):
-    """What the executor needs from a kernel; all results in ``acc_dtype``."""
+    """What the executor needs from a kernel; results in ``acc_dtype`` or the inputs' dtype (the
+    executor converts them as it writes them into its accumulation-dtype buffers)."""
 
     name: str
 
@@ -78,19 +79,20 @@ class DivisionKernel(Protocol):
         ...
 
 
-def out_with_delta(do: torch.Tensor, delta: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
-    """``O' = dO * delta / |dO|^2`` per row and head (0 where ``dO = 0``), in ``acc_dtype``.
+def out_with_delta(do: torch.Tensor, delta: torch.Tensor, acc_dtype: torch.dtype,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``O' = dO * delta / |dO|^2`` per row and head (0 where ``dO = 0``), in ``out_dtype``
+    (default ``acc_dtype``); the norm and the coefficient in ``acc_dtype``.
 
     Fused attention backwards take the forward output ``O`` only to form
     ``delta = rowsum(dO * O)`` (FlashAttention-2, Algorithm 2, line 4); the executor has
     ``delta`` (the final output never travels), and ``rowsum(dO * O') = delta``. Shapes:
     ``do [N, H, D]``, ``delta [N, H]``.
     """
-    do = do.to(acc_dtype)
-    norm = (do * do).sum(-1)
+    norm = torch.sum(torch.square(do), -1, dtype=acc_dtype)
     ok = norm > 0
     coef = torch.where(ok, delta.to(acc_dtype) / torch.where(ok, norm, torch.ones_like(norm)), torch.zeros_like(norm))
-    return do * coef.unsqueeze(-1)
+    return torch.mul(do, coef.unsqueeze(-1)).to(out_dtype or acc_dtype)
 
 
 class _Group(NamedTuple):

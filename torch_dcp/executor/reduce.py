@@ -35,19 +35,21 @@ def take_rows(t: torch.Tensor, rows: Any) -> torch.Tensor:
 
 
 def put_rows(t: torch.Tensor, rows: Any, value: torch.Tensor) -> None:
-    """``t[rows] = value`` (``rows``: a slice or an int64 index tensor)."""
+    """``t[rows] = value`` (``rows``: a slice or an int64 index tensor), converted to ``t``'s
+    dtype in the same pass where the rows are a slice."""
     if isinstance(rows, slice):
         t[rows].copy_(value)
     else:
-        t.index_copy_(0, rows, value)
+        t.index_copy_(0, rows, value.to(t.dtype))
 
 
 def add_rows(t: torch.Tensor, rows: Any, value: torch.Tensor) -> None:
-    """``t[rows] += value`` (``rows``: a slice or an int64 index tensor; repeated indices add up)."""
+    """``t[rows] += value`` (``rows``: a slice or an int64 index tensor; repeated indices add
+    up), converted to ``t``'s dtype."""
     if isinstance(rows, slice):
         t[rows].add_(value)
     else:
-        t.index_add_(0, rows, value)
+        t.index_add_(0, rows, value.to(t.dtype))
 
 
 def _write(dst: torch.Tensor, rows: Any, compute) -> None:

@@ -393,9 +393,10 @@ class VarlenKernel:
 
     def _call_backward(self, c: _BoundCall, q, k, v, do, lse, delta, rng, scale, acc):
         if self._flash(q):
-            out_like = out_with_delta(do, delta, acc).to(q.dtype)
+            do = self._dense(do).to(q.dtype)
+            out_like = out_with_delta(do, delta, acc, q.dtype)
             return torch.ops.aten._flash_attention_backward(
-                self._dense(do).to(q.dtype), self._dense(q), self._dense(k), self._dense(v), out_like,
+                do, self._dense(q), self._dense(k), self._dense(v), out_like,
                 lse.to(torch.float32).t().contiguous(), c.cu_q, c.cu_k, c.max_q, c.max_k, 0.0,
                 c.wl < 0 and c.wr == 0, rng, rng, scale=scale, window_size_left=c.wl if c.wl >= 0 else None,
                 window_size_right=c.wr if c.wr >= 0 else None)
@@ -415,16 +416,15 @@ class VarlenKernel:
         """Partial output ``[n_q, H, D]`` and LSE ``[n_q, H]`` of the division's queries."""
         results = [self._call_forward(c, take_rows(q, c.q), take_rows(k, c.k), take_rows(v, c.k), scale, acc_dtype)
                    for c in meta.calls]
-        if meta.mode == "single":
-            o, l = results[0]
-            return o.to(acc_dtype), l.to(acc_dtype)
+        if meta.mode == "single":  # the executor converts to the accumulation dtype as it writes
+            return results[0]
         h, d = q.shape[1], q.shape[2]
         if meta.mode == "direct":
             out = torch.zeros(meta.n_q, h, d, dtype=acc_dtype, device=q.device)
             lse = torch.full((meta.n_q, h), -math.inf, dtype=acc_dtype, device=q.device)
             for c, (o, l) in zip(meta.calls, results):
-                put_rows(out, c.q, o.to(acc_dtype))
-                put_rows(lse, c.q, l.to(acc_dtype))
+                put_rows(out, c.q, o)
+                put_rows(lse, c.q, l)
             return out, lse
         o_all = torch.cat([o.to(acc_dtype) for o, _ in results] + [q.new_zeros(1, h, d, dtype=acc_dtype)])
         l_all = torch.cat([l.to(acc_dtype) for _, l in results] + [q.new_full((1, h), -math.inf, dtype=acc_dtype)])
@@ -439,8 +439,7 @@ class VarlenKernel:
         given the final LSE and ``delta = rowsum(dO * O)`` (packed like ``q``)."""
         if meta.mode == "single" and len(meta.calls) == 1 and meta.calls[0].k == slice(0, meta.n_k):
             c = meta.calls[0]
-            dq, dk, dv = self._call_backward(c, q, k, v, do, lse, delta, meta.rng, scale, acc_dtype)
-            return dq.to(acc_dtype), dk.to(acc_dtype), dv.to(acc_dtype)
+            return self._call_backward(c, q, k, v, do, lse, delta, meta.rng, scale, acc_dtype)
         dq = torch.zeros(meta.n_q, *q.shape[1:], dtype=acc_dtype, device=q.device)
         dk = torch.zeros(meta.n_k, *k.shape[1:], dtype=acc_dtype, device=q.device)
         dv = torch.zeros(meta.n_k, *v.shape[1:], dtype=acc_dtype, device=q.device)
@@ -448,9 +447,9 @@ class VarlenKernel:
             gq, gk, gv = self._call_backward(c, take_rows(q, c.q), take_rows(k, c.k), take_rows(v, c.k),
                                              take_rows(do, c.q), take_rows(lse, c.q), take_rows(delta, c.q),
                                              meta.rng, scale, acc_dtype)
-            add_rows(dq, c.q, gq.to(acc_dtype))
-            add_rows(dk, c.k, gk.to(acc_dtype))
-            add_rows(dv, c.k, gv.to(acc_dtype))
+            add_rows(dq, c.q, gq)
+            add_rows(dk, c.k, gk)
+            add_rows(dv, c.k, gv)
         return dq, dk, dv
 
 
