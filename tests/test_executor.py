@@ -234,4 +234,5 @@ def test_no_synchronisation_inside_a_cuda_step(kernel, dtype):
     for (o, _), (dq, dk, dv), i in zip(fwd, bwd, idx):
         i = i.cpu()
         for got, want in ((o, ref[0]), (dq, ref[1]), (dk, ref[2]), (dv, ref[3])):
-            assert (got.cpu().double() - want[i]).abs().max().item() < (1e-3 if dtype == "float32" else 3e-2)
+            err = (got.cpu().double() - want[i]).abs().max().item() / max(1.0, want[i].abs().max().item())
+            assert err < (1e-3 if dtype == "float32" else 2e-2), f"{kernel} {dtype}: relative error {err:.2e}"

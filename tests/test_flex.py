@@ -68,6 +68,27 @@ def test_flex_default_block_size_and_forward_only():
     _check(plan, batch, "flex", backward=False)  # one 128-row flex tile per division, forward = real flex
 
 
+def test_flex_backward_inside_the_attention_op():
+    # the op's backward runs with autograd's dispatch keys excluded; flex's recomputation must
+    # still record its graph (this failed the main job on CUDA)
+    from torch_dcp.attention_op import use_executor
+    from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor
+
+    batch = BatchSpec([5, 11], torch_dcp.Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype="float32")
+    plan = torch_dcp.plan(batch, 1, planner="greedy", block_size=4, divisions=2)
+    ex = RankExecutor(plan, 0, InProcessTransport(Mailbox(), 0), kernel=FlexKernel(block_size=4))
+    q, k, v, go = random_qkv(batch, torch.float32)
+    ref = reference_with_grads(batch, q, k, v, go)
+    idx = torch.from_numpy(plan.token_indices(0))
+    sdpa = lambda t: t[idx].transpose(0, 1).unsqueeze(0).contiguous()  # noqa: E731
+    args = [sdpa(t).requires_grad_(True) for t in (q, k, v)]
+    with use_executor(ex):
+        out, _ = torch.ops.torch_dcp.attention(*args, None)
+        out.backward(sdpa(go))
+    for got, want in zip(args, ref[1:]):
+        assert (got.grad[0].transpose(0, 1).double() - want[idx]).abs().max().item() < 1e-5
+
+
 def test_flex_fully_masked_rows():
     n0, n1 = 6, 9
     r0 = Ranges([[]] + [[(0, i)] for i in range(1, n0)])

@@ -71,7 +71,7 @@ def test_fit_windows():
     assert _fit(np.zeros(n, np.int64), i + 5) == (0, 10, -1, 0)  # causal, 4 keys before the block
     assert _fit(np.zeros(n, np.int64), np.full(n, 7)) == (0, 7, -1, -1)  # full rectangle
     assert _fit(np.maximum(0, i - 2), i + 1) == (0, 6, 2, 0)  # sliding window of 3
-    assert _fit(np.zeros(n, np.int64), np.minimum(4, i + 1)) == (0, 4, -1, 2)  # causal, clamped at the end
+    assert _fit(np.zeros(n, np.int64), np.minimum(4, i + 1)) is None  # a right window past the diagonal: cut first
     assert _fit(np.zeros(n, np.int64), np.array([1, 2, 4, 5, 6, 7])) is None  # a jump: no window
     lo, hi, cnt = _coalesce(np.array([[0, 3, 9], [4, 0, 0]]), np.array([[3, 5, 9], [6, 2, 0]]))
     assert cnt.tolist() == [1, 2]
@@ -89,6 +89,7 @@ def test_segments_cover_every_visible_pair_once(mask_name, planner, world_size):
         if segs is None:
             continue
         expressible += 1
+        assert all(s.wr in (-1, 0) for s in segs), "right windows are causal or unbounded"
         cov = _covered(div, segs)
         assert (cov == _visible(div)).all(), f"division {div.division}: segments differ from the visible pairs"
     if mask_name in ("causal", "full", "lambda"):

@@ -49,10 +49,11 @@ Devices:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import warnings
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -87,6 +88,20 @@ def _compiled_flex() -> Callable:
     if "flex" not in _COMPILED:
         _COMPILED["flex"] = torch.compile(flex_attention)
     return _COMPILED["flex"]
+
+
+@contextlib.contextmanager
+def _autograd_inside() -> Iterator[None]:
+    """Autograd on, also inside a ``torch.library`` custom op's implementation (the
+    ``torch_dcp::attention_backward`` op runs the executor with the autograd dispatch keys
+    excluded, where ``torch.enable_grad`` alone records nothing): the recomputation below needs a
+    graph."""
+    with contextlib.ExitStack() as stack:
+        for key in (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.AutogradOther,
+                    torch._C.DispatchKey.AutogradNestedTensor):
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        with torch.enable_grad():
+            yield
 
 
 def _round_up(n: int, m: int) -> int:
@@ -289,7 +304,7 @@ class FlexKernel:
         lse_f = lse.to(acc).transpose(0, 1).unsqueeze(0)  # [1, H, N_q_pad]
         delta4 = delta.to(acc).transpose(0, 1).unsqueeze(0)
         flex_bwd = q4.device.type not in ("cpu", "mps")  # FlexAttention has no backward there
-        with torch.enable_grad():
+        with _autograd_inside():
             qg, kg, vg = (t.detach().requires_grad_(True) for t in (q4, k4, v4))
             if flex_bwd:
                 out_p, lse_p = self._flex(qg, kg, vg, meta, scale)

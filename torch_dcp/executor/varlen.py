@@ -18,8 +18,9 @@ when the device plan is built, or says it cannot:
 2. For every query of a unit, its key ranges (``BatchSpec.key_ranges``) become intervals of the
    unit's key list (``searchsorted`` on positions); touching intervals are coalesced.
 3. The unit's queries are cut where the number of intervals changes or an interval's edges stop
-   moving like a flash window (edges that are constant, or advance by one key per query,
-   clamped at one end); each piece and interval slot is fitted to ``(k_min, k_max, wl, wr)`` and
+   moving like a flash window (a right edge that is constant or advances by one key per query;
+   a left edge that may also stay put first); each piece and interval slot is fitted to
+   ``(k_min, k_max, wl, wr)`` with ``wr`` 0 (causal) or -1 (none), and
    the fit is checked exactly against every query's interval. A failed fit means the division
    is not expressible (e.g. a sliding window across a missing key block): use FlexAttention.
 4. Segments are grouped by ``(wl, wr)``: one call each (causal documents: one call; λ: the sink
@@ -112,9 +113,8 @@ def _fit(a: np.ndarray, b: np.ndarray) -> tuple[int, int, int, int] | None:
     if (b == kmax).all():
         wr = -1
     else:
-        w = (b - 1 - diag)[b < kmax]
-        wr = int(w[0])
-        if wr < 0 or (w != wr).any() or (b != np.minimum(kmax, diag + wr + 1)).any():
+        wr = 0  # causal: the right edge is the diagonal (see _edge_breaks)
+        if (b != np.minimum(kmax, diag + 1)).any():
             return None
     if (a == kmin).all():
         wl = -1
@@ -126,13 +126,19 @@ def _fit(a: np.ndarray, b: np.ndarray) -> tuple[int, int, int, int] | None:
     return kmin, kmax, wl, wr
 
 
-def _edge_breaks(x: np.ndarray, rising_first: bool) -> np.ndarray:
-    """bool ``[n - 1]``: cut before query ``i + 1`` where ``x`` stops moving like a window edge
-    (steps of 0 then 1 for a left edge, 1 then 0 for a right edge)."""
+def _edge_breaks(x: np.ndarray, left: bool) -> np.ndarray:
+    """bool ``[n - 1]``: cut before query ``i + 1`` where ``x`` stops moving like a window edge.
+
+    A left edge may stay put and then advance one key per query (a window clamped at the start
+    of the key list: steps 0 then 1); a right edge either advances one key per query or stays
+    put, never both in one segment (so every right edge is causal or unbounded: ``wr`` is 0 or
+    -1; a right window reaching past the diagonal is cut instead)."""
     d = np.diff(x)
     bad = (d != 0) & (d != 1)
-    late = 0 if rising_first else 1  # the step value that may not come back once left
-    bad[1:] |= (d[1:] == 1 - late) & (d[:-1] == late)
+    if left:
+        bad[1:] |= (d[1:] == 0) & (d[:-1] == 1)
+    else:
+        bad[1:] |= d[1:] != d[:-1]
     return bad
 
 
@@ -147,7 +153,7 @@ def _unit_segments(div: Division, qr: np.ndarray, keys: np.ndarray) -> list[Segm
     cut[1:] |= (cnt[1:] != cnt[:-1]) | (qr[1:] != qr[:-1] + 1)
     for s in range(lo.shape[1]):
         both = (cnt[1:] > s) & (cnt[:-1] > s)
-        cut[1:] |= both & (_edge_breaks(lo[:, s], False) | _edge_breaks(hi[:, s], True))
+        cut[1:] |= both & (_edge_breaks(lo[:, s], True) | _edge_breaks(hi[:, s], False))
     starts = np.flatnonzero(cut)
     segs = []
     for p0, p1 in zip(starts.tolist(), np.append(starts[1:], n).tolist()):
@@ -330,7 +336,9 @@ class VarlenKernel:
             arrays[f"cuk{c}"] = call.cu_k.astype(np.int32)
             segments = tuple(zip(call.cu_q[:-1].tolist(), call.cu_q[1:].tolist(), call.cu_k[:-1].tolist(),
                                  call.cu_k[1:].tolist()))
-            static_calls.append((call.wl, call.wr, qs, ks, int(np.diff(call.cu_q).max()),
+            # max_q >= 2: flash reshapes calls whose segments all have one query (GQA groups
+            # swapped into the sequence); a larger bound is harmless (the extra rows exit early)
+            static_calls.append((call.wl, call.wr, qs, ks, max(2, int(np.diff(call.cu_q).max())),
                                  int(np.diff(call.cu_k).max()), segments))
         all_rows = np.concatenate([c.q_rows for c in calls]) if calls else np.zeros(0, np.int64)
         times = np.bincount(all_rows, minlength=div.n_q)
