@@ -171,7 +171,8 @@ def test_get_kernel_names_and_auto():
     assert isinstance(get_kernel("flex"), FlexKernel)
     assert isinstance(get_kernel("auto", device="cpu"), SDPAKernel)
     assert isinstance(get_kernel(None), SDPAKernel)
-    assert isinstance(get_kernel("auto", device="cuda"), FlexKernel)  # constructing needs no GPU
+    auto = get_kernel("auto", device="cuda")  # constructing needs no GPU
+    assert auto.name == "auto" and isinstance(auto.general, FlexKernel) and auto.fast is None  # no dtype: no varlen
     batch = _batch("causal", "mha4-d32")
     plan = torch_dcp.plan(batch, 2, block_size=BLOCK)
     ex = torch_dcp.RankExecutor(plan, 0, torch_dcp.executor.InProcessTransport(torch_dcp.executor.Mailbox(), 0))
