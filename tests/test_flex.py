@@ -89,6 +89,22 @@ def test_flex_backward_inside_the_attention_op():
         assert (got.grad[0].transpose(0, 1).double() - want[idx]).abs().max().item() < 1e-5
 
 
+def test_flex_mask_mod_closed_forms():
+    from torch_dcp import Causal, Lambda
+
+    for mask in (Causal(), Lambda(sink=3, window=5)):
+        batch = BatchSpec([40, 23, 7], mask, n_heads=2, n_kv_heads=1, head_dim=8, dtype="float64")
+        plan = torch_dcp.plan(batch, 1, planner="greedy", block_size=8, divisions=1)
+        ins = next(i for i in plan.program(0).instructions if isinstance(i, BlockwiseAttention))
+        static = FlexKernel(block_size=8).prepare(build_division(ins, plan.workload)).static
+        assert static[-2:] == (mask, False), "one rank: closed form on two codes, no tile lookup"
+        _check(plan, batch, FlexKernel(block_size=8))
+    batch = _batch("shared_question", "mha4-d32")
+    plan = torch_dcp.plan(batch, 3, planner="greedy", block_size=BLOCK, divisions=2)
+    ins = next(i for i in plan.program(0).instructions if isinstance(i, BlockwiseAttention))
+    assert FlexKernel(block_size=8).prepare(build_division(ins, plan.workload)).static[-2] is None  # ranges
+
+
 def test_flex_fully_masked_rows():
     n0, n1 = 6, 9
     r0 = Ranges([[]] + [[(0, i)] for i in range(1, n0)])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import numpy as np
 
+from ..masks import MaskSpec
 from ..plan import BlockwiseAttention
 from ..workload import Workload, spans_to_indices
 
@@ -40,11 +41,14 @@ class Division:
             index ``j`` of each packed key.
         tile_group, tile_key: ``[n_tiles]`` ``(g, j)`` of each tile; tile_full: bool
             ``[n_tiles]``, every pair of the tile visible.
-        q_doc: ``[n_q]`` document of each packed query (a tile pairs blocks of one document).
+        q_doc: ``[n_q]`` document of each packed query (a tile pairs blocks of one document);
+            k_doc: ``[n_k]`` the same for the keys.
         q_pos: ``[n_q]`` document-local position of each packed query; k_pos: ``[n_k]`` the
             same for the keys.
         key_starts, key_ends: ``[n_q, R]`` document-local key ranges ``[start, end)`` of each
             packed query (``R`` = the batch's widest mask; unused ranges are empty).
+        mask: the mask spec of every document of the division's queries, or None when they
+            have different ones.
     """
 
     division: int
@@ -59,10 +63,12 @@ class Division:
     tile_key: np.ndarray
     tile_full: np.ndarray
     q_doc: np.ndarray
+    k_doc: np.ndarray
     q_pos: np.ndarray
     k_pos: np.ndarray
     key_starts: np.ndarray
     key_ends: np.ndarray
+    mask: MaskSpec | None = None
 
     @property
     def n_q(self) -> int:
@@ -79,6 +85,19 @@ class Division:
     @property
     def n_key_blocks(self) -> int:
         return len(self.k_ptr) - 1
+
+    def reachable(self) -> np.ndarray:
+        """bool ``[G, J]``: key block ``j`` is of group ``g``'s document and meets the hull of
+        one of its queries' key ranges (a superset of the pairs with a visible pair: where this
+        is False, the mask hides every pair)."""
+        kb_lo = self.k_pos[self.k_ptr[:-1]]
+        kb_hi = self.k_pos[self.k_ptr[1:] - 1] + 1
+        nonempty = self.key_starts < self.key_ends
+        big = np.iinfo(np.int64).max
+        lo = np.minimum.reduceat(np.where(nonempty, self.key_starts, big), self.q_ptr[:-1], axis=0)  # [G, R]
+        hi = np.maximum.reduceat(np.where(nonempty, self.key_ends, -1), self.q_ptr[:-1], axis=0)
+        meets = ((kb_lo[None, :, None] < hi[:, None, :]) & (kb_hi[None, :, None] > lo[:, None, :])).any(-1)
+        return meets & (self.q_doc[self.q_ptr[:-1]][:, None] == self.k_doc[self.k_ptr[:-1]][None, :])
 
     def tile_matrix(self) -> tuple[np.ndarray, np.ndarray]:
         """``(present, full)``: bool ``[G, J]``, tile ``(g, j)`` is in the division / is full."""
@@ -114,11 +133,13 @@ def build_division(ins: BlockwiseAttention, workload: Workload) -> Division:
     tile_group = np.repeat(np.arange(len(ins.q_block), dtype=np.int64), np.diff(ins.kv_ptr))
     tile_key = np.asarray(inv, np.int64).reshape(-1)
     q_doc, q_pos = workload.block_positions(ins.q_block)
-    _, k_pos = workload.block_positions(kblocks)
+    k_doc, k_pos = workload.block_positions(kblocks)
     starts, ends = workload.batch.key_ranges(q_doc, q_pos)
+    mask_ids = np.unique(workload.batch.doc_mask[np.unique(q_doc)])
+    mask = workload.batch.masks[int(mask_ids[0])] if len(mask_ids) == 1 else None
     return Division(
         division=int(ins.division), q_rows=q_rows, out_rows=out_rows, kv_rows=kv_rows, q_ptr=q_ptr, k_ptr=k_ptr,
         q_group=q_group, k_block=k_block, tile_group=tile_group, tile_key=tile_key,
-        tile_full=np.asarray(workload.tile_full[ins.tile], bool), q_doc=q_doc, q_pos=q_pos, k_pos=k_pos,
-        key_starts=starts, key_ends=ends,
+        tile_full=np.asarray(workload.tile_full[ins.tile], bool), q_doc=q_doc, k_doc=k_doc, q_pos=q_pos, k_pos=k_pos,
+        key_starts=starts, key_ends=ends, mask=mask,
     )

@@ -15,12 +15,14 @@ arXiv 2412.05496):
   device work per step):
   a flex tile is *present* if any of the division's tiles overlaps it and *full* if every
   pair in it belongs to a full tile of the division;
-* a ``mask_mod`` evaluated in partial flex tiles through index tensors: per packed query its
-  group (query block), document-local position's key ranges ``[start, end)`` (``R`` ranges,
-  ``BatchSpec.key_ranges``); per packed key its distinct key block and document-local
-  position; plus the division's ``[G, J]`` tile matrix, so a pair counts only where the plan
-  runs its tile here. Every mask spec (Causal, Full, Lambda, BlockwiseCausal, SharedQuestion,
-  Ranges) goes through the same code.
+* a ``mask_mod`` evaluated in partial flex tiles on token codes (``document << 32 |
+  document-local position``, one int64 per packed query and key): for the built-in masks
+  (Causal, Full, Lambda, BlockwiseCausal) a closed form on the two codes -- two gathers per
+  pair; for the others (SharedQuestion, Ranges, mixed masks) the key's code against the query's
+  ``R`` key ranges (``BatchSpec.key_ranges``, as codes of its document). Where some
+  (query block, key block) pair of one document has no tile in the division (it runs elsewhere),
+  the pair's tile is looked up too (``[G, J]`` tile matrix: three more gathers), so a pair counts
+  only where the plan runs its tile here.
 
 The forward returns the partial output and its natural-log LSE (``-inf`` and output 0 for rows
 that see no key).
@@ -58,6 +60,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from ..masks import BlockwiseCausal, Causal, Full, Lambda
 from .division import Division
 from .kernels import KernelLayout
 
@@ -114,6 +117,24 @@ def _prefix2d(a: np.ndarray) -> np.ndarray:
     return s
 
 
+def _spans(div: Division, bs: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For every flex row (column) of the packed layout, the first and last group (key block)
+    it holds: ``(g0, g1, j0, j1)``."""
+    a = np.arange(-(-div.n_q // bs))
+    b = np.arange(-(-div.n_k // bs))
+    g0 = div.q_group[np.minimum(a * bs, div.n_q - 1)]
+    g1 = div.q_group[np.minimum((a + 1) * bs, div.n_q) - 1]
+    j0 = div.k_block[np.minimum(b * bs, div.n_k - 1)]
+    j1 = div.k_block[np.minimum((b + 1) * bs, div.n_k) - 1]
+    return g0, g1, j0, j1
+
+
+def _rect_sums(s: np.ndarray, g0, g1, j0, j1) -> np.ndarray:
+    """Sums over the ``[g0..g1] x [j0..j1]`` rectangles of the matrix with 2-D prefix sums ``s``."""
+    return (s[g1[:, None] + 1, j1[None, :] + 1] - s[g0[:, None], j1[None, :] + 1]
+            - s[g1[:, None] + 1, j0[None, :]] + s[g0[:, None], j0[None, :]])
+
+
 def division_tiles(div: Division, bs: int) -> tuple[np.ndarray, np.ndarray]:
     """Flex tiles of a division's packed layout: ``(full, partial)``, bool
     ``[ceil(N_q / bs), ceil(N_k / bs)]``, from the tile list (vectorised, no dense mask)."""
@@ -130,19 +151,68 @@ def division_tiles(div: Division, bs: int) -> tuple[np.ndarray, np.ndarray]:
     # full: the flex tile lies inside real rows and keys, and every (group, key block) pair it
     # spans is a full tile of the division
     _, full_t = div.tile_matrix()
-    s = _prefix2d(full_t)
-    a = np.arange(nqt)
-    b = np.arange(nkt)
-    ga0 = div.q_group[np.minimum(a * bs, div.n_q - 1)]
-    ga1 = div.q_group[np.minimum((a + 1) * bs, div.n_q) - 1]
-    jb0 = div.k_block[np.minimum(b * bs, div.n_k - 1)]
-    jb1 = div.k_block[np.minimum((b + 1) * bs, div.n_k) - 1]
-    cnt = (s[ga1[:, None] + 1, jb1[None, :] + 1] - s[ga0[:, None], jb1[None, :] + 1]
-           - s[ga1[:, None] + 1, jb0[None, :]] + s[ga0[:, None], jb0[None, :]])
-    area = (ga1 - ga0 + 1)[:, None] * (jb1 - jb0 + 1)[None, :]
-    inside = ((a + 1) * bs <= div.n_q)[:, None] & ((b + 1) * bs <= div.n_k)[None, :]
+    g0, g1, j0, j1 = _spans(div, bs)
+    cnt = _rect_sums(_prefix2d(full_t), g0, g1, j0, j1)
+    area = (g1 - g0 + 1)[:, None] * (j1 - j0 + 1)[None, :]
+    inside = ((np.arange(nqt) + 1) * bs <= div.n_q)[:, None] & ((np.arange(nkt) + 1) * bs <= div.n_k)[None, :]
     full = inside & (cnt == area) & present
     return full, present & ~full
+
+
+def _tile_check_needed(div: Division) -> bool:
+    """Whether some (group, key block) pair that the mask may see has no tile in the division
+    (its tile runs elsewhere): only then must ``mask_mod`` look the pair's tile up. (The block
+    mask alone would hide such pairs from the compiled kernel where no partial flex tile spans
+    them, but ``mask_mod`` must be exact on every pair: eager FlexAttention evaluates it
+    everywhere.)"""
+    present, _ = div.tile_matrix()
+    return bool((div.reachable() & ~present).any())
+
+
+# ---------------------------------------------------------------------------------- mask_mod
+# Token codes: ``document << 32 | document-local position`` (int64); padding keys -1 and
+# padding queries -2 << 32 belong to no document. Closed forms of the built-in masks on two
+# codes (one gather each per pair); other masks compare the key's code with the query's ranges.
+_POS = 0xFFFFFFFF
+_PAD_KEY = -1
+_PAD_QUERY = -(2 << 32)
+
+
+def _codes(doc: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    return (doc.astype(np.int64) << 32) | pos.astype(np.int64)
+
+
+def _same_doc(qc, kc):
+    return (qc >> 32) == (kc >> 32)
+
+
+def _causal_form(spec: Causal):
+    return lambda qc, kc: _same_doc(qc, kc) & (kc <= qc)
+
+
+def _full_form(spec: Full):
+    return _same_doc
+
+
+def _lambda_form(spec: Lambda):
+    sink, window = int(spec.sink), int(spec.window)
+
+    def seen(qc, kc):
+        kp = kc & _POS
+        return _same_doc(qc, kc) & (kc <= qc) & ((kp < sink) | (kp > (qc & _POS) - window))
+    return seen
+
+
+def _blockwise_form(spec: BlockwiseCausal):
+    block, window, sink = int(spec.block), int(spec.window_blocks), int(spec.sink_blocks)
+
+    def seen(qc, kc):
+        kb = (kc & _POS) // block
+        return _same_doc(qc, kc) & (kc <= qc) & ((kb < sink) | ((qc & _POS) // block - kb < window))
+    return seen
+
+
+_CLOSED_FORMS = {Causal: _causal_form, Full: _full_form, Lambda: _lambda_form, BlockwiseCausal: _blockwise_form}
 
 
 def _pad(a: np.ndarray, n: int, fill: int) -> np.ndarray:
@@ -163,17 +233,30 @@ class _FlexMeta:
     """A division's flex state on the device (built once per upload)."""
 
     def __init__(self, arrays: dict[str, torch.Tensor], static: tuple):
-        self.n_q, self.n_k, self.nq_pad, self.nk_pad, self.bs, self.n_ranges, self.n_keys = static
+        self.n_q, self.n_k, self.nq_pad, self.nk_pad, self.bs, self.n_ranges, spec, tile_check = static
         a = arrays
-        tiles, qg, kb, kpos, starts, ends = a["tiles"], a["qg"], a["kb"], a["kpos"], a["starts"], a["ends"]
-        R = self.n_ranges
+        qcode, kcode = a["qcode"], a["kcode"]
+        if spec is not None:
+            seen = _CLOSED_FORMS[type(spec)](spec)
+        else:  # the query's key ranges, as codes of its document
+            starts, ends, R = a["starts"], a["ends"], self.n_ranges
+
+            def seen(qc, kc, q_idx):
+                hit = (kc >= starts[q_idx, 0]) & (kc < ends[q_idx, 0])
+                for r in range(1, R):
+                    hit = hit | ((kc >= starts[q_idx, r]) & (kc < ends[q_idx, r]))
+                return hit
+
+        if tile_check:
+            tiles, qg, kb = a["tiles"], a["qg"], a["kb"]
+        ranged = spec is None
 
         def mask_mod(b, h, q_idx, kv_idx):
-            kp = kpos[kv_idx]
-            seen = (kp >= starts[q_idx, 0]) & (kp < ends[q_idx, 0])
-            for r in range(1, R):
-                seen = seen | ((kp >= starts[q_idx, r]) & (kp < ends[q_idx, r]))
-            return seen & tiles[qg[q_idx] + kb[kv_idx]]
+            kc = kcode[kv_idx]
+            ok = seen(None, kc, q_idx) if ranged else seen(qcode[q_idx], kc)
+            if tile_check:
+                ok = ok & tiles[qg[q_idx] + kb[kv_idx]]
+            return ok
 
         self.mask_mod = mask_mod
         self.full, self.partial = a["full"], a["partial"]
@@ -228,18 +311,26 @@ class FlexKernel:
         bs = self.block_size
         full, partial = division_tiles(div, bs)
         nq_pad, nk_pad = _round_up(div.n_q, bs), _round_up(div.n_k, bs)
-        G, J = div.n_groups, div.n_key_blocks
-        present, _ = div.tile_matrix()
-        tm = np.zeros((G + 1, J + 1), bool)  # row G / column J: padding, sees nothing
-        tm[:G, :J] = present
-        arrays = {"full": full, "partial": partial, "tiles": tm.reshape(-1),
-                  "qg": _pad(div.q_group * (J + 1), nq_pad, G * (J + 1)), "kb": _pad(div.k_block, nk_pad, J),
-                  "kpos": _pad(div.k_pos, nk_pad, 0), "starts": _pad(div.key_starts, nq_pad, 0),
-                  "ends": _pad(div.key_ends, nq_pad, 0)}
+        spec = div.mask if type(div.mask) in _CLOSED_FORMS else None
+        arrays = {"full": full, "partial": partial,
+                  "qcode": _pad(_codes(div.q_doc, div.q_pos), nq_pad, _PAD_QUERY),
+                  "kcode": _pad(_codes(div.k_doc, div.k_pos), nk_pad, _PAD_KEY)}
+        if spec is None:  # ranges as codes of the query's document; padding queries: empty ranges
+            base = div.q_doc.astype(np.int64)[:, None] << 32
+            arrays["starts"] = _pad(base + div.key_starts, nq_pad, 0)
+            arrays["ends"] = _pad(base + div.key_ends, nq_pad, 0)
+        tile_check = _tile_check_needed(div)
+        if tile_check:
+            G, J = div.n_groups, div.n_key_blocks
+            present, _ = div.tile_matrix()
+            tm = np.zeros((G + 1, J + 1), bool)  # row G / column J: padding, sees nothing
+            tm[:G, :J] = present
+            arrays.update(tiles=tm.reshape(-1), qg=_pad(div.q_group * (J + 1), nq_pad, G * (J + 1)),
+                          kb=_pad(div.k_block, nk_pad, J))
         for name, m in (("", partial), ("full_", full)):
             arrays[f"{name}kv_num"], arrays[f"{name}kv_idx"] = _block_lists(m)
             arrays[f"{name}q_num"], arrays[f"{name}q_idx"] = _block_lists(np.ascontiguousarray(m.T))
-        static = (div.n_q, div.n_k, nq_pad, nk_pad, bs, div.key_starts.shape[1], J)
+        static = (div.n_q, div.n_k, nq_pad, nk_pad, bs, div.key_starts.shape[1], spec, tile_check)
         return KernelLayout(nq_pad, nk_pad, arrays, static)
 
     def bind(self, arrays: dict[str, torch.Tensor], static: tuple) -> _FlexMeta:

@@ -170,9 +170,8 @@ def plan_segments(div: Division) -> list[Segment] | None:
     """The division's visible pairs as varlen segments (module docstring), or None when some
     pair pattern is not a flash window. Each pair is covered once."""
     present, _ = div.tile_matrix()
-    kb_lo = div.k_pos[div.k_ptr[:-1]]
-    kb_hi = div.k_pos[div.k_ptr[1:] - 1] + 1
-    order = np.argsort(kb_lo, kind="stable")  # key blocks in document order (within a document)
+    reach = div.reachable()  # the hull of each group's key ranges
+    order = np.argsort(div.k_pos[div.k_ptr[:-1]], kind="stable")  # key blocks in document order (within a document)
     segs: list[Segment] = []
     unit: list[int] = []
     union = forbidden = None
@@ -191,11 +190,7 @@ def plan_segments(div: Division) -> list[Segment] | None:
 
     for g in range(div.n_groups):
         rows = slice(int(div.q_ptr[g]), int(div.q_ptr[g + 1]))
-        st, en = div.key_starts[rows], div.key_ends[rows]
-        nonempty = st < en
-        lo = np.where(nonempty, st, _BIG).min(0)
-        hi = np.where(nonempty, en, -1).max(0)
-        needed = ((kb_lo[:, None] < hi[None, :]) & (kb_hi[:, None] > lo[None, :])).any(1)  # hull of its ranges
+        needed = reach[g]
         tiles = present[g]
         if unit and div.q_doc[rows.start] == div.q_doc[div.q_ptr[unit[0]]] and not (tiles & forbidden).any() \
                 and not (needed & (union | tiles) & ~tiles).any():
