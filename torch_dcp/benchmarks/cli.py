@@ -96,7 +96,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--repeat", type=int, default=3)
     t.add_argument("--copy-mb", type=int, default=256)
     t.set_defaults(run=_table)
-    dv = ksub.add_parser("division", help="one division's kernel vs one dense FlexAttention call, TFLOP/s")
+    dv = ksub.add_parser("division", help="one division's kernel vs the faster dense call (flex or varlen flash), TFLOP/s")
     dv.add_argument("--docs", type=_ints, default=None, help="causal document lengths (default 16384,16384 on CUDA, "
                     "1024,512 on CPU)")
     dv.add_argument("--block", type=int, default=None, help="block size (default 1024 on CUDA, 128 on CPU)")

@@ -5,6 +5,7 @@ with a document ``BlockMask``, or SDPA with a dense boolean mask)."""
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Any, Callable
@@ -253,3 +254,39 @@ class DenseAttention:
         if self.flex:
             return self._fn(q, k, v, block_mask=self.block_mask, enable_gqa=self.gqa)
         return self._fn(q, k, v, attn_mask=self.mask, enable_gqa=self.gqa)
+
+
+def varlen_unavailable(batch: BatchSpec, dev: torch.device) -> str | None:
+    """Why one varlen flash call cannot run this batch, or None when it can."""
+    if dev.type != "cuda":
+        return "flash varlen needs CUDA"
+    if batch.dtype not in ("bfloat16", "float16"):
+        return f"flash needs float16/bfloat16, not {batch.dtype}"
+    kinds = {type(m).__name__ for m in batch.masks}
+    if kinds not in ({"Causal"}, {"Full"}):
+        return f"mask {'/'.join(sorted(kinds))}: no single varlen call (dense flex only)"
+    return None
+
+
+def varlen_calls(batch: BatchSpec, dev: torch.device, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 go: torch.Tensor) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """``(forward, forward_backward)``: one ``aten._flash_attention_forward`` over the documents'
+    ``cu_seqlens`` (``q [T, H, D]``, ``k, v [T, H_kv, D]``, GQA native), and the same followed by
+    ``aten._flash_attention_backward`` (returns ``(out, dq, dk, dv)``). See
+    :func:`varlen_unavailable` for when it runs."""
+    cu = torch.from_numpy(batch.cu_seqlens.astype(np.int32)).to(dev)
+    m = int(batch.doc_lens.max())
+    causal = batch.is_causal
+    scale = 1.0 / math.sqrt(batch.head_dim)
+    aten = torch.ops.aten
+
+    def forward():
+        return aten._flash_attention_forward(q, k, v, cu, cu, m, m, 0.0, causal, False, scale=scale)
+
+    def forward_backward():
+        out, lse, rng, unused, _ = forward()
+        grads = aten._flash_attention_backward(go, q, k, v, out, lse, cu, cu, m, m, 0.0, causal, rng, unused,
+                                               scale=scale)
+        return (out,) + tuple(grads)
+
+    return forward, forward_backward

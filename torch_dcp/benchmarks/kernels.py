@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from .common import DTYPES, DenseAttention, device_name, kernel_name, pick_device, sync, time_median
+from .common import (DTYPES, DenseAttention, device_name, kernel_name, pick_device, sync, time_median, varlen_calls,
+                     varlen_unavailable)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..plan import BlockwiseReduction
@@ -269,8 +270,9 @@ def bench_division(doc_lens: list[int], block: int = 1024, heads: int = 8, kv_he
                    dtype: str | None = None, kernel: str = "auto", device: str | None = None,
                    repeat: int = 3) -> dict[str, float]:
     """One division with every tile of causal documents ``doc_lens`` cut into ``block``-token
-    blocks (one rank, ``divisions=1``), through the executor's kernel, against one dense
-    FlexAttention call over the contiguous documents (document-causal mask).
+    blocks (one rank, ``divisions=1``), through the executor's kernel, against the faster of
+    one dense FlexAttention call over the contiguous documents (document-causal mask) and one
+    varlen flash call (CUDA, 16-bit), per direction.
 
     Returns:
         seconds and TFLOP/s (useful FLOPs only) of both, forward and backward, and the ratios
@@ -289,8 +291,13 @@ def bench_division(doc_lens: list[int], block: int = 1024, heads: int = 8, kv_he
     ff, fb = float(wl.tile_flops_fwd.sum()), float(wl.tile_flops_bwd.sum())
     t = _timed_attention(plan, dtype, kernel, dev, repeat)
     div_f, div_b = float(t["fwd_attention"][0]), float(t["bwd_attention"][0])
-    dense_f, dense_b = _dense_flex(doc_lens, heads, kv_heads, head_dim, dtype, dev, repeat)
+    flex_f, flex_b = _dense_flex(doc_lens, heads, kv_heads, head_dim, dtype, dev, repeat)
+    var_f, var_b = _dense_varlen(batch, dev, repeat)
+    # the faster dense kernel on the same useful work, per direction
+    dense_f = min(flex_f, var_f) if var_f == var_f else flex_f
+    dense_b = min(flex_b, var_b) if var_b == var_b and flex_b == flex_b else flex_b
     out = {"useful_pairs": float(wl.tile_pairs.sum()), "division_fwd_s": div_f, "division_bwd_s": div_b,
+           "flex_fwd_s": flex_f, "flex_bwd_s": flex_b, "varlen_fwd_s": var_f, "varlen_bwd_s": var_b,
            "dense_fwd_s": dense_f, "dense_bwd_s": dense_b,
            "division_fwd_tflops": ff / div_f / 1e12, "division_bwd_tflops": fb / div_b / 1e12,
            "dense_fwd_tflops": ff / dense_f / 1e12, "dense_bwd_tflops": fb / dense_b / 1e12 if dense_b == dense_b else
@@ -298,6 +305,21 @@ def bench_division(doc_lens: list[int], block: int = 1024, heads: int = 8, kv_he
     out["fwd_ratio"] = dense_f / div_f
     out["bwd_ratio"] = dense_b / div_b if dense_b == dense_b else float("nan")
     return out
+
+
+def _dense_varlen(batch, dev: torch.device, repeat: int) -> tuple[float, float]:
+    """Seconds of one varlen flash call (forward; forward + backward less forward) over the
+    batch's documents; NaN where it cannot run (see :func:`~.common.varlen_unavailable`)."""
+    if varlen_unavailable(batch, dev) is not None:
+        return float("nan"), float("nan")
+    g = torch.Generator(device="cpu").manual_seed(1)
+    tdt = DTYPES[batch.dtype]
+    t, h, hkv, d = batch.total_tokens, batch.n_heads, batch.n_kv_heads, batch.head_dim
+    q, go = (torch.randn(t, h, d, generator=g).to(device=dev, dtype=tdt) for _ in range(2))
+    k, v = (torch.randn(t, hkv, d, generator=g).to(device=dev, dtype=tdt) for _ in range(2))
+    forward, both = varlen_calls(batch, dev, q, k, v, go)
+    fwd = time_median(forward, dev, repeat)
+    return fwd, max(time_median(both, dev, repeat) - fwd, 1e-12)
 
 
 def _dense_flex(doc_lens: list[int], heads: int, kv_heads: int, head_dim: int, dtype: str, dev: torch.device,

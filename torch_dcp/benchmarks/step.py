@@ -58,7 +58,8 @@ import torch
 import torch_dcp
 from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor
 
-from .common import DTYPES, MASKS, DenseAttention, batch_lengths, device_name, pick_device, sync, time_median
+from .common import (DTYPES, MASKS, DenseAttention, batch_lengths, device_name, pick_device, sync, time_median,
+                     varlen_calls, varlen_unavailable)
 
 __all__ = ["add_arguments", "run", "main", "TARGETS"]
 
@@ -151,32 +152,9 @@ def _dense(batch, dev, q, k, v, go, repeat) -> dict[str, Any]:
     return {"s": time_median(step, dev, repeat), "results": res, "name": name}
 
 
-def varlen_unavailable(batch: torch_dcp.BatchSpec, dev: torch.device) -> str | None:
-    """Why one varlen flash call cannot run this batch, or None when it can."""
-    if dev.type != "cuda":
-        return "flash varlen needs CUDA"
-    if batch.dtype not in ("bfloat16", "float16"):
-        return f"flash needs float16/bfloat16, not {batch.dtype}"
-    kinds = {type(m).__name__ for m in batch.masks}
-    if kinds not in ({"Causal"}, {"Full"}):
-        return f"mask {'/'.join(sorted(kinds))}: no single varlen call (dense flex only)"
-    return None
-
-
 def _varlen(batch, dev, q, k, v, go, repeat) -> dict[str, Any]:
     """``aten._flash_attention_forward`` + ``_backward`` over the documents' ``cu_seqlens``."""
-    cu = torch.from_numpy(batch.cu_seqlens.astype(np.int32)).to(dev)
-    m = int(batch.doc_lens.max())
-    causal = batch.is_causal
-    scale = 1.0 / math.sqrt(batch.head_dim)
-    aten = torch.ops.aten
-
-    def step():
-        out, lse, rng, unused, _ = aten._flash_attention_forward(q, k, v, cu, cu, m, m, 0.0, causal, False, scale=scale)
-        grads = aten._flash_attention_backward(go, q, k, v, out, lse, cu, cu, m, m, 0.0, causal, rng, unused,
-                                               scale=scale)
-        return (out,) + tuple(grads)
-
+    _, step = varlen_calls(batch, dev, q, k, v, go)
     res = step()
     return {"s": time_median(step, dev, repeat), "results": res}
 

@@ -241,7 +241,7 @@ def _calls(segs: list[Segment]) -> list[_Call]:
     return calls
 
 
-def _rows_spec(idx: np.ndarray, n: int) -> tuple:
+def _rows_spec(idx: np.ndarray) -> tuple:
     """``("slice", a, b)`` when ``idx`` is ``arange(a, b)``, else ``("index",)``."""
     if len(idx) and (np.diff(idx) == 1).all():
         return ("slice", int(idx[0]), int(idx[-1]) + 1)
@@ -322,7 +322,7 @@ class VarlenKernel:
         arrays: dict[str, np.ndarray] = {}
         static_calls = []
         for c, call in enumerate(calls):
-            qs, ks = _rows_spec(call.q_rows, div.n_q), _rows_spec(call.keys, div.n_k)
+            qs, ks = _rows_spec(call.q_rows), _rows_spec(call.keys)
             if qs[0] == "index":
                 arrays[f"q{c}"] = call.q_rows
             if ks[0] == "index":
