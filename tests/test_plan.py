@@ -165,6 +165,33 @@ def test_from_bytes_rejects_garbage():
         Plan.from_bytes(data[:40])
 
 
+@pytest.mark.parametrize("case", ["greedy-ranges", "dcp-causal"])
+def test_from_bytes_fuzz_every_byte_and_truncation(case):
+    """Every single-byte change (three values per position) and every truncation of a
+    serialised plan raises PlanError: none loads as another plan, no other exception."""
+    if case == "greedy-ranges":
+        rows = [[(0, i + 1), (max(0, i - 2), min(7, i + 3))] for i in range(7)]
+        batch = BatchSpec([9, 7], [Causal(), Ranges(rows)], n_heads=2, n_kv_heads=1, head_dim=4)
+        plan = torch_dcp.plan(batch, 2, planner="greedy", block_size=4, divisions=2)
+    else:
+        batch = BatchSpec([13, 4, 20], Causal(), n_heads=2, n_kv_heads=1, head_dim=4)
+        plan = torch_dcp.plan(batch, 3, planner="dcp", block_size=4, divisions=2)
+    data = plan.to_bytes()
+    assert Plan.from_bytes(data).digest() == plan.digest()
+    accepted, other = [], []
+    variants = [data[:i] for i in range(len(data))] + [data + b"\0"]
+    variants += [data[:i] + bytes([(data[i] + d) % 256]) + data[i + 1:] for i in range(len(data)) for d in (1, 128, 255)]
+    for v in variants:
+        try:
+            Plan.from_bytes(v)
+            accepted.append(v)
+        except PlanError:
+            pass
+        except Exception as err:  # noqa: BLE001 - what the test looks for
+            other.append(type(err).__name__)
+    assert not accepted and not other, f"{len(accepted)} corrupted plans accepted, other errors: {set(other)}"
+
+
 def test_validate_catches_a_missing_transfer():
     batch = BatchSpec([40], n_heads=2, n_kv_heads=1, head_dim=4)
     plan = torch_dcp.plan(batch, 4, planner="ring", divisions=2)

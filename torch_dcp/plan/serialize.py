@@ -1,8 +1,11 @@
 """Plan serialisation (no pickle) and the content digest.
 
-Format: magic, format version, a JSON header (batch, topology, planner, divisions, block size
-and the array table), then raw little-endian arrays -- block spans, block and tile ranks, tile
-divisions in the narrowest integer types. Tiles and programs are recomputed on load.
+Format (version 3): magic, then ``<IQQ`` (format version, header bytes, body bytes), the SHA-256
+of everything after the magic but the checksum itself (version, lengths, header, body), a JSON
+header (batch, topology, planner, divisions, block size and the array table), then raw
+little-endian arrays -- block spans, block and tile ranks, tile divisions in the narrowest
+integer types. Tiles and programs are recomputed on load. Any changed, missing or extra byte
+fails the length or checksum test: a corrupted plan is never loaded as another plan.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["FORMAT_MAGIC", "FORMAT_VERSION", "plan_to_bytes", "plan_from_bytes", "plan_digest"]
 
 FORMAT_MAGIC = b"TDCPLAN\0"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+_LENGTHS = struct.Struct("<IQQ")
+_SUM = 32  # SHA-256 bytes
 
 
 def _content(plan: "Plan") -> tuple[dict[str, Any], dict[str, np.ndarray]]:
@@ -65,31 +70,39 @@ def plan_to_bytes(plan: "Plan") -> bytes:
         offset += len(raw) + pad
     doc = {"content": {**header, "arrays": specs}, "meta": {"plan_seconds": plan.plan_seconds}}
     text = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-    return FORMAT_MAGIC + struct.pack("<IQ", FORMAT_VERSION, len(text)) + text + b"".join(body)
+    payload = text + b"".join(body)
+    lengths = _LENGTHS.pack(FORMAT_VERSION, len(text), len(payload) - len(text))
+    return FORMAT_MAGIC + lengths + hashlib.sha256(lengths + payload).digest() + payload
 
 
 def plan_from_bytes(cls: type, data: bytes) -> "Plan":
     """See :meth:`torch_dcp.plan.Plan.from_bytes`."""
-    data = bytes(data)
+    try:
+        data = bytes(data)
+    except TypeError:
+        raise PlanError(f"a plan is bytes, got {type(data).__name__}") from None
     if not data.startswith(FORMAT_MAGIC):
         raise PlanError("not a torch_dcp plan (bad magic)")
     n = len(FORMAT_MAGIC)
-    try:
-        version, hlen = struct.unpack_from("<IQ", data, n)
-    except struct.error:
-        raise PlanError("truncated plan header") from None
+    if len(data) < n + _LENGTHS.size + _SUM:
+        raise PlanError(f"truncated plan: {len(data)} bytes, shorter than its header")
+    version, hlen, blen = _LENGTHS.unpack_from(data, n)
     if version != FORMAT_VERSION:
         raise PlanError(f"plan format version {version} is not supported (this build reads {FORMAT_VERSION})")
-    start = n + struct.calcsize("<IQ")
-    try:
-        doc = json.loads(data[start:start + hlen])
+    start = n + _LENGTHS.size + _SUM
+    if len(data) != start + hlen + blen:
+        raise PlanError(f"plan of {len(data)} bytes, its header announces {start + hlen + blen} (truncated or extended)")
+    lengths, payload = data[n:n + _LENGTHS.size], data[start:]
+    if hashlib.sha256(lengths + payload).digest() != data[n + _LENGTHS.size:start]:
+        raise PlanError("plan checksum mismatch: the bytes were changed after serialisation")
+    try:  # the checksum holds: a failure here is a plan this build cannot read
+        doc = json.loads(payload[:hlen])
         content = doc["content"]
-        base = start + hlen
         arrays = {}
         for spec in content["arrays"]:
             dt = np.dtype(spec["dtype"])
             count = int(np.prod(spec["shape"])) if spec["shape"] else 1
-            a = np.frombuffer(data, dtype=dt, count=count, offset=base + spec["offset"])
+            a = np.frombuffer(payload, dtype=dt, count=count, offset=hlen + spec["offset"])
             arrays[spec["name"]] = a.reshape(spec["shape"]).astype(dt.newbyteorder("="))
         bd = content["batch"]
         for i, m in enumerate(bd["masks"]):
@@ -103,8 +116,8 @@ def plan_from_bytes(cls: type, data: bytes) -> "Plan":
         placement = Placement(wl, topology.world_size, arrays["block_rank"], arrays["tile_rank"],
                               planner=content["planner"])
         return cls(placement, topology, arrays["tile_division"], content["divisions"], doc["meta"]["plan_seconds"])
-    except (KeyError, ValueError, TypeError, json.JSONDecodeError) as err:
-        raise PlanError(f"corrupt plan payload: {err}") from None
+    except Exception as err:  # noqa: BLE001 - one error type for every unreadable payload
+        raise PlanError(f"unreadable plan payload: {type(err).__name__}: {err}") from None
 
 
 def plan_digest(plan: "Plan") -> str:
