@@ -8,9 +8,11 @@ import re
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from torch_dcp import BatchSpec, Topology
-from torch_dcp.batch import DTYPE_SIZES, canonical_dtype
+from torch_dcp.batch import DTYPE_SIZES, MAX_TOKENS, canonical_dtype
 from torch_dcp.masks import BlockwiseCausal, Causal, Full, Lambda, Ranges, SharedQuestion
 
 # --------------------------------------------------------------------------- 1. construction
@@ -305,3 +307,22 @@ def test_error_messages_name_values():
     with pytest.raises(ValueError) as info:
         BatchSpec(cu_seqlens=[2, 5])
     assert "BatchSpec.cu_seqlens" in str(info.value) and "2" in str(info.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=2**62), min_size=1, max_size=6))
+def test_batch_token_bound(lens):
+    total = sum(lens)
+    if total <= MAX_TOKENS:
+        assert BatchSpec(lens).total_tokens == total
+    else:
+        with pytest.raises(ValueError, match=f"at most {MAX_TOKENS}"):
+            BatchSpec(lens)
+
+
+def test_batch_bounds_named_in_errors():
+    with pytest.raises(ValueError, match="at most"):
+        BatchSpec([2**62] * 4)  # an int64 sum would wrap to 0
+    with pytest.raises(ValueError, match="at most"):
+        BatchSpec([2**40])
+    assert BatchSpec([MAX_TOKENS]).total_tokens == MAX_TOKENS

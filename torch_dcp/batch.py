@@ -11,7 +11,11 @@ import numpy as np
 
 from .masks import Causal, MaskSpec, mask_from_dict
 
-__all__ = ["BatchSpec", "DTYPE_SIZES", "canonical_dtype"]
+__all__ = ["BatchSpec", "DTYPE_SIZES", "MAX_TOKENS", "canonical_dtype"]
+
+#: The most tokens one batch may hold (the kernels index tokens and cumulative offsets with int32:
+#: flash's ``cu_seqlens``, FlexAttention's block indices).
+MAX_TOKENS = 2**31 - 1
 
 #: Element size in bytes of the supported attention dtypes.
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
@@ -99,6 +103,10 @@ class BatchSpec:
             if np.any(lens <= 0):
                 i = int(np.argmax(lens <= 0))
                 raise ValueError(f"BatchSpec.doc_lens[{i}] must be positive, got {lens[i]}")
+        total = int(lens.astype(object).sum())  # exact: an int64 sum could wrap
+        if total > MAX_TOKENS:
+            raise ValueError(f"BatchSpec: {total} tokens in all; at most {MAX_TOKENS} (2**31 - 1: the kernels index "
+                             "tokens and cumulative offsets with int32)")
         for name, v in (("n_heads", n_heads), ("head_dim", head_dim)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
                 raise ValueError(f"BatchSpec.{name} must be a positive integer, got {v!r}")
