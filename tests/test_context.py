@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -19,6 +15,7 @@ from torch_dcp import BatchSpec, BlockwiseCausal, Causal, Full, Lambda, Ranges, 
 from torch_dcp.attention_op import use_executor
 from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor
 from reference import random_qkv, reference_with_grads
+from spawn import run_ranks
 
 LENS = [1, 19, 45, 6, 33]
 
@@ -36,25 +33,7 @@ def _masks():
 
 
 def _spawn(fn, world, tmp_path):
-    mp.spawn(_entry, args=(fn, world, str(tmp_path)), nprocs=world, join=True)
-    for r in range(world):
-        err = tmp_path / f"err{r}"
-        assert not err.exists(), err.read_text()
-        assert (tmp_path / f"ok{r}").exists()
-
-
-def _entry(rank, fn, world, tmp):
-    torch.set_num_threads(1)  # world processes share 2 cores: more threads each only oversubscribe them
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        fn(rank, world, mesh)
-        open(f"{tmp}/ok{rank}", "w").close()
-    except BaseException:
-        with open(f"{tmp}/err{rank}", "w") as f:
-            f.write(traceback.format_exc())
-    finally:
-        dist.destroy_process_group()
+    run_ranks(fn, world, tmp_path)
 
 
 TOLS = {torch.float32: 1e-5, torch.float64: 1e-10, torch.bfloat16: 2e-2, torch.float16: 2e-2}

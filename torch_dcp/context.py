@@ -21,6 +21,7 @@ Everything is restored on exit, also when the body raises.
 from __future__ import annotations
 
 import contextlib
+import datetime
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -31,6 +32,7 @@ from .api import plan as make_plan
 from .attention_op import as_dtensor, bind_args, like, local
 from .batch import BatchSpec
 from .executor import RankExecutor, TorchDistributedTransport
+from .executor.transport import TransferTimeoutError, as_timedelta
 from .executor.kernels import DivisionKernel
 from .plan import Plan
 from .topology import Topology
@@ -114,6 +116,7 @@ def context_parallel(
     divisions: int = 4,
     topology: Topology | None = None,
     kernel: str | DivisionKernel | None = None,
+    timeout: "float | datetime.timedelta" = 600.0,
 ) -> Iterator[DCPContext]:
     """Run the body's ``F.scaled_dot_product_attention`` calls with dynamic context parallelism.
 
@@ -131,6 +134,10 @@ def context_parallel(
         plan: a precomputed :class:`Plan` (give exactly one of ``batch`` and ``plan``).
         topology: ranks per node and links, for planning (default: all ranks on one node).
         kernel: the executor's attention kernel (default ``"auto"``).
+        timeout: the longest any wait inside the context blocks (seconds or a ``timedelta``;
+            default 10 minutes): the plan check at entry and every transfer. When it expires the
+            waiting rank raises :class:`~torch_dcp.executor.TransferTimeoutError` naming the
+            pass, the phase and the ranks that did not answer.
 
     Inside, the model calls ``F.scaled_dot_product_attention(q, k, v, is_causal=...)`` with
     ``q: [1, H, S_local, D]`` and ``k, v: [1, H_kv, S_local, D]`` (``enable_gqa=True``) or
@@ -179,13 +186,9 @@ def context_parallel(
         plan = make_plan(batch, topo, planner=planner, block_size=block_size, divisions=divisions)
     if plan.world_size != world:
         raise ValueError(f"torch_dcp.context_parallel: the plan is for {plan.world_size} ranks, the mesh has {world}")
-    digests: list[Any] = [None] * world
-    dist.all_gather_object(digests, plan.digest(), group=group)
-    if len(set(digests)) != 1:
-        mine = plan.digest()
-        differ = [r for r, d in enumerate(digests) if d != mine]
-        raise RuntimeError(f"torch_dcp.context_parallel: ranks hold different plans (rank {rank} differs from ranks "
-                           f"{differ}); build the batch identically on every rank")
+    wait_limit = as_timedelta(timeout, "torch_dcp.context_parallel: timeout")
+    device = buffers[0].device if buffers else _mesh_device(mesh)
+    _check_same_plan(plan, group, rank, world, device, wait_limit)
     total = plan.batch.total_tokens
     for i, (b, d) in enumerate(zip(buffers, seq_dims)):
         if not -b.dim() <= d < b.dim():
@@ -194,8 +197,7 @@ def context_parallel(
             raise ValueError(f"torch_dcp.context_parallel: buffer {i} has sequence length {b.shape[d]}, "
                              f"the batch has {total} tokens")
 
-    device = buffers[0].device if buffers else _mesh_device(mesh)
-    executor = RankExecutor(plan, rank, TorchDistributedTransport(group, device=device), kernel=kernel)
+    executor = RankExecutor(plan, rank, TorchDistributedTransport(group, device=device, timeout=wait_limit), kernel=kernel)
     executor.prepare(device)  # the device plan is built and uploaded here, not inside the first SDPA call
     ctx = DCPContext(mesh, plan, executor)
     idx = torch.from_numpy(plan.token_indices(rank)).to(device)
@@ -227,6 +229,29 @@ def context_parallel(
             if orig is not None:
                 b.resize_(orig.shape)
                 b.copy_(orig)
+
+
+def _check_same_plan(plan: Plan, group: Any, rank: int, world: int, device: torch.device,
+                     timeout: datetime.timedelta) -> None:
+    """All-gather the plans' SHA-256 digests (one collective, waited at most ``timeout``);
+    raise on every rank when they differ."""
+    import torch.distributed as dist
+
+    mine = torch.frombuffer(bytearray(bytes.fromhex(plan.digest())), dtype=torch.uint8).to(device)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    work = dist.all_gather(parts, mine, group=group, async_op=True)
+    try:
+        work.wait(timeout)
+    except RuntimeError as err:
+        if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+            raise
+        raise TransferTimeoutError(f"torch_dcp.context_parallel: rank {rank}: the plan check at entry (all-gather of "
+                                   f"the plan digests) did not complete within {timeout.total_seconds():g} s: some "
+                                   "rank did not enter the context", -1, []) from None
+    differ = [r for r, d in enumerate(parts) if not torch.equal(d, mine)]
+    if differ:
+        raise RuntimeError(f"torch_dcp.context_parallel: ranks hold different plans (rank {rank} differs from ranks "
+                           f"{differ}); build the batch identically on every rank")
 
 
 def _check_call(ctx: DCPContext, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> None:

@@ -7,7 +7,7 @@ from .flex import FlexKernel
 from .kernels import AutoKernel, DivisionKernel, GroupKernel, KernelLayout, ReferenceKernel, SDPAKernel, get_kernel
 from .reduce import merge_partials, reduce_loop
 from .varlen import VarlenKernel
-from .transport import InProcessTransport, Mailbox, TorchDistributedTransport, Transport
+from .transport import InProcessTransport, Mailbox, TorchDistributedTransport, TransferTimeoutError, Transport
 
 __all__ = [
     "RankExecutor",
@@ -32,4 +32,5 @@ __all__ = [
     "InProcessTransport",
     "Mailbox",
     "TorchDistributedTransport",
+    "TransferTimeoutError",
 ]

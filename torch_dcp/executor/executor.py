@@ -30,7 +30,7 @@ from ..workload import Buf
 from .device_plan import AttentionStep, CopyStep, DevicePlan, LaunchStep, ReductionStep, UploadedPlan, WaitStep
 from .kernels import DivisionKernel, get_kernel
 from .reduce import add_rows, merge_partials, put_rows, take_rows
-from .transport import InProcessTransport, Mailbox, Transport
+from .transport import InProcessTransport, Mailbox, TransferTimeoutError, Transport
 
 __all__ = ["RankExecutor", "InstructionTime", "dcp_attention", "emulate"]
 
@@ -382,7 +382,16 @@ class RankExecutor:
         run.pending[step.phase] = self.transport.launch(step.phase, sends, recvs)
 
     def on_wait(self, step: WaitStep, bound: dict, run: _Run, scale: float) -> Generator[None, None, None]:
-        return self.transport.wait(run.pending.pop(step.phase))
+        return self._waited(self.transport.wait(run.pending.pop(step.phase)), step, run)
+
+    def _waited(self, wait: Generator, step: WaitStep, run: _Run) -> Generator[None, None, None]:
+        try:
+            yield from wait
+        except TransferTimeoutError as err:  # say where in the plan this rank was waiting
+            where = "backward" if run.backward else "forward"
+            raise TransferTimeoutError(f"torch_dcp (plan {self.plan.digest()[:12]}): {where} pass, "
+                                       f"CommWait(phase={step.phase}): {err}",
+                                       err.phase, err.peers) from None
 
     def on_attention(self, step: AttentionStep, bound: dict, run: _Run, scale: float) -> None:
         run.division = step.division

@@ -8,16 +8,45 @@ the in-process transport ever does), so several ranks can run in one process.
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Generator, Sequence
 
 import torch
 
-__all__ = ["Transport", "InProcessTransport", "Mailbox", "TorchDistributedTransport"]
+__all__ = ["Transport", "InProcessTransport", "Mailbox", "TorchDistributedTransport", "TransferTimeoutError",
+           "as_timedelta"]
 
 #: messages of one (phase, peer) pair are told apart by their kind; tags stay below this
 TAGS_PER_PHASE = 16
 
 Message = tuple[int, int, torch.Tensor]  # (peer, kind tag, uint8 tensor)
+
+
+class TransferTimeoutError(TimeoutError):
+    """A rank waited longer than its timeout for peers' messages (a peer froze, failed before
+    sending, or runs another plan). ``phase``: the plan's communication phase; ``peers``: the
+    ranks whose messages had not arrived."""
+
+    def __init__(self, message: str, phase: int, peers: list[int]):
+        super().__init__(message)
+        self.phase, self.peers = phase, peers
+
+
+def as_timedelta(timeout: "float | datetime.timedelta", what: str = "timeout") -> datetime.timedelta:
+    """Seconds or a ``timedelta`` as a positive ``timedelta``.
+
+    Raises:
+        ValueError: not positive, or not a number / ``timedelta``.
+    """
+    if isinstance(timeout, datetime.timedelta):
+        td = timeout
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        td = datetime.timedelta(seconds=float(timeout))
+    else:
+        raise ValueError(f"{what} must be seconds or a datetime.timedelta, got {timeout!r}")
+    if td.total_seconds() <= 0:
+        raise ValueError(f"{what} must be positive, got {td}")
+    return td
 
 
 class Transport:
@@ -86,15 +115,23 @@ class TorchDistributedTransport(Transport):
         group: the DCP process group (plan rank ``r`` is group rank ``r``); ``None`` for the
             default group.
         device: the device of the messages (the tensors' device; CPU for gloo).
+        timeout: the longest ``wait`` blocks (seconds or a ``timedelta``); None: the process
+            group's own timeout.
+
+    ``wait`` raises :class:`TransferTimeoutError` naming the phase and the peers whose
+    messages had not arrived when the timeout expired.
     """
 
-    def __init__(self, group: Any = None, device: torch.device | str = "cpu"):
+    def __init__(self, group: Any = None, device: torch.device | str = "cpu",
+                 timeout: "float | datetime.timedelta | None" = None):
         import torch.distributed as dist
 
         self.dist = dist
         self.group = group
         self.device = torch.device(device)
+        self.timeout = None if timeout is None else as_timedelta(timeout)
         self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self._global = {r: (r if group is None else dist.get_global_rank(group, r)) for r in range(self.world_size)}
 
     def launch(self, phase, sends, recvs):
@@ -104,11 +141,26 @@ class TorchDistributedTransport(Transport):
         ops += [dist.P2POp(dist.isend, msg, self._global[peer], self.group, tag=phase * TAGS_PER_PHASE + tag)
                 for peer, tag, msg in sends]
         reqs = dist.batch_isend_irecv(ops) if ops else []
-        return reqs, [m for _, _, m in sends]  # send tensors must outlive the asynchronous sends
+        peers = [peer for peer, _, _ in recvs] + [peer for peer, _, _ in sends]
+        return phase, reqs, peers, [m for _, _, m in sends]  # send tensors must outlive the asynchronous sends
 
     def wait(self, handle):
-        reqs, _keep = handle
-        for req in reqs:
-            req.wait()
+        phase, reqs, peers, _keep = handle
+        for i, req in enumerate(reqs):
+            if self.timeout is None:
+                req.wait()
+                continue
+            try:
+                req.wait(self.timeout)
+            except RuntimeError as err:
+                if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+                    raise
+                # one work per operation where the backend keeps them apart (gloo); else all peers
+                late = sorted({peers[j] for j in range(i, len(reqs)) if not reqs[j].is_completed()}) \
+                    if len(reqs) == len(peers) else sorted(set(peers))
+                raise TransferTimeoutError(
+                    f"rank {self.rank}: phase {phase}: no message from rank(s) {late} within "
+                    f"{self.timeout.total_seconds():g} s (a peer froze, failed before sending, or runs another "
+                    "plan)", phase, late) from None
         return
         yield  # pragma: no cover - makes this a generator that never blocks the caller

@@ -1,0 +1,49 @@
+"""Run a function on ``world`` gloo ranks in spawned processes (CPU), with results in files.
+
+Each rank writes ``ok{rank}`` when ``fn(rank, world, mesh)`` returns and ``err{rank}`` (the
+traceback) when it raises; :func:`run_ranks` asserts every rank finished cleanly. A rank leaves
+with ``os._exit`` after destroying its process group: PyTorch's C++ teardown at interpreter exit
+sometimes aborts ("terminate called without an active exception", SIGABRT) after all the work
+is done and the group is gone, which would fail a test that passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def run_ranks(fn: Callable, world: int, tmp_path: Path) -> None:
+    mp.spawn(_entry, args=(fn, world, str(tmp_path)), nprocs=world, join=True)
+    for r in range(world):
+        err = tmp_path / f"err{r}"
+        assert not err.exists(), err.read_text()
+        assert (tmp_path / f"ok{r}").exists(), f"rank {r} did not finish"
+
+
+def _entry(rank: int, fn: Callable, world: int, tmp: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)  # world processes share 2 cores: more threads each only oversubscribe them
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        fn(rank, world, mesh)
+        open(f"{tmp}/ok{rank}", "w").close()
+    except BaseException:
+        with open(f"{tmp}/err{rank}", "w") as f:
+            f.write(traceback.format_exc())
+    finally:
+        with contextlib.suppress(Exception):
+            dist.barrier()  # no rank tears its group down while a peer still talks to it
+        dist.destroy_process_group()
+    os._exit(0)
