@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -21,8 +22,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def run_ranks(fn: Callable, world: int, tmp_path: Path) -> None:
-    mp.spawn(_entry, args=(fn, world, str(tmp_path)), nprocs=world, join=True)
+def run_ranks(fn: Callable, world: int, tmp_path: Path, timeout: float = 300.0) -> None:
+    """Run ``fn(rank, world, mesh)`` on every rank; fail (killing the ranks) after ``timeout`` s."""
+    ctx = mp.spawn(_entry, args=(fn, world, str(tmp_path)), nprocs=world, join=False)
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError(f"ranks still running after {timeout:g} s (killed): a wait is not bounded")
     for r in range(world):
         err = tmp_path / f"err{r}"
         assert not err.exists(), err.read_text()

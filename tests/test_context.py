@@ -295,3 +295,36 @@ def test_attention_op_opcheck_and_plain_tensors():
                                 ("dv", args[2].grad, ref[3])):
             err = (got.detach()[0].transpose(0, 1).double() - want[idx]).abs().max().item()
             assert err <= TOLS[dtype] * max(1.0, want.abs().max().item()), f"{dtype} {what}: error {err:.2e}"
+
+
+def _frozen_rank(rank, world, mesh):
+    """Rank 1 stalls inside the body for longer than the timeout before its SDPA call; every rank
+    must raise TransferTimeoutError within the timeout (+ 5 s) of starting to wait."""
+    import time
+
+    from torch_dcp.executor import TransferError, TransferTimeoutError
+
+    batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
+    q, k, v, _ = random_qkv(batch, torch.float32)
+    with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, divisions=2, timeout=3) as ctx:
+        idx = torch.from_numpy(ctx.plan.token_indices(rank))
+        ql, kl, vl = (t[idx].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        if rank == 1:
+            time.sleep(5)
+        t0 = time.monotonic()
+        # the waiting rank times out; the late one then finds its peer gone (gloo closes a pair
+        # that timed out) or times out in turn: a TransferError naming the phase either way
+        expected = TransferTimeoutError if rank == 0 else TransferError
+        with pytest.raises(expected, match=r"forward pass, CommWait\(phase=\d+\)|phase \d+: posting") as err:
+            F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
+        waited = time.monotonic() - t0
+        assert waited < 3 + 5, f"rank {rank} waited {waited:.1f} s"
+        assert err.value.peers and rank not in err.value.peers
+    assert F.scaled_dot_product_attention is _SDPA  # restored after the error
+
+
+_SDPA = F.scaled_dot_product_attention
+
+
+def test_a_frozen_rank_gives_every_rank_a_timeout(tmp_path):
+    run_ranks(_frozen_rank, 2, tmp_path, timeout=90)

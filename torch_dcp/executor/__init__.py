@@ -7,7 +7,7 @@ from .flex import FlexKernel
 from .kernels import AutoKernel, DivisionKernel, GroupKernel, KernelLayout, ReferenceKernel, SDPAKernel, get_kernel
 from .reduce import merge_partials, reduce_loop
 from .varlen import VarlenKernel
-from .transport import InProcessTransport, Mailbox, TorchDistributedTransport, TransferTimeoutError, Transport
+from .transport import InProcessTransport, Mailbox, TorchDistributedTransport, TransferError, TransferTimeoutError, Transport
 
 __all__ = [
     "RankExecutor",
@@ -32,5 +32,6 @@ __all__ = [
     "InProcessTransport",
     "Mailbox",
     "TorchDistributedTransport",
+    "TransferError",
     "TransferTimeoutError",
 ]

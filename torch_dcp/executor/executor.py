@@ -30,7 +30,7 @@ from ..workload import Buf
 from .device_plan import AttentionStep, CopyStep, DevicePlan, LaunchStep, ReductionStep, UploadedPlan, WaitStep
 from .kernels import DivisionKernel, get_kernel
 from .reduce import add_rows, merge_partials, put_rows, take_rows
-from .transport import InProcessTransport, Mailbox, TransferTimeoutError, Transport
+from .transport import InProcessTransport, Mailbox, TransferError, Transport
 
 __all__ = ["RankExecutor", "InstructionTime", "dcp_attention", "emulate"]
 
@@ -387,11 +387,10 @@ class RankExecutor:
     def _waited(self, wait: Generator, step: WaitStep, run: _Run) -> Generator[None, None, None]:
         try:
             yield from wait
-        except TransferTimeoutError as err:  # say where in the plan this rank was waiting
+        except TransferError as err:  # say where in the plan this rank was waiting
             where = "backward" if run.backward else "forward"
-            raise TransferTimeoutError(f"torch_dcp (plan {self.plan.digest()[:12]}): {where} pass, "
-                                       f"CommWait(phase={step.phase}): {err}",
-                                       err.phase, err.peers) from None
+            raise type(err)(f"torch_dcp (plan {self.plan.digest()[:12]}): {where} pass, CommWait(phase={step.phase}): "
+                            f"{err}", err.phase, err.peers) from None
 
     def on_attention(self, step: AttentionStep, bound: dict, run: _Run, scale: float) -> None:
         run.division = step.division

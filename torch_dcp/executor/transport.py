@@ -13,8 +13,8 @@ from typing import Any, Generator, Sequence
 
 import torch
 
-__all__ = ["Transport", "InProcessTransport", "Mailbox", "TorchDistributedTransport", "TransferTimeoutError",
-           "as_timedelta"]
+__all__ = ["Transport", "InProcessTransport", "Mailbox", "TorchDistributedTransport", "TransferError",
+           "TransferTimeoutError", "as_timedelta"]
 
 #: messages of one (phase, peer) pair are told apart by their kind; tags stay below this
 TAGS_PER_PHASE = 16
@@ -22,14 +22,19 @@ TAGS_PER_PHASE = 16
 Message = tuple[int, int, torch.Tensor]  # (peer, kind tag, uint8 tensor)
 
 
-class TransferTimeoutError(TimeoutError):
-    """A rank waited longer than its timeout for peers' messages (a peer froze, failed before
-    sending, or runs another plan). ``phase``: the plan's communication phase; ``peers``: the
-    ranks whose messages had not arrived."""
+class TransferError(RuntimeError):
+    """A phase's transfers failed (e.g. a peer's connection closed: it crashed or gave up).
+    ``phase``: the plan's communication phase (-1: the plan check at entry); ``peers``: the
+    ranks concerned."""
 
     def __init__(self, message: str, phase: int, peers: list[int]):
         super().__init__(message)
         self.phase, self.peers = phase, peers
+
+
+class TransferTimeoutError(TransferError, TimeoutError):
+    """A rank waited longer than its timeout for peers' messages (a peer froze, failed before
+    sending, or runs another plan); ``peers``: the ranks whose messages had not arrived."""
 
 
 def as_timedelta(timeout: "float | datetime.timedelta", what: str = "timeout") -> datetime.timedelta:
@@ -140,8 +145,12 @@ class TorchDistributedTransport(Transport):
                for peer, tag, buf in recvs]
         ops += [dist.P2POp(dist.isend, msg, self._global[peer], self.group, tag=phase * TAGS_PER_PHASE + tag)
                 for peer, tag, msg in sends]
-        reqs = dist.batch_isend_irecv(ops) if ops else []
         peers = [peer for peer, _, _ in recvs] + [peer for peer, _, _ in sends]
+        try:
+            reqs = dist.batch_isend_irecv(ops) if ops else []
+        except RuntimeError as err:
+            raise TransferError(f"rank {self.rank}: phase {phase}: posting the transfers with rank(s) "
+                                f"{sorted(set(peers))} failed: {err}", phase, sorted(set(peers))) from None
         return phase, reqs, peers, [m for _, _, m in sends]  # send tensors must outlive the asynchronous sends
 
     def wait(self, handle):
@@ -154,7 +163,8 @@ class TorchDistributedTransport(Transport):
                 req.wait(self.timeout)
             except RuntimeError as err:
                 if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
-                    raise
+                    raise TransferError(f"rank {self.rank}: phase {phase}: a transfer with rank {peers[i]} failed: "
+                                        f"{err}", phase, [peers[i]]) from None
                 # one work per operation where the backend keeps them apart (gloo); else all peers
                 late = sorted({peers[j] for j in range(i, len(reqs)) if not reqs[j].is_completed()}) \
                     if len(reqs) == len(peers) else sorted(set(peers))
