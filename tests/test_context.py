@@ -328,3 +328,57 @@ _SDPA = F.scaled_dot_product_attention
 
 def test_a_frozen_rank_gives_every_rank_a_timeout(tmp_path):
     run_ranks(_frozen_rank, 2, tmp_path, timeout=90)
+
+
+def _tiny_batches(rank, world, mesh):
+    """Batches smaller than one block (ranks with no tokens), one-token documents: exact, every
+    planner, forward and backward, through the context."""
+    for lens in ([5, 1], [1], [3, 1, 2]):
+        batch = BatchSpec(lens, Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype="float64")
+        q, k, v, go = random_qkv(batch, torch.float64, seed=2)
+        ref = reference_with_grads(batch, q, k, v, go)
+        for planner in ("greedy", "dcp", "ring", "fcp", "megatron"):
+            qb, kb, vb, gb = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, go))
+            with torch_dcp.context_parallel(mesh, buffers=[qb, kb, vb, gb], buffer_seq_dims=[2, 2, 2, 2],
+                                            batch=batch, planner=planner, block_size=1024) as ctx:
+                ql, kl, vl = (t.clone().requires_grad_(True) for t in (qb, kb, vb))
+                out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
+                out.backward(gb)
+                idx = torch.from_numpy(ctx.plan.token_indices(rank))
+                for what, got, want in (("out", out, ref[0]), ("dq", ql.grad, ref[1]), ("dk", kl.grad, ref[2]),
+                                        ("dv", vl.grad, ref[3])):
+                    err = (got[0].transpose(0, 1) - want[idx]).abs().max().item() if len(idx) else 0.0
+                    assert err <= 1e-10, f"{lens} {planner} rank {rank} ({len(idx)} tokens) {what}: error {err:.2e}"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_tiny_batches_and_empty_ranks(world, tmp_path):
+    run_ranks(_tiny_batches, world, tmp_path, timeout=240)
+
+
+def _exception_before_sdpa(rank, world, mesh):
+    """One rank raises inside the body before its SDPA call: it leaves the context restored; the
+    others raise TransferTimeoutError naming it within the timeout + 5 s."""
+    import time
+
+    from torch_dcp.executor import TransferTimeoutError
+
+    batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
+    q, k, v, _ = random_qkv(batch, torch.float32)
+    t0 = time.monotonic()
+    expected = RuntimeError if rank == world - 1 else TransferTimeoutError
+    with pytest.raises(expected) as err:
+        with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, divisions=2, timeout=3) as ctx:
+            idx = torch.from_numpy(ctx.plan.token_indices(rank))
+            ql, kl, vl = (t[idx].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            if rank == world - 1:
+                raise RuntimeError("the model failed before attention")
+            F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
+    assert time.monotonic() - t0 < 3 + 5
+    if rank != world - 1:  # it names the ranks it waited for (the failed one, or one waiting for it)
+        assert err.value.peers and rank not in err.value.peers, err.value.peers
+    assert F.scaled_dot_product_attention is _SDPA and torch_dcp.context._active is None
+
+
+def test_an_exception_on_one_rank_gives_the_others_a_timeout(tmp_path):
+    run_ranks(_exception_before_sdpa, 3, tmp_path, timeout=90)

@@ -83,7 +83,7 @@ def spans_to_indices(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenated ``arange(starts[i], starts[i] + lengths[i])`` for all ``i`` (int64, vectorised)."""
     starts = np.asarray(starts, np.int64)
     lengths = np.asarray(lengths, np.int64)
-    first = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    first = np.cumsum(lengths) - lengths  # works for no spans too
     return np.repeat(starts - first, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
