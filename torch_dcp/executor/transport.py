@@ -166,7 +166,7 @@ class TorchDistributedTransport(Transport):
                     raise TransferError(f"rank {self.rank}: phase {phase}: a transfer with rank {peers[i]} failed: "
                                         f"{err}", phase, [peers[i]]) from None
                 # one work per operation where the backend keeps them apart (gloo); else all peers
-                late = sorted({peers[j] for j in range(i, len(reqs)) if not reqs[j].is_completed()}) \
+                late = (sorted({peers[j] for j in range(i, len(reqs)) if not reqs[j].is_completed()}) or [peers[i]]) \
                     if len(reqs) == len(peers) else sorted(set(peers))
                 raise TransferTimeoutError(
                     f"rank {self.rank}: phase {phase}: no message from rank(s) {late} within "
