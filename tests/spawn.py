@@ -22,8 +22,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def run_ranks(fn: Callable, world: int, tmp_path: Path, timeout: float = 300.0) -> None:
-    """Run ``fn(rank, world, mesh)`` on every rank; fail (killing the ranks) after ``timeout`` s."""
+def run_ranks(fn: Callable, world: int, tmp_path: Path, timeout: float = 300.0, dies: tuple[int, ...] = ()) -> None:
+    """Run ``fn(rank, world, mesh)`` on every rank; fail (killing the ranks) after ``timeout`` s.
+    Ranks in ``dies`` are expected to end their process abruptly (``os._exit(0)``) inside ``fn``."""
     ctx = mp.spawn(_entry, args=(fn, world, str(tmp_path)), nprocs=world, join=False)
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
@@ -31,7 +32,7 @@ def run_ranks(fn: Callable, world: int, tmp_path: Path, timeout: float = 300.0) 
             for p in ctx.processes:
                 p.kill()
             raise AssertionError(f"ranks still running after {timeout:g} s (killed): a wait is not bounded")
-    for r in range(world):
+    for r in (r for r in range(world) if r not in dies):
         err = tmp_path / f"err{r}"
         assert not err.exists(), err.read_text()
         assert (tmp_path / f"ok{r}").exists(), f"rank {r} did not finish"

@@ -384,3 +384,61 @@ def _exception_before_sdpa(rank, world, mesh):
 
 def test_an_exception_on_one_rank_gives_the_others_a_timeout(tmp_path):
     run_ranks(_exception_before_sdpa, 3, tmp_path, timeout=90)
+
+
+def _killed_mid_step(rank, world, mesh):
+    """Rank 1's process ends abruptly inside the body, after the forward: rank 0 raises a
+    TransferError in its backward within the timeout + 5 s."""
+    import os
+    import time
+
+    from torch_dcp.executor import TransferError
+
+    batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
+    q, k, v, go = random_qkv(batch, torch.float32)
+    with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, divisions=2, timeout=3) as ctx:
+        idx = torch.from_numpy(ctx.plan.token_indices(rank))
+        ql, kl, vl = (t[idx].transpose(0, 1).unsqueeze(0).clone().requires_grad_(True) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
+        if rank == 1:
+            os._exit(0)  # killed
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="backward pass"):
+            out.backward(go[idx].transpose(0, 1).unsqueeze(0))
+        assert time.monotonic() - t0 < 3 + 5
+
+
+def test_a_rank_killed_mid_step(tmp_path):
+    run_ranks(_killed_mid_step, 2, tmp_path, timeout=90, dies=(1,))
+
+
+def _repeated_errors(rank, world, mesh):
+    """Entering and leaving the context after errors, many times: same threads, bounded memory."""
+    import resource
+    import threading
+
+    batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
+    q, k, v, _ = random_qkv(batch, torch.float32)
+    plan = torch_dcp.plan(batch, world, block_size=8, divisions=2)
+
+    def once():
+        with pytest.raises(ValueError, match="attn_mask"):
+            with torch_dcp.context_parallel(mesh, plan=plan) as ctx:
+                idx = torch.from_numpy(ctx.plan.token_indices(rank))
+                ql, kl, vl = (t[idx].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+                F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)  # works
+                F.scaled_dot_product_attention(ql, kl, vl, attn_mask=torch.ones(1, dtype=torch.bool), enable_gqa=True)
+        assert F.scaled_dot_product_attention is _SDPA and torch_dcp.context._active is None
+
+    for _ in range(3):  # warm up (allocator, lazy imports)
+        once()
+    threads, rss = threading.active_count(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(30):
+        once()
+    assert threading.active_count() == threads, f"threads {threads} -> {threading.active_count()}"
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss  # KiB
+    assert grown < 50 * 1024, f"peak memory grew by {grown} KiB over 30 failed contexts"
+
+
+def test_repeated_contexts_after_errors_do_not_leak(tmp_path):
+    run_ranks(_repeated_errors, 2, tmp_path, timeout=180)
