@@ -22,10 +22,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def run_ranks(fn: Callable, world: int, tmp_path: Path, timeout: float = 300.0, dies: tuple[int, ...] = ()) -> None:
+def run_ranks(fn: Callable, world: int, tmp_path: Path, timeout: float = 300.0, dies: tuple[int, ...] = (),
+              barrier: bool = True) -> None:
     """Run ``fn(rank, world, mesh)`` on every rank; fail (killing the ranks) after ``timeout`` s.
-    Ranks in ``dies`` are expected to end their process abruptly (``os._exit(0)``) inside ``fn``."""
-    ctx = mp.spawn(_entry, args=(fn, world, str(tmp_path)), nprocs=world, join=False)
+    Ranks in ``dies`` are expected to end their process abruptly (``os._exit(0)``) inside ``fn``.
+    ``barrier=False`` for tests that leave the group unusable on purpose (a collective that timed
+    out stays queued in gloo, and the next one would pair with it)."""
+    ctx = mp.spawn(_entry, args=(fn, world, str(tmp_path), barrier), nprocs=world, join=False)
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
         if time.monotonic() > deadline:
@@ -38,7 +41,7 @@ def run_ranks(fn: Callable, world: int, tmp_path: Path, timeout: float = 300.0, 
         assert (tmp_path / f"ok{r}").exists(), f"rank {r} did not finish"
 
 
-def _entry(rank: int, fn: Callable, world: int, tmp: str) -> None:
+def _entry(rank: int, fn: Callable, world: int, tmp: str, barrier: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)  # world processes share 2 cores: more threads each only oversubscribe them
@@ -52,7 +55,8 @@ def _entry(rank: int, fn: Callable, world: int, tmp: str) -> None:
         with open(f"{tmp}/err{rank}", "w") as f:
             f.write(traceback.format_exc())
     finally:
-        with contextlib.suppress(Exception):
-            dist.barrier()  # no rank tears its group down while a peer still talks to it
+        if barrier:
+            with contextlib.suppress(Exception):
+                dist.barrier()  # no rank tears its group down while a peer still talks to it
         dist.destroy_process_group()
     os._exit(0)

@@ -327,7 +327,7 @@ _SDPA = F.scaled_dot_product_attention
 
 
 def test_a_frozen_rank_gives_every_rank_a_timeout(tmp_path):
-    run_ranks(_frozen_rank, 2, tmp_path, timeout=90)
+    run_ranks(_frozen_rank, 2, tmp_path, timeout=90, barrier=False)
 
 
 def _tiny_batches(rank, world, mesh):
@@ -383,7 +383,7 @@ def _exception_before_sdpa(rank, world, mesh):
 
 
 def test_an_exception_on_one_rank_gives_the_others_a_timeout(tmp_path):
-    run_ranks(_exception_before_sdpa, 3, tmp_path, timeout=90)
+    run_ranks(_exception_before_sdpa, 3, tmp_path, timeout=90, barrier=False)
 
 
 def _killed_mid_step(rank, world, mesh):
@@ -409,7 +409,7 @@ def _killed_mid_step(rank, world, mesh):
 
 
 def test_a_rank_killed_mid_step(tmp_path):
-    run_ranks(_killed_mid_step, 2, tmp_path, timeout=90, dies=(1,))
+    run_ranks(_killed_mid_step, 2, tmp_path, timeout=90, dies=(1,), barrier=False)
 
 
 def _repeated_errors(rank, world, mesh):
@@ -442,3 +442,25 @@ def _repeated_errors(rank, world, mesh):
 
 def test_repeated_contexts_after_errors_do_not_leak(tmp_path):
     run_ranks(_repeated_errors, 2, tmp_path, timeout=180)
+
+
+def _never_enters(rank, world, mesh):
+    """Rank 1 never enters the context: rank 0's plan check at entry times out."""
+    import time
+
+    from torch_dcp.executor import TransferTimeoutError
+
+    batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
+    if rank == 1:
+        time.sleep(6)
+        return
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeoutError, match="plan check at entry"):
+        with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, timeout=3):
+            pass
+    assert time.monotonic() - t0 < 3 + 5
+    assert F.scaled_dot_product_attention is _SDPA and torch_dcp.context._active is None
+
+
+def test_a_rank_that_never_enters_gives_a_timeout_at_entry(tmp_path):
+    run_ranks(_never_enters, 2, tmp_path, timeout=60, barrier=False)
