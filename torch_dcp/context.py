@@ -32,7 +32,7 @@ from .api import plan as make_plan
 from .attention_op import as_dtensor, bind_args, like, local
 from .batch import BatchSpec
 from .executor import RankExecutor, TorchDistributedTransport
-from .executor.transport import TransferTimeoutError, as_timedelta
+from .executor.transport import TransferTimeoutError, as_timedelta, is_timeout
 from .executor.kernels import DivisionKernel
 from .plan import Plan
 from .topology import Topology
@@ -243,7 +243,7 @@ def _check_same_plan(plan: Plan, group: Any, rank: int, world: int, device: torc
     try:
         work.wait(timeout)
     except RuntimeError as err:
-        if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+        if not is_timeout(err):
             raise
         raise TransferTimeoutError(f"torch_dcp.context_parallel: rank {rank}: the plan check at entry (all-gather of "
                                    f"the plan digests) did not complete within {timeout.total_seconds():g} s: some "

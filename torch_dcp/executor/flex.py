@@ -236,12 +236,15 @@ class _FlexMeta:
         self.n_q, self.n_k, self.nq_pad, self.nk_pad, self.bs, self.n_ranges, spec, tile_check = static
         a = arrays
         qcode, kcode = a["qcode"], a["kcode"]
-        if spec is not None:
-            seen = _CLOSED_FORMS[type(spec)](spec)
+        if spec is not None:  # ``seen(q_idx, kc)``: the pair's visibility from the two codes
+            form = _CLOSED_FORMS[type(spec)](spec)
+
+            def seen(q_idx, kc):
+                return form(qcode[q_idx], kc)
         else:  # the query's key ranges, as codes of its document
             starts, ends, R = a["starts"], a["ends"], self.n_ranges
 
-            def seen(qc, kc, q_idx):
+            def seen(q_idx, kc):
                 hit = (kc >= starts[q_idx, 0]) & (kc < ends[q_idx, 0])
                 for r in range(1, R):
                     hit = hit | ((kc >= starts[q_idx, r]) & (kc < ends[q_idx, r]))
@@ -249,11 +252,9 @@ class _FlexMeta:
 
         if tile_check:
             tiles, qg, kb = a["tiles"], a["qg"], a["kb"]
-        ranged = spec is None
 
         def mask_mod(b, h, q_idx, kv_idx):
-            kc = kcode[kv_idx]
-            ok = seen(None, kc, q_idx) if ranged else seen(qcode[q_idx], kc)
+            ok = seen(q_idx, kcode[kv_idx])
             if tile_check:
                 ok = ok & tiles[qg[q_idx] + kb[kv_idx]]
             return ok

@@ -14,7 +14,7 @@ from typing import Any, Generator, Sequence
 import torch
 
 __all__ = ["Transport", "InProcessTransport", "Mailbox", "TorchDistributedTransport", "TransferError",
-           "TransferTimeoutError", "as_timedelta"]
+           "TransferTimeoutError", "as_timedelta", "is_timeout"]
 
 #: messages of one (phase, peer) pair are told apart by their kind; tags stay below this
 TAGS_PER_PHASE = 16
@@ -52,6 +52,13 @@ def as_timedelta(timeout: "float | datetime.timedelta", what: str = "timeout") -
     if td.total_seconds() <= 0:
         raise ValueError(f"{what} must be positive, got {td}")
     return td
+
+
+def is_timeout(err: BaseException) -> bool:
+    """Whether a ``torch.distributed`` error reports an expired wait (its backends raise
+    ``RuntimeError`` subclasses that say so only in the message)."""
+    text = str(err).lower()
+    return "timed out" in text or "timeout" in text
 
 
 class Transport:
@@ -162,7 +169,7 @@ class TorchDistributedTransport(Transport):
             try:
                 req.wait(self.timeout)
             except RuntimeError as err:
-                if "timed out" not in str(err).lower() and "timeout" not in str(err).lower():
+                if not is_timeout(err):
                     raise TransferError(f"rank {self.rank}: phase {phase}: a transfer with rank {peers[i]} failed: "
                                         f"{err}", phase, [peers[i]]) from None
                 # one work per operation where the backend keeps them apart (gloo); else all peers
