@@ -228,7 +228,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--tokens-per-step", type=int, default=8192)
     p.add_argument("--max-doc-len", type=int, default=4096)
     p.add_argument("--cp-impl", choices=["torch_dcp", "torch", "none"], default="torch_dcp")
-    p.add_argument("--planner", default="dcp", help="dcp (hypergraph), greedy, fcp, megatron or ring")
+    p.add_argument("--planner", default="dcp", help="dcp (hypergraph), greedy, fcp, megatron, ring or allgather")
     p.add_argument("--mask", choices=sorted(MASKS), default="causal")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--divisions", type=int, default=2)

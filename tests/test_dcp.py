@@ -21,7 +21,7 @@ def _part(plan):
 def test_hypergraph_objective_is_the_plans_traffic(mask):
     batch = BatchSpec([900, 40, 2500, 7, 1300], mask, n_heads=8, n_kv_heads=2, head_dim=64)
     topo = Topology(n_nodes=2, ranks_per_node=3)
-    for planner in ("dcp", "greedy", "ring"):
+    for planner in ("dcp", "greedy", "allgather"):
         plan = torch_dcp.plan(batch, topo, planner=planner, block_size=128)
         hg = DCPHypergraph(plan.workload)
         s = plan.stats()

@@ -54,7 +54,7 @@ def _check(plan, batch, tol=1e-10, seed=0, kernel=None):
         assert err <= tol, f"{name}: max abs error {err:.3e} > {tol}"
 
 
-@pytest.mark.parametrize("planner", ["ring", "greedy", "dcp", "megatron", "fcp"])
+@pytest.mark.parametrize("planner", ["ring", "allgather", "greedy", "dcp", "megatron", "fcp"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("heads", list(HEADS))
@@ -79,7 +79,7 @@ def test_exact_each_kernel(kernel, world_size, mask_name):
 def test_exact_multi_node_topology(world_size):
     batch = _batch("causal", "gqa8/2-d32")
     topo = torch_dcp.Topology(n_nodes=2, ranks_per_node=world_size // 2)
-    for planner in ("ring", "greedy", "dcp", "megatron", "fcp"):
+    for planner in ("ring", "allgather", "greedy", "dcp", "megatron", "fcp"):
         plan = torch_dcp.plan(batch, topo, planner=planner, block_size=BLOCK, divisions=4)
         plan.validate()
         _check(plan, batch)

@@ -223,7 +223,7 @@ def test_plan_rejects_bad_arguments():
 
 def test_divisions_start_local_and_spread_traffic():
     batch = BatchSpec([4096], Causal(), n_heads=8, n_kv_heads=2, head_dim=64)
-    plan = torch_dcp.plan(batch, 4, planner="ring", divisions=4)
+    plan = torch_dcp.plan(batch, 4, planner="allgather", divisions=4)
     pl, wl = plan.placement, plan.workload
     local = (pl.block_rank[wl.tile_q] == pl.tile_rank) & (pl.block_rank[wl.tile_kv] == pl.tile_rank)
     assert np.all(plan.tile_division[local] == 0)
@@ -240,7 +240,7 @@ def test_divisions_weight_bytes_by_link_class():
 
     batch = BatchSpec([16384], Causal(), n_heads=8, n_kv_heads=2, head_dim=64)
     topo = torch_dcp.Topology(n_nodes=2, ranks_per_node=4)
-    plan = torch_dcp.plan(batch, topo, planner="ring", divisions=4)
+    plan = torch_dcp.plan(batch, topo, planner="allgather", divisions=4)
     pl, wl = plan.placement, plan.workload
     weighted = assign_divisions(pl, 4, topo)
     plain = assign_divisions(pl, 4)

@@ -121,7 +121,8 @@ def test_simulation_bounds(planner):
         assert np.allclose(p.finish_s, p.busy_s + p.exposed_comm_s)
 
 
-def test_ranks_of_a_node_share_its_network_links():
+@pytest.mark.parametrize("nics", [1, 2])
+def test_ranks_of_a_node_share_a_rail_or_send_on_their_own(nics):
     # 2 nodes x 2 ranks; queries of blocks 2 and 3 (node 1) see block 0 resp. 1 (node 0) and
     # themselves: ranks 0 and 1 each send one block to node 1 at the same time
     n = 4 * B
@@ -132,20 +133,37 @@ def test_ranks_of_a_node_share_its_network_links():
     block_rank = np.arange(4)
     pl = Placement(wl, 4, block_rank, block_rank[wl.tile_q])
     inter_bw, inter_lat = 1e8, 2e-6
-    topo = Topology(n_nodes=2, ranks_per_node=2, inter_bandwidth=inter_bw, inter_latency=inter_lat, **TOPO)
+    topo = Topology(n_nodes=2, ranks_per_node=2, inter_bandwidth=inter_bw, inter_latency=inter_lat,
+                    nics_per_node=nics, **TOPO)
+    assert topo.rail_bandwidth == inter_bw / nics
+    assert list(topo.rail_of(np.arange(4))) == ([0, 0, 0, 0] if nics == 1 else [0, 1, 0, 1])
     plan = Plan(pl, topo, assign_divisions(pl, 2), 2)
     plan.validate()
     res = simulate(plan, FLAT)
-    x = inter_lat + B * item_token_bytes(batch)[(False, Buf.KV)] / inter_bw
+    x = inter_lat + B * item_token_bytes(batch)[(False, Buf.KV)] * nics / inter_bw
     a_diag = _tile_seconds(batch, B * (B + 1) // 2)
     a_full = _tile_seconds(batch, B * B)
     assert x > a_diag
     ends = sorted(res.forward.finish_s[2:])
-    # one transfer at the node's full bandwidth, the other after it
-    assert ends[0] == pytest.approx(x + a_full, rel=1e-9)
-    assert ends[1] == pytest.approx(2 * x + a_full, rel=1e-9)
-    # a sender's wait covers its send
-    assert sorted(res.forward.finish_s[:2]) == pytest.approx([x, 2 * x], rel=1e-9)
+    senders = sorted(res.forward.finish_s[:2])  # a sender's wait covers its send
+    if nics == 1:  # one rail with the node's whole bandwidth: one transfer, then the other
+        assert ends == pytest.approx([x + a_full, 2 * x + a_full], rel=1e-9)
+        assert senders == pytest.approx([x, 2 * x], rel=1e-9)
+    else:  # a rail each, at half the node's bandwidth: both at once
+        assert ends == pytest.approx([x + a_full, x + a_full], rel=1e-9)
+        assert senders == pytest.approx([x, x], rel=1e-9)
+
+
+def test_topology_presets_and_rails():
+    a100, h100 = Topology.preset("a100"), Topology.preset("h100", n_nodes=2)
+    assert a100 == Topology() and a100.rail_bandwidth == 12.5e9 and a100.rail_of(3) == 1
+    assert h100.world_size == 16 and h100.rail_bandwidth == 50e9 and h100.rail_of(9) == 1
+    assert Topology(n_nodes=1, ranks_per_node=2, nics_per_node=8).rail_bandwidth == 50e9 / 2
+    with pytest.raises(ValueError, match="preset"):
+        Topology.preset("tpu")
+    with pytest.raises(ValueError, match="nics_per_node"):
+        Topology(nics_per_node=0)
+    assert Topology.from_dict(h100.to_dict()) == h100
 
 
 def test_links_back_fill_gaps():

@@ -7,7 +7,7 @@ from typing import Any
 
 from .batch import BatchSpec
 from .plan import Plan
-from .planners import get_planner
+from .planners import Routing, get_planner
 from .schedule import assign_divisions
 from .topology import Topology
 
@@ -47,7 +47,11 @@ def plan(
         raise ValueError(f"divisions must be a positive integer, got {divisions!r}")
     t0 = time.perf_counter()
     placement = fn(batch, topology, block_size, **options)
-    tile_division = assign_divisions(placement, divisions, topology)
+    if placement.routing is Routing.RING:  # ring attention's own steps
+        tile_division, n_div = placement.ring_steps()
+    else:
+        tile_division = assign_divisions(placement, divisions, topology)
+        rounds = placement.tile_round
+        n_div = divisions * (1 if rounds is None or rounds.size == 0 else int(rounds.max()) + 1)
     seconds = time.perf_counter() - t0
-    n_rounds = 1 if placement.tile_round is None or placement.tile_round.size == 0 else int(placement.tile_round.max()) + 1
-    return Plan(placement, topology, tile_division, divisions * n_rounds, plan_seconds=seconds)
+    return Plan(placement, topology, tile_division, n_div, plan_seconds=seconds)

@@ -8,7 +8,7 @@
   falls with the work per launch, not with the block size as such.
 * Reductions and copies are memory-bound: bytes read and written over the memory bandwidth.
 * Transfers: latency + bytes / bandwidth of the link class (from the :class:`Topology`):
-  a rank's own port inside a node, its node's network links between nodes.
+  a rank's own port inside a node, its rail between nodes.
 
 Shipped tables (bf16, head_dim 128):
 
@@ -149,10 +149,10 @@ class CostModel:
     @staticmethod
     def transfer_seconds(nbytes: float, topology: Any, inter_node: bool) -> float:
         """Latency + bytes over the link's bandwidth: a rank's NVLink/NVSwitch port inside a
-        node, the node's network links between nodes (the simulator queues the ranks of a
-        node that use them at once)."""
+        node, its rail (:attr:`Topology.rail_bandwidth`) between nodes (the simulator queues
+        the transfers that use one port or rail at once)."""
         if inter_node:
-            return topology.inter_latency + nbytes / topology.inter_bandwidth
+            return topology.inter_latency + nbytes / topology.rail_bandwidth
         return topology.intra_latency + nbytes / topology.intra_bandwidth
 
     @classmethod

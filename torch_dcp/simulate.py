@@ -12,10 +12,9 @@ takes the earliest time from which all its links are free for its duration, so a
 never left idle while a ready transfer could use it, even when a later transfer already holds
 it (gaps are back-filled). Inside a node
 each rank has its own NVLink/NVSwitch port (``Topology.intra_bandwidth`` per direction).
-Between nodes, the node's network links (``Topology.inter_bandwidth`` in all) are one
-outgoing and one incoming queue shared by all ranks of the node: a rank that sends alone
-gets the node's whole bandwidth, ranks that send at once share it (first come, first
-served, which finishes the same bytes at the same time as a fair share would).
+Between nodes a transfer uses the sender's rail out of its node and the receiver's rail into
+its node (``Topology.rail_bandwidth`` each; a node's rails together are its
+``inter_bandwidth``): ranks on different rails send at once, ranks sharing a rail queue on it.
 
 The ideal bound is the total compute time of all ranks spread perfectly evenly with no
 exposed communication.
@@ -31,9 +30,10 @@ import numpy as np
 
 from .cost import CostModel
 from .plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan, dispatch
+from .planners.base import Routing
 from .workload import Buf, item_token_bytes
 
-__all__ = ["simulate", "SimResult", "PassResult"]
+__all__ = ["simulate", "SimResult", "PassResult", "ring_step_seconds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,8 +150,8 @@ class _Pass:
         self.busy = np.zeros(w)
         self.exposed = np.zeros(w)
         self.events: list[list[tuple[str, float, float]]] = [[] for _ in range(w)]
-        # one outgoing and one incoming link per rank and link class (NVLink/NVSwitch and the
-        # network are separate links), and per node for its network links
+        # one outgoing and one incoming NVLink/NVSwitch port per rank, one outgoing and one
+        # incoming link per network rail of every node
         self.links: dict[tuple, _Link] = {}
         self.launched: dict[tuple[int, int, int], list[float | None]] = {}  # key -> [send t, recv t]
         self.nbytes: dict[tuple[int, int, int], float] = {}
@@ -196,9 +196,10 @@ class _Pass:
         _, src, dst = key
         ns, nd = topo.node_of(src), topo.node_of(dst)
         inter = ns != nd
-        used = [self._link("out", inter, src), self._link("in", inter, dst)]
         if inter:
-            used += [self._link("node out", ns), self._link("node in", nd)]
+            used = [self._link("rail out", ns, topo.rail_of(src)), self._link("rail in", nd, topo.rail_of(dst))]
+        else:
+            used = [self._link("out", src), self._link("in", dst)]
         dur = self.cm.transfer_seconds(self.nbytes.get(key, 0.0), topo, inter)
         start = _earliest_common_gap(used, max(s, r), dur)
         for lk in used:
@@ -254,3 +255,47 @@ class _Pass:
             raise RuntimeError(f"simulation deadlock: ranks {sorted(self.blocked)} wait for messages never sent")
         makespan = float(self.clock.max()) if w else 0.0
         return PassResult(makespan, self.busy, self.exposed, makespan - self.clock, self.clock.copy(), self.events)
+
+
+def ring_step_seconds(plan: Plan, cost_model: CostModel | None = None) -> float:
+    """Ring attention's own step formula for a ring plan, forward + backward (seconds).
+
+    Each pass takes ``sum_s max(compute_s, transfer_{s+1})`` over the ``W`` ring steps: step
+    ``s`` computes while the key/value chunks of step ``s + 1`` travel one hop (Liu et al.,
+    *Ring Attention with Blockwise Transformers*, 2023, §3), with ``compute_s`` the slowest
+    rank's attention in step ``s`` and ``transfer_s`` the slowest hop's transfer into step
+    ``s``; in the backward the dK/dV partials of step ``s`` share the hop with the key/value
+    chunks of step ``s + 2`` (they travel while step ``s + 1`` computes), and the last dK/dV
+    hop home is exposed. Times come from ``cost_model`` (default: the A100
+    table) and the plan's topology, as in :func:`simulate`.
+
+    Raises:
+        ValueError: ``plan`` does not use ring routes.
+    """
+    if plan.placement.routing is not Routing.RING:
+        raise ValueError(f"ring_step_seconds needs a ring plan, got routing {plan.placement.routing.value!r}")
+    cm = cost_model or CostModel.a100()
+    wl, pl, b, topo = plan.workload, plan.placement, plan.batch, plan.topology
+    w, itb, t = plan.world_size, item_token_bytes(plan.batch), plan.tables
+    inter = topo.node_of((np.arange(w) - 1) % w) != topo.node_of(np.arange(w))
+    total = 0.0
+    for backward in (False, True):
+        flops = wl.tile_flops_bwd if backward else wl.tile_flops_fwd
+        compute = np.zeros((w, w))
+        for r in range(w):
+            for s in range(w):
+                tiles = np.nonzero((pl.tile_rank == r) & (plan.tile_division == s))[0]
+                if len(tiles):
+                    pairs = float(wl.tile_pairs[tiles].sum()) * b.n_heads
+                    compute[r, s] = cm.attention_seconds(pairs, float(flops[tiles].sum()), backward,
+                                                         not bool(wl.tile_full[tiles].all()), b.head_dim, b.dtype)
+        # bytes into rank r over the hop that overlaps step s - 1 (s = w + 1: after the last step)
+        nbytes = np.zeros((w, w + 2))
+        np.add.at(nbytes, (t["fetch_rank"], t["fetch_div"]), wl.block_len[t["fetch_block"]] * itb[(backward, Buf.KV)])
+        if backward:
+            np.add.at(nbytes, (t["ret_kv_dst"], t["ret_kv_div"] + 2),
+                      wl.block_len[t["ret_kv_block"]] * itb[(True, Buf.DKV)])
+        hop = np.array([[cm.transfer_seconds(nbytes[r, s], topo, bool(inter[r])) if nbytes[r, s] else 0.0
+                         for s in range(w + 2)] for r in range(w)])
+        total += sum(max(compute[:, s].max(), hop[:, s + 1].max()) for s in range(w)) + hop[:, w + 1].max()
+    return float(total)

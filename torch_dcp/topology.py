@@ -1,4 +1,5 @@
-"""Topology: ranks grouped in nodes, with the two link classes between them."""
+"""Topology: ranks grouped in nodes, with the two link classes between them (NVLink/NVSwitch
+ports inside a node, network rails between nodes), and named presets of real clusters."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Topology"]
+__all__ = ["Topology", "TOPOLOGY_PRESETS"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,7 +16,13 @@ class Topology:
     """Ranks of the DCP group, ``ranks_per_node`` consecutive ranks per node.
 
     Defaults are the DCP paper's microbenchmark cluster (§7.1): 4 nodes × 8 A100-80GB,
-    NVSwitch inside a node, 4×100 Gbps EFA between nodes.
+    NVSwitch inside a node, 4×100 Gbps EFA between nodes (:data:`TOPOLOGY_PRESETS` also has
+    an H100 DGX cluster).
+
+    Between nodes a node has ``nics_per_node`` network cards (rails), ``inter_bandwidth`` in
+    all; a rank's inter-node transfers use its own rail (consecutive ranks share a rail when
+    there are fewer rails than ranks: 2 GPUs per 12.5 GB/s rail in the paper's cluster), so one
+    rank sending alone gets one rail's bandwidth, not the node's.
 
     Attributes:
         n_nodes: nodes.
@@ -23,9 +30,10 @@ class Topology:
         intra_bandwidth: bytes/s one rank can send to the other ranks of its node (A100
             NVSwitch: 300 GB/s per direction).
         intra_latency: seconds per intra-node transfer.
-        inter_bandwidth: bytes/s of one node's network links to other nodes, shared by its
-            ranks (4 × 100 Gbps = 50 GB/s).
+        inter_bandwidth: bytes/s of one node's network links to other nodes, all rails
+            together, per direction (4 × 100 Gbps = 50 GB/s).
         inter_latency: seconds per inter-node transfer.
+        nics_per_node: network cards (rails) per node.
 
     Raises:
         ValueError: non-positive counts, bandwidths, or negative latencies.
@@ -37,9 +45,10 @@ class Topology:
     intra_latency: float = 3e-6
     inter_bandwidth: float = 50e9
     inter_latency: float = 15e-6
+    nics_per_node: int = 4
 
     def __post_init__(self):
-        for name in ("n_nodes", "ranks_per_node"):
+        for name in ("n_nodes", "ranks_per_node", "nics_per_node"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
                 raise ValueError(f"Topology.{name} must be a positive integer, got {v!r}")
@@ -53,6 +62,34 @@ class Topology:
     @property
     def world_size(self) -> int:
         return self.n_nodes * self.ranks_per_node
+
+    @property
+    def rails_per_node(self) -> int:
+        """Rails the node's ranks use: ``min(nics_per_node, ranks_per_node)`` (a rank uses one)."""
+        return min(self.nics_per_node, self.ranks_per_node)
+
+    @property
+    def rail_bandwidth(self) -> float:
+        """Bytes/s of one rail per direction: ``inter_bandwidth / nics_per_node``, or the
+        node's share per rank when there are more cards than ranks."""
+        return self.inter_bandwidth / self.rails_per_node
+
+    def rail_of(self, rank: Any) -> Any:
+        """Rail (inside its node) of ``rank``'s inter-node transfers (an int or an int array)."""
+        local = np.asarray(rank) % self.ranks_per_node
+        rail = local * self.rails_per_node // self.ranks_per_node
+        return int(rail) if isinstance(rank, (int, np.integer)) else rail
+
+    @classmethod
+    def preset(cls, name: str, n_nodes: int = 4) -> "Topology":
+        """A named cluster of ``n_nodes`` nodes (:data:`TOPOLOGY_PRESETS`).
+
+        Raises:
+            ValueError: unknown name.
+        """
+        if name not in TOPOLOGY_PRESETS:
+            raise ValueError(f"unknown topology preset {name!r}; available: {sorted(TOPOLOGY_PRESETS)}")
+        return dataclasses.replace(TOPOLOGY_PRESETS[name], n_nodes=n_nodes)
 
     def node_of(self, rank: Any) -> Any:
         """Node index of ``rank`` (an int or an int array)."""
@@ -123,3 +160,16 @@ class Topology:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Topology":
         return cls(**d)
+
+
+#: Named clusters (4 nodes each; :meth:`Topology.preset` changes the node count):
+#:
+#: * ``"a100"``: the DCP paper's (§7.1): 8 A100-80GB per node on NVSwitch (300 GB/s per
+#:   direction per GPU), 4 × 100 Gbps EFA per node (4 rails of 12.5 GB/s, 2 GPUs each).
+#: * ``"h100"``: DGX H100: 8 H100 per node on NVLink 4 (900 GB/s per GPU both directions
+#:   together, 450 GB/s each way), 8 × 400 Gbps InfiniBand per node (one 50 GB/s rail per GPU).
+TOPOLOGY_PRESETS: dict[str, Topology] = {
+    "a100": Topology(),
+    "h100": Topology(n_nodes=4, ranks_per_node=8, intra_bandwidth=450e9, intra_latency=3e-6,
+                     inter_bandwidth=400e9, inter_latency=10e-6, nics_per_node=8),
+}

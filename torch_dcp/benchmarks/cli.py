@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..topology import Topology
+from ..topology import TOPOLOGY_PRESETS, Topology
 from . import common, kernels, ops, pictures, planners, step, sweeps
 from .common import MASKS
 
@@ -39,7 +39,9 @@ def parser() -> argparse.ArgumentParser:
     pp.set_defaults(run=_planners, error=pp.error)
     pp2 = sub.add_parser("paper", help="the DCP paper's microbenchmark, simulated, all planners side by side",
                          description=planners.__doc__, formatter_class=raw)
-    pp2.add_argument("--planners", default="ring,greedy,megatron,fcp,dcp")
+    pp2.add_argument("--planners", default="ring,allgather,megatron,fcp,greedy,dcp")
+    pp2.add_argument("--topology", choices=sorted(TOPOLOGY_PRESETS), default="a100",
+                     help="cluster preset (4 nodes x 8 GPUs): the paper's A100 cluster or DGX H100")
     pp2.add_argument("--masks", default=",".join(MASKS))
     pp2.add_argument("--scales", default="0.5,1,2,4")
     pp2.add_argument("--block-sizes", default="512,1024,2048,4096")
@@ -158,11 +160,11 @@ def _paper(args) -> int:
         sources = {k: v for k, v in sources.items() if k in args.batches.split(",")}
     block_sizes = [int(x) for x in args.block_sizes.split(",")]
     if args.sweep:
-        sweeps.bench_sweep(args.sweep, Topology(), args.masks.split(","), block_sizes, args.divisions,
+        sweeps.bench_sweep(args.sweep, Topology.preset(args.topology), args.masks.split(","), block_sizes, args.divisions,
                            args.sweep_batch, args.sweep_scale, sources=sources)
         return 0
     planners.bench_paper(args.planners.split(","), args.masks.split(","), [float(x) for x in args.scales.split(",")],
-                         block_sizes, args.divisions, Topology(), args.cost, sources=sources)
+                         block_sizes, args.divisions, Topology.preset(args.topology), args.cost, sources=sources)
     return 0
 
 

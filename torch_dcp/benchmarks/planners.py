@@ -86,12 +86,13 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
     """Simulated attention time of every planner on the paper's microbenchmark batches (best
     block size per batch and planner); prints JSON lines and a Markdown table."""
     from ..cost import CostModel
-    from ..simulate import simulate
+    from ..simulate import ring_step_seconds, simulate
 
     cm = cost if isinstance(cost, CostModel) else CostModel.load(cost)
     sources = sources or paper_sources(total=total)
     rows = []
-    runs = sum(1 if p in ("ring", "megatron") else len(block_sizes) for p in planners)
+    fixed = ("ring", "allgather", "megatron")  # chunk sizes of their own: block size ignored
+    runs = sum(1 if p in fixed else len(block_sizes) for p in planners)
     bar = progress(len(scales) * len(sources) * len(masks) * runs, "paper")
     for scale in scales:
         for bname, lens in paper_batches(scale, total, sources=sources).items():
@@ -99,7 +100,7 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
                 batch = bench_batch(lens, MASKS[mname])
                 best: dict[str, dict] = {}
                 for pname in planners:
-                    for bs in ([block_sizes[0]] if pname in ("ring", "megatron") else block_sizes):
+                    for bs in ([block_sizes[0]] if pname in fixed else block_sizes):
                         bar.set_postfix_str(f"{scale} {bname} {mname} {pname} B={bs}")
                         t0 = time.perf_counter()
                         plan = make_plan(batch, topology, planner=pname, block_size=bs, divisions=divisions)
@@ -112,6 +113,8 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
                                "comm_bytes": st["comm_bytes"], "inter_node_bytes": st["inter_node_bytes"],
                                "compute_imbalance": st["compute_imbalance"],
                                "memory_imbalance": st["memory_imbalance"], "plan_seconds": plan_s}
+                        if pname == "ring":  # ring attention's own step formula, same cost model
+                            row["formula_ms"] = ring_step_seconds(plan, cm) * 1e3
                         if pname not in best or row["total_ms"] < best[pname]["total_ms"]:
                             best[pname] = row
                         bar.update()
@@ -148,6 +151,10 @@ def _paper_table(rows: list[dict], planners: list[str], masks: list[str], out) -
         extra = (f"{d.get('speedup_vs_best_baseline', float('nan')):.2f}x | {d['ratio_to_ideal']:.2f} | "
                  f"{d['compute_imbalance']:.2f}/{d['memory_imbalance']:.2f}") if d else "- | - | -"
         print(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + f" | {extra} |", file=out)
+    ring = [r for r in rows if "formula_ms" in r]
+    if ring:
+        ratio = [r["total_ms"] / r["formula_ms"] for r in ring]
+        print(f"\nring simulated / ring attention's step formula: {min(ratio):.3f}-{max(ratio):.3f}", file=out)
     dcp = [r for r in rows if r["planner"] == "dcp" and "speedup_vs_best_baseline" in r]
     if dcp:
         wins = sum(r["speedup_vs_best_baseline"] >= 1.0 for r in dcp)

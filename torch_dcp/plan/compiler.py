@@ -35,6 +35,7 @@ from .ir import (
     CommLaunch,
     CommWait,
     Instruction,
+    PlanError,
     Program,
     ReduceOp,
     Transfer,
@@ -43,46 +44,11 @@ from .ir import (
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import Plan
 
-__all__ = ["compile_program", "fetch_tables"]
+__all__ = ["compile_program"]
 
 
 def _i64(a: Iterable[int] | np.ndarray) -> np.ndarray:
     return np.asarray(a if isinstance(a, np.ndarray) else list(a), dtype=np.int64)
-
-
-def fetch_tables(plan: "Plan") -> dict[str, np.ndarray]:
-    """Fetches and returns of all ranks, vectorised.
-
-    ``fetch_*``: one row per (rank, kind, block) a rank fetches, with its division (``kind`` 0
-    for query blocks, 1 for key/value blocks); ``ret_q_*``/``ret_kv_*``: one row per (rank,
-    remote query/key-value block) with the last division using it.
-    """
-    wl, pl = plan.workload, plan.placement
-    nb = wl.n_blocks
-    tr, td = pl.tile_rank, plan.tile_division
-    out: dict[str, np.ndarray] = {}
-    ranks, kinds, blocks, divs = [], [], [], []
-    for kind, tb in ((0, wl.tile_q), (1, wl.tile_kv)):
-        remote = pl.block_rank[tb] != tr
-        code = tr[remote] * nb + tb[remote]
-        uniq, inv = np.unique(code, return_inverse=True)
-        first = np.full(len(uniq), np.iinfo(np.int64).max)
-        np.minimum.at(first, inv, td[remote])
-        last = np.full(len(uniq), -1)
-        np.maximum.at(last, inv, td[remote])
-        ranks.append(uniq // nb)
-        blocks.append(uniq % nb)
-        kinds.append(np.full(len(uniq), kind))
-        divs.append(first)
-        side = "q" if kind == 0 else "kv"
-        out[f"ret_{side}_rank"] = uniq // nb
-        out[f"ret_{side}_block"] = uniq % nb
-        out[f"ret_{side}_div"] = last
-    out["fetch_rank"] = np.concatenate(ranks)
-    out["fetch_kind"] = np.concatenate(kinds)
-    out["fetch_block"] = np.concatenate(blocks)
-    out["fetch_div"] = np.concatenate(divs)
-    return out
 
 
 def _runs(keys: np.ndarray) -> list[np.ndarray]:
@@ -111,7 +77,7 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
     home = plan.local_blocks(rank)
     home_row = np.concatenate(([0], np.cumsum(blen[home])[:-1])).astype(np.int64)
     S = int(blen[home].sum())
-    src_of = br[t["fetch_block"]]
+    src_of = t["fetch_src"]
     kind_of = (Buf.Q, Buf.KV)
 
     # rows of the work buffers: local blocks first, then fetched blocks by (division, peer, block)
@@ -158,8 +124,11 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
     kv_part_rows = ws_size[Buf.KV]
     group_slot: dict[int, list[tuple[int, int]]] = {}  # q block -> [(division, opart row)]
     attn_by_div: dict[int, BlockwiseAttention] = {}
+    groups_of: dict[int, list[np.ndarray]] = {}
+    for g in groups:
+        groups_of.setdefault(int(tdiv[g[0]]), []).append(g)
     for d in range(T):
-        gs = [g for g in groups if tdiv[g[0]] == d]
+        gs = groups_of.get(d, [])
         if not gs:
             continue
         q_block, q_row, out_row, kv_ptr = [], [], [], [0]
@@ -182,37 +151,22 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
         attn_by_div[d] = BlockwiseAttention(d, _i64(q_block), _i64(q_row), _i64(out_row), _i64(kv_ptr),
                                             _i64(kv_block), _i64(kv_row), _i64(tile_ids))
 
-    # returns: partial outputs (forward) or gradient partials (backward) to block homes
+    # returns: partial outputs (forward) or gradient partials (backward), to the block's home or
+    # to a rank that adds its own partial and passes the sum on (a relay); receives first, so
+    # that a relay's send can include what it received
     ret_send: dict[int, list[Transfer]] = {d: [] for d in range(T)}
     ret_recv: dict[int, list[Transfer]] = {d: [] for d in range(T)}
-    pre_send_reductions: dict[int, list[tuple[int, int, list[int]]]] = {d: [] for d in range(T)}
+    pre_send_reductions: dict[tuple[int, ReduceOp, Buf], list[tuple[int, int, list[int]]]] = {}
+    pre_send_waits: dict[int, set[int]] = {d: set() for d in range(T)}
     recv_slots: dict[Buf, dict[int, list[int]]] = {Buf.Q: {}, Buf.KV: {}}
+    recv_phase: dict[Buf, dict[int, set[int]]] = {Buf.Q: {}, Buf.KV: {}}
+    home_set = set(hb_all := home.tolist())
     sides = ((Buf.Q, Buf.DQ if backward else Buf.OPART),) + (((Buf.KV, Buf.DKV),) if backward else ())
     for side, kind in sides:
         name = "q" if side == Buf.Q else "kv"
-        rr, rb, rd = t[f"ret_{name}_rank"], t[f"ret_{name}_block"], t[f"ret_{name}_div"]
-        # sends: my remote blocks, to their homes, after their last division
-        sel = np.nonzero(rr == rank)[0]
-        sel = sel[np.lexsort((rb[sel], br[rb[sel]], rd[sel]))]
-        keys = np.stack([rd[sel], br[rb[sel]]], axis=1)
-        for grp in _runs(keys):
-            d, peer = (int(x) for x in keys[grp[0]])
-            blocks = rb[sel[grp]]
-            send_rows = []
-            for b in blocks.tolist():
-                if backward:
-                    send_rows.append(rows[side][b])
-                else:
-                    slots = [row for _, row in group_slot[b]]
-                    if len(slots) == 1:
-                        send_rows.append(slots[0])
-                    else:
-                        pre_send_reductions[d].append((b, part_rows, slots))
-                        send_rows.append(part_rows)
-                        part_rows += int(blen[b])
-            ret_send[d].append(Transfer(peer, kind, blocks, _i64(send_rows)))
-        # receives: partials of my blocks computed elsewhere, by (division, peer, block)
-        sel = np.nonzero((br[rb] == rank) & (rr != rank))[0]
+        rr, rb, rd, rt = t[f"ret_{name}_rank"], t[f"ret_{name}_block"], t[f"ret_{name}_div"], t[f"ret_{name}_dst"]
+        # receives: partials sent to me, by (division, peer, block)
+        sel = np.nonzero(rt == rank)[0]
         sel = sel[np.lexsort((rb[sel], rr[sel], rd[sel]))]
         keys = np.stack([rd[sel], rr[sel]], axis=1)
         for grp in _runs(keys):
@@ -221,14 +175,43 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
             dst_rows = []
             for b in blocks.tolist():
                 if side == Buf.Q:
-                    dst_rows.append(part_rows)
-                    recv_slots[side].setdefault(b, []).append(part_rows)
-                    part_rows += int(blen[b])
+                    row, part_rows = part_rows, part_rows + int(blen[b])
                 else:
-                    dst_rows.append(kv_part_rows)
-                    recv_slots[side].setdefault(b, []).append(kv_part_rows)
-                    kv_part_rows += int(blen[b])
+                    row, kv_part_rows = kv_part_rows, kv_part_rows + int(blen[b])
+                dst_rows.append(row)
+                recv_slots[side].setdefault(b, []).append(row)
+                recv_phase[side].setdefault(b, set()).add(2 * d + 1)
             ret_recv[d].append(Transfer(peer, kind, blocks, _i64(dst_rows)))
+        # sends: my partials of blocks held elsewhere, after the last division using them
+        sel = np.nonzero(rr == rank)[0]
+        sel = sel[np.lexsort((rb[sel], rt[sel], rd[sel]))]
+        keys = np.stack([rd[sel], rt[sel]], axis=1)
+        op = ReduceOp.SUM if backward else ReduceOp.LSE_MERGE
+        for grp in _runs(keys):
+            d, peer = (int(x) for x in keys[grp[0]])
+            blocks = rb[sel[grp]]
+            send_rows = []
+            for b in blocks.tolist():
+                if backward:
+                    own = [rows[side][b]] if b in rows[side] else []
+                else:
+                    own = [row for _, row in group_slot.get(b, [])]
+                relayed = recv_slots[side].pop(b, [])
+                pre_send_waits[d] |= recv_phase[side].pop(b, set())
+                slots = own + relayed
+                if len(slots) == 1 and not relayed:
+                    send_rows.append(slots[0])
+                    continue
+                if side == Buf.Q:
+                    row, part_rows = part_rows, part_rows + int(blen[b])
+                else:
+                    row, kv_part_rows = kv_part_rows, kv_part_rows + int(blen[b])
+                pre_send_reductions.setdefault((d, op, kind), []).append((b, row, slots))
+                send_rows.append(row)
+            ret_send[d].append(Transfer(peer, kind, blocks, _i64(send_rows)))
+    stray = [b for side in recv_slots.values() for b in side if b not in home_set]
+    if stray:
+        raise PlanError(f"rank {rank} receives partials of block {stray[0]}, which it neither holds nor passes on")
 
     # program order
     fetch_phases = [bool(fetch_send[d] or fetch_recv[d]) for d in range(T)]
@@ -241,8 +224,15 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
             instructions.append(CommLaunch(2 * (d + 1), tuple(fetch_send[d + 1]), tuple(fetch_recv[d + 1])))
         if d in attn_by_div:
             instructions.append(attn_by_div[d])
-        if pre_send_reductions[d]:
-            instructions.append(_reduction(ReduceOp.LSE_MERGE, Buf.OPART, Buf.OPART, pre_send_reductions[d]))
+        for p in sorted(pre_send_waits[d]):  # relayed partials must have arrived before they are added
+            if p not in ret_phases:
+                raise PlanError(f"rank {rank}: a partial relayed after division {d} arrives in phase {p}, "
+                                f"which is not earlier")
+            ret_phases.remove(p)
+            instructions.append(CommWait(p))
+        for (dd, op, kind), entries in pre_send_reductions.items():
+            if dd == d:
+                instructions.append(_reduction(op, kind, kind, entries))
         if ret_send[d] or ret_recv[d]:
             instructions.append(CommLaunch(2 * d + 1, tuple(ret_send[d]), tuple(ret_recv[d])))
             ret_phases.append(2 * d + 1)
@@ -251,7 +241,7 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
     instructions.extend(CommWait(p) for p in ret_phases)
 
     # final reductions into the local outputs
-    hb = home.tolist()
+    hb = hb_all
     if backward:
         for side, src, dst in ((Buf.Q, Buf.DQ, Buf.OUT_DQ), (Buf.KV, Buf.DKV, Buf.OUT_DKV)):
             red = [(b, int(hr), [rows[side][b]] + recv_slots[side].get(b, [])) for b, hr in zip(hb, home_row.tolist())]

@@ -17,8 +17,9 @@ from ..batch import BatchSpec
 from ..planners.base import Placement
 from ..topology import Topology
 from ..workload import Buf, Workload, item_token_bytes
-from .compiler import compile_program, fetch_tables
+from .compiler import compile_program
 from .ir import Program
+from .routes import route_tables
 from .serialize import plan_digest, plan_from_bytes, plan_to_bytes
 from .validator import validate_pass
 
@@ -106,8 +107,12 @@ class Plan:
     # ------------------------------------------------------------------ global tables
     @cached_property
     def tables(self) -> dict[str, np.ndarray]:
-        """Fetches and returns of all ranks (see :func:`~torch_dcp.plan.compiler.fetch_tables`)."""
-        return fetch_tables(self)
+        """Routes of all ranks' fetches and returns (see :mod:`~torch_dcp.plan.routes`).
+
+        Raises:
+            PlanError: routes that cannot run.
+        """
+        return route_tables(self)
 
     # ------------------------------------------------------------------ compile
     def program(self, rank: int, backward: bool = False) -> Program:
@@ -125,23 +130,22 @@ class Plan:
         Returns ``(src, dst, nbytes, forward)``: int64 ranks, float64 bytes and a bool
         forward flag, one entry per (fetched or returned block, rank pair, pass).
         """
-        wl, pl, t = self.workload, self.placement, self.tables
+        wl, t = self.workload, self.tables
         itb = item_token_bytes(self.batch)
-        br = pl.block_rank
         src, dst, nbytes, fwd = [], [], [], []
-        # fetches: from the block's home to the fetching rank, forward and backward
+        # fetches: from the block's home (or a relay) to the fetching rank, forward and backward
         is_q = t["fetch_kind"] == 0
         for backward in (False, True):
             per_tok = np.where(is_q, itb[(backward, Buf.Q)], itb[(backward, Buf.KV)])
-            src.append(br[t["fetch_block"]])
+            src.append(t["fetch_src"])
             dst.append(t["fetch_rank"])
             nbytes.append(per_tok * wl.block_len[t["fetch_block"]])
             fwd.append(np.full(len(is_q), not backward))
-        # returns: from the computing rank to the block's home
+        # returns: from the computing rank to the block's home (or a relay)
         for backward, side, kind in ((False, "q", Buf.OPART), (True, "q", Buf.DQ), (True, "kv", Buf.DKV)):
             blocks = t[f"ret_{side}_block"]
             src.append(t[f"ret_{side}_rank"])
-            dst.append(br[blocks])
+            dst.append(t[f"ret_{side}_dst"])
             nbytes.append(itb[(backward, kind)] * wl.block_len[blocks])
             fwd.append(np.full(len(blocks), not backward))
         return (np.concatenate(src).astype(np.int64), np.concatenate(dst).astype(np.int64),

@@ -1,8 +1,8 @@
 """Plan serialisation (no pickle) and the content digest.
 
-Format (version 3): magic, then ``<IQQ`` (format version, header bytes, body bytes), the SHA-256
+Format (version 4): magic, then ``<IQQ`` (format version, header bytes, body bytes), the SHA-256
 of everything after the magic but the checksum itself (version, lengths, header, body), a JSON
-header (batch, topology, planner, divisions, block size and the array table), then raw
+header (batch, topology, planner, routing, divisions, block size and the array table), then raw
 little-endian arrays -- block spans, block and tile ranks, tile divisions in the narrowest
 integer types. Tiles and programs are recomputed on load. Any changed, missing or extra byte
 fails the length or checksum test: a corrupted plan is never loaded as another plan.
@@ -19,7 +19,7 @@ import numpy as np
 
 from ..batch import BatchSpec
 from ..masks import Ranges
-from ..planners.base import Placement
+from ..planners.base import Placement, Routing
 from ..topology import Topology
 from ..workload import Workload, smallest_int
 from .ir import PlanError
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["FORMAT_MAGIC", "FORMAT_VERSION", "plan_to_bytes", "plan_from_bytes", "plan_digest"]
 
 FORMAT_MAGIC = b"TDCPLAN\0"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 _LENGTHS = struct.Struct("<IQQ")
 _SUM = 32  # SHA-256 bytes
 
@@ -50,6 +50,7 @@ def _content(plan: "Plan") -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         "batch": batch,
         "topology": plan.topology.to_dict(),
         "planner": plan.planner,
+        "routing": plan.placement.routing.value,
         "divisions": plan.divisions,
         "block_size": plan.workload.block_size,
     }
@@ -114,7 +115,7 @@ def plan_from_bytes(cls: type, data: bytes) -> "Plan":
         if len(arrays["tile_rank"]) != wl.n_tiles:
             raise ValueError(f"{len(arrays['tile_rank'])} tile ranks for {wl.n_tiles} tiles")
         placement = Placement(wl, topology.world_size, arrays["block_rank"], arrays["tile_rank"],
-                              planner=content["planner"])
+                              planner=content["planner"], routing=Routing(content["routing"]))
         return cls(placement, topology, arrays["tile_division"], content["divisions"], doc["meta"]["plan_seconds"])
     except Exception as err:  # noqa: BLE001 - one error type for every unreadable payload
         raise PlanError(f"unreadable plan payload: {type(err).__name__}: {err}") from None

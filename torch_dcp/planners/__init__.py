@@ -8,17 +8,19 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .base import Placement
+from .allgather import plan_allgather
+from .base import Placement, Routing
 from .dcp import plan_dcp
 from .fcp import plan_fcp
 from .greedy import plan_greedy
 from .megatron import plan_megatron
 from .ring import plan_ring
 
-__all__ = ["Placement", "PLANNERS", "get_planner", "plan_dcp", "plan_fcp", "plan_greedy", "plan_megatron", "plan_ring"]
+__all__ = ["Placement", "Routing", "PLANNERS", "get_planner", "plan_allgather", "plan_dcp", "plan_fcp", "plan_greedy", "plan_megatron", "plan_ring"]
 
 #: name -> ``fn(batch, topology, block_size, **options) -> Placement``
 PLANNERS: dict[str, Callable[..., Placement]] = {
+    "allgather": plan_allgather,
     "dcp": plan_dcp,
     "fcp": plan_fcp,
     "greedy": plan_greedy,

@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import numpy as np
 
 from ..workload import Workload
 
-__all__ = ["Placement"]
+__all__ = ["Placement", "Routing"]
+
+
+class Routing(enum.Enum):
+    """How blocks and partial results travel between ranks (the plan's routes, see
+    :mod:`torch_dcp.plan.routes`).
+
+    * ``DIRECT``: every fetched block comes straight from its home rank and every partial
+      result goes straight back to it (an all-gather pattern: a block needed by ``n`` ranks
+      leaves its home ``n`` times).
+    * ``RING``: ring attention (Liu et al., *Ring Attention with Blockwise Transformers*,
+      2023, §3; TransformerEngine's context parallelism): tiles run on their query's rank,
+      division ``s`` of rank ``r`` holds the tiles whose key/value blocks live on rank
+      ``r - s`` (mod ``W``), and every rank's key/value blocks travel once around the ring,
+      each rank receiving them from rank ``r - 1`` and passing them on to ``r + 1`` the next
+      step; in the backward the dK/dV partials travel with them, each rank adding its own
+      before passing them on, and the last one sends the sums home.
+    """
+
+    DIRECT = "direct"
+    RING = "ring"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +47,12 @@ class Placement:
         planner: name of the planner that produced it.
         tile_round: optional int64 ``[n_tiles]``: scheduling rounds that run one after
             another (Megatron's barriers); ``None`` for one round.
+        routing: how blocks and partials travel (:class:`Routing`).
+        ring_groups: for ``Routing.RING``, optional int64 ``[n_docs, 3]``: every document's
+            ring, ``(first rank, ranks, first division)``: its blocks live on ranks
+            ``first .. first + ranks - 1`` and travel around them in divisions ``first
+            division ..`` (Megatron's CP groups and rounds); ``None``: one ring of all ranks
+            from division 0.
     """
 
     workload: Workload
@@ -34,6 +61,8 @@ class Placement:
     tile_rank: np.ndarray
     planner: str = "custom"
     tile_round: np.ndarray | None = None
+    routing: Routing = Routing.DIRECT
+    ring_groups: np.ndarray | None = None
 
     def __post_init__(self):
         w = self.workload
@@ -56,6 +85,37 @@ class Placement:
                 raise ValueError(f"Placement.tile_round: expected non-negative shape ({w.n_tiles},), got {rd.shape}")
             rd.setflags(write=False)
             object.__setattr__(self, "tile_round", rd)
+        if not isinstance(self.routing, Routing):
+            raise ValueError(f"Placement.routing must be a Routing, got {self.routing!r}")
+        if self.ring_groups is not None:
+            g = np.ascontiguousarray(self.ring_groups, dtype=np.int64)
+            n_docs = w.batch.n_docs
+            if (g.shape != (n_docs, 3) or (g.size and (g[:, 0].min() < 0 or g[:, 1].min() < 1 or g[:, 2].min() < 0
+                                                       or (g[:, 0] + g[:, 1]).max() > self.world_size))):
+                raise ValueError(f"Placement.ring_groups: expected [{n_docs}, 3] rows (first rank, ranks >= 1, first "
+                                 f"division) inside [0, {self.world_size}), got shape {g.shape}")
+            g.setflags(write=False)
+            object.__setattr__(self, "ring_groups", g)
+
+    def ring_group_of_docs(self) -> np.ndarray:
+        """``ring_groups``, or one ring of all ranks from division 0 for every document:
+        int64 ``[n_docs, 3]``."""
+        if self.ring_groups is not None:
+            return self.ring_groups
+        g = np.zeros((self.workload.batch.n_docs, 3), np.int64)
+        g[:, 1] = self.world_size
+        return g
+
+    def ring_steps(self) -> tuple[np.ndarray, int]:
+        """Ring attention's divisions: tile ``t`` runs in its document's first division plus
+        ``(tile rank - key/value home) mod ranks``; returns ``(tile_division [n_tiles],
+        number of divisions)``."""
+        wl = self.workload
+        g = self.ring_group_of_docs()
+        tg = g[wl.block_doc[wl.tile_q]]
+        step = tg[:, 2] + (self.tile_rank - self.block_rank[wl.tile_kv]) % tg[:, 1]
+        n = int((g[:, 1] + g[:, 2]).max()) if len(g) else 1
+        return step.astype(np.int64), max(n, 1)
 
     def rank_flops(self, backward: bool = False) -> np.ndarray:
         """Attention FLOPs per rank, float64 ``[world_size]``."""

@@ -21,8 +21,12 @@ Every document gets a power-of-two CP group size from its length,
 6. repeat per round.
 
 Inside a group a document is split zig-zag over its ``cp`` ranks (``2 cp`` chunks), tiles
-follow their queries. Rounds run one after another: each becomes its own run of divisions in
-the plan (``tile_round``), separated like Megatron's barriers.
+follow their queries, and the group runs ring attention, as Megatron-Core does with
+TransformerEngine's context parallelism: ``cp`` steps, key/value chunks (and dK/dV partials
+in the backward) passed to the next rank of the group
+(:attr:`~torch_dcp.planners.base.Routing.RING` with one ring per group). Rounds run one after
+another, each its own run of divisions (as many as its largest group has ranks), separated
+like Megatron's barriers.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import numpy as np
 from ..batch import BatchSpec
 from ..topology import Topology
 from ..workload import Workload
-from .base import Placement
+from .base import Placement, Routing
 from .ring import zigzag_spans
 
 __all__ = ["plan_megatron", "megatron_schedule"]
@@ -141,4 +145,10 @@ def plan_megatron(batch: BatchSpec, topology: Topology, block_size: int | None =
     block_rank = doc_rank0[doc] + member
     tile_rank = block_rank[wl.tile_q]
     tile_round = doc_round[wl.block_doc[wl.tile_q]]
-    return Placement(wl, w, block_rank, tile_rank, planner="megatron", tile_round=tile_round)
+    # round r's divisions start after every earlier round's steps (its largest group's size)
+    steps = np.zeros(len(rounds), np.int64)
+    np.maximum.at(steps, doc_round, doc_cp)
+    first_div = np.concatenate(([0], np.cumsum(steps)[:-1]))[doc_round]
+    groups = np.stack([doc_rank0, doc_cp, first_div], axis=1)
+    return Placement(wl, w, block_rank, tile_rank, planner="megatron", tile_round=tile_round,
+                     routing=Routing.RING, ring_groups=groups)

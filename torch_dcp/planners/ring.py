@@ -1,11 +1,19 @@
-"""Static context parallelism with the zig-zag layout (ring attention, TransformerEngine THD).
+"""Ring attention on the zig-zag layout (static context parallelism as TransformerEngine runs it).
 
 Every document is cut into ``2 W`` chunks (``W`` = world size); rank ``r`` holds chunks ``r`` and
-``2W - 1 - r`` of every document, so causal work is balanced per document. Tiles follow their
-queries: the tile ``(q chunk, kv chunk)`` runs on the query chunk's rank, so key/value chunks
-travel (as in ring attention). Chunk sizes are as even as possible, earlier chunks one token
-longer; with TransformerEngine's requirement that lengths be multiples of ``2W`` this is its
-exact layout (TransformerEngine ``get_batch_on_this_cp_rank`` for THD inputs).
+``2W - 1 - r`` of every document, so causal work is balanced per document. Chunk sizes are as
+even as possible, earlier chunks one token longer; with TransformerEngine's requirement that
+lengths be multiples of ``2W`` this is its exact layout (TransformerEngine
+``get_batch_on_this_cp_rank`` for THD inputs).
+
+Tiles follow their queries; key/value chunks travel around the ring (Liu et al., *Ring Attention
+with Blockwise Transformers*, 2023, §3): in step ``s`` rank ``r`` attends to the key/value chunks
+of rank ``r - s`` while it passes them on to ``r + 1`` and receives those of ``r - s - 1`` from
+``r - 1``, ``W - 1`` steps in all, each transfer overlapped with the previous step's compute; in
+the backward the dK/dV partials travel the same way, each rank adding its own
+(:attr:`~torch_dcp.planners.base.Routing.RING`). PyTorch's ``context_parallel`` with its
+all-gather rotation, where every rank fetches every chunk from its owner, is
+:func:`~torch_dcp.planners.allgather.plan_allgather`.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import numpy as np
 from ..batch import BatchSpec
 from ..topology import Topology
 from ..workload import Workload
-from .base import Placement
+from .base import Placement, Routing
 
 __all__ = ["plan_ring", "zigzag_spans"]
 
@@ -44,9 +52,11 @@ def zigzag_spans(doc_lens: np.ndarray, group_size: np.ndarray) -> tuple[np.ndarr
 
 
 def plan_ring(batch: BatchSpec, topology: Topology, block_size: int | None = None) -> Placement:
-    """Zig-zag static CP placement. ``block_size`` is ignored (chunks are ``L / 2W``)."""
+    """Ring attention on the zig-zag layout: tiles on their query's rank, in ring step
+    ``(rank - key/value home) mod W``. ``block_size`` is ignored (chunks are ``L / 2W``); the
+    plan has ``W`` divisions (the ring steps) whatever ``divisions`` asks."""
     w = topology.world_size
     doc, start, end, member = zigzag_spans(batch.doc_lens, w)
     workload = Workload.from_spans(batch, doc, start, end)
     # blocks are sorted by (doc, start): the order of the spans
-    return Placement(workload, w, member, member[workload.tile_q], planner="ring")
+    return Placement(workload, w, member, member[workload.tile_q], planner="ring", routing=Routing.RING)

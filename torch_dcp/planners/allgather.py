@@ -1,0 +1,28 @@
+"""All-gather context parallelism on the zig-zag layout (PyTorch's ``context_parallel`` with its
+all-gather rotation).
+
+The layout is ring attention's (:func:`~torch_dcp.planners.ring.zigzag_spans`: rank ``r`` holds
+chunks ``r`` and ``2W - 1 - r`` of every document) and tiles follow their queries, but every
+rank fetches every key/value chunk it needs straight from its owner, and dK/dV partials go
+straight home (:attr:`~torch_dcp.planners.base.Routing.DIRECT`): a chunk needed by ``n`` ranks
+leaves its owner ``n`` times. The divisions come from the scheduler like any planner's.
+"""
+
+from __future__ import annotations
+
+from ..batch import BatchSpec
+from ..topology import Topology
+from ..workload import Workload
+from .base import Placement
+from .ring import zigzag_spans
+
+__all__ = ["plan_allgather"]
+
+
+def plan_allgather(batch: BatchSpec, topology: Topology, block_size: int | None = None) -> Placement:
+    """Zig-zag placement, tiles on their query's rank, every fetch from the owner.
+    ``block_size`` is ignored (chunks are ``L / 2W``)."""
+    w = topology.world_size
+    doc, start, end, member = zigzag_spans(batch.doc_lens, w)
+    workload = Workload.from_spans(batch, doc, start, end)
+    return Placement(workload, w, member, member[workload.tile_q], planner="allgather")
