@@ -78,7 +78,7 @@ def make_assets(folder: str | os.PathLike, n_docs: int = 300, max_chars: int = 8
     import numpy as np
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from torch_dcp.data import load_documents
+    from torch_dcp.data.corpus import stdlib_text_files
 
     if not 260 <= vocab_size <= 2048:
         raise ValueError(f"make_assets: vocab_size must be in [260, 2048] (the debug model's vocabulary), got {vocab_size}")
@@ -90,9 +90,14 @@ def make_assets(folder: str | os.PathLike, n_docs: int = 300, max_chars: int = 8
     spec = {"n_docs": n_docs, "max_chars": max_chars, "vocab_size": vocab_size, "seed": seed}
     if done.exists() and json.loads(done.read_text()) == spec:
         return tok_dir, data_dir
-    docs = load_documents(None)
-    order = np.random.default_rng(seed).permutation(len(docs))[:n_docs]
-    texts = [docs[i][:max_chars] for i in order]
+    files = stdlib_text_files()
+    texts = []
+    for i in np.random.default_rng(seed).permutation(len(files)):
+        text = files[i].read_text(encoding="utf-8", errors="replace")[:max_chars]
+        if text:
+            texts.append(text)
+        if len(texts) == n_docs:
+            break
     tok_dir.mkdir(parents=True, exist_ok=True)
     data_dir.mkdir(parents=True, exist_ok=True)
     with open(data_dir / "data.json", "w") as f:
