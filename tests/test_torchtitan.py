@@ -53,7 +53,7 @@ def _record(trainer) -> dict:
     bytes of every DCP plan."""
     from torch.distributed.tensor import DTensor
 
-    rec: dict = {"loss": [], "grad_norm": [], "grads": None, "comm_bytes": []}
+    rec: dict = {"loss": [], "grad_norm": [], "grads": None, "comm_bytes": [], "attention_calls": 0}
     log, fwd_bwd = trainer.metrics_processor.log, trainer.forward_backward_step
 
     def log_step(*args, **kwargs):
@@ -71,7 +71,16 @@ def _record(trainer) -> dict:
     trainer.metrics_processor.log = log_step
     trainer.forward_backward_step = forward_backward_step
     if hasattr(trainer, "dcp_mesh"):
+        import torch_dcp
+
         hook = trainer.post_dataloading_process
+        forward = torch_dcp.RankExecutor.forward
+
+        def count_forward(self, *args, **kwargs):  # executor forward passes (recomputations included)
+            rec["attention_calls"] += 1
+            return forward(self, *args, **kwargs)
+
+        torch_dcp.RankExecutor.forward = count_forward
 
         def post_dataloading_process(*args, **kwargs):
             out = hook(*args, **kwargs)
@@ -140,6 +149,8 @@ def _check_parity(res: dict, steps: int) -> tuple[float, float]:
     assert grad_diff <= 1e-5, grad_diff
     assert all(float(g.abs().max()) > 0 for g in dcp["grads"].values())
     assert len(dcp["comm_bytes"]) == steps and sum(dcp["comm_bytes"]) > 0  # documents really were split
+    # one executor forward per layer and step: selective AC saves the attention, never reruns it
+    assert dcp["attention_calls"] == 6 * steps, dcp["attention_calls"]
     return loss_rel, grad_diff
 
 

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.llama3 import config_registry as llama3_registry
@@ -59,7 +60,7 @@ import torch_dcp
 from torch_dcp.executor.kernels import _KERNELS
 from torch_dcp.planners import PLANNERS
 
-__all__ = ["DCPConfig", "DCPTrainer", "check_config", "document_lengths", "with_dcp", "llama3_debugmodel_dcp",
+__all__ = ["DCPConfig", "DCPTrainer", "DCPSelectiveAC", "check_config", "document_lengths", "with_dcp", "llama3_debugmodel_dcp",
            "llama3_8b_dcp"]
 
 KERNELS = ("auto", *sorted(_KERNELS))
@@ -272,12 +273,26 @@ class DCPTrainer(Trainer):
             return Trainer._forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs)
 
 
+class DCPSelectiveAC(SelectiveAC):
+    """torchtitan's per-op selective activation checkpointing that also saves the outputs of
+    ``torch_dcp::attention`` (as torchtitan saves those of the SDPA ops): recomputing it in the
+    backward would run the plan's forward transfers a second time."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(SelectiveAC.Config):
+        pass
+
+    def get_save_ops(self) -> set:
+        return SelectiveAC.get_save_ops(self) | {torch.ops.torch_dcp.attention.default}
+
+
 # ---------------------------------------------------------------------- registered configs
 def with_dcp(base: Trainer.Config, dcp: DCPConfig | None = None) -> DCPTrainer.Config:
     """torchtitan's trainer config ``base`` as a :class:`DCPTrainer.Config`: every key kept, except
     that every layer's inner attention becomes torchtitan's ``ScaledDotProductAttention`` (which
     torch_dcp runs), a ``ChunkedLossWrapper`` becomes its inner loss (plain cross entropy, the
-    same sum over tokens), the backend ``partial_dtensor``, CUDA graphs off and validation off.
+    same sum over tokens), torchtitan's ``SelectiveAC`` becomes :class:`DCPSelectiveAC`, the
+    backend ``partial_dtensor``, CUDA graphs off and validation off.
 
     Raises:
         ValueError: ``base`` has no model spec, or what :func:`check_config` refuses.
@@ -297,6 +312,10 @@ def with_dcp(base: Trainer.Config, dcp: DCPConfig | None = None) -> DCPTrainer.C
     base.validator.enable = False
     values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     values.update(loss=loss, dcp=dcp if dcp is not None else DCPConfig())
+    ac = base.activation_checkpoint
+    if type(ac) is SelectiveAC.Config:
+        values["activation_checkpoint"] = DCPSelectiveAC.Config(
+            **{f.name: getattr(ac, f.name) for f in dataclasses.fields(ac) if f.init})
     return DCPTrainer.Config(**values)
 
 
