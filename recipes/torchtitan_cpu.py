@@ -7,6 +7,8 @@ memory, in the processes this script starts).
 
     python recipes/torchtitan_cpu.py --nproc 2 --steps 5                 # torch_dcp, dp2
     python recipes/torchtitan_cpu.py --nproc 2 --steps 5 --no-dcp        # the same run without CP
+    python recipes/torchtitan_cpu.py --nproc 4 -- --dcp.planner greedy \
+        --parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 2
 
 Everything after ``--`` goes to torchtitan (``--dcp.planner greedy``, ``--training.seq_len
 512``, ...). The script writes the offline assets (a byte-level BPE tokenizer trained on the
@@ -304,12 +306,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--local-batch-size", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=256, help="--dcp.block-size (small, so that documents split)")
+    p.add_argument("--divisions", type=int, default=2, help="--dcp.divisions")
     p.add_argument("--no-dcp", action="store_true", help="torchtitan's own run, no context parallelism")
     p.add_argument("--assets", default="outputs/torchtitan_cpu_assets")
     p.add_argument("--dump", default="outputs/torchtitan_cpu")
     args = p.parse_args(argv)
     tok, data = make_assets(args.assets)
     tt = torchtitan_args(tok, data, Path(args.dump), args.steps, not args.no_dcp, args.seq_len, args.local_batch_size)
+    if not args.no_dcp:
+        tt += ["--dcp.block-size", str(args.block_size), "--dcp.divisions", str(args.divisions)]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_DATASETS_OFFLINE="1",
                HF_HUB_OFFLINE="1")
     root = str(Path(__file__).resolve().parents[1])
