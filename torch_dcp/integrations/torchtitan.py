@@ -45,7 +45,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -57,10 +56,11 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 import torch_dcp
+from torch_dcp.data import packed_document_lengths
 from torch_dcp.executor.kernels import _KERNELS
 from torch_dcp.planners import PLANNERS
 
-__all__ = ["DCPConfig", "DCPTrainer", "DCPSelectiveAC", "check_config", "document_lengths", "with_dcp", "llama3_debugmodel_dcp",
+__all__ = ["DCPConfig", "DCPTrainer", "DCPSelectiveAC", "check_config", "with_dcp", "llama3_debugmodel_dcp",
            "llama3_8b_dcp"]
 
 KERNELS = ("auto", *sorted(_KERNELS))
@@ -145,41 +145,6 @@ def check_config(config: "DCPTrainer.Config") -> None:
                                  f"the model has {type(inner).__qualname__}; build the config with with_dcp()")
 
 
-def document_lengths(positions: torch.Tensor | None, tokens: torch.Tensor, eos_id: int | None) -> list[int]:
-    """Lengths of the documents of packed rows, in row-major order.
-
-    Every row starts a document; inside a row a document starts where ``positions`` is 0 or,
-    without positions, right after an ``eos_id`` token (the EOS ends its document), as
-    torchtitan's block-causal masks have them.
-
-    Args:
-        positions: ``[R, L]`` integer position ids, or ``None``.
-        tokens: ``[R, L]`` token ids.
-        eos_id: the EOS token id (needed when ``positions`` is ``None``).
-
-    Returns:
-        Positive lengths summing to ``R * L``.
-
-    Raises:
-        ValueError: shapes that differ or are not 2-D, or neither positions nor an EOS id.
-    """
-    if tokens.dim() != 2:
-        raise ValueError(f"document_lengths: tokens must be [rows, seq_len], got {list(tokens.shape)}")
-    if positions is not None:
-        if positions.shape != tokens.shape:
-            raise ValueError(f"document_lengths: positions {list(positions.shape)} and tokens {list(tokens.shape)} differ")
-        starts = positions == 0
-    else:
-        if eos_id is None:
-            raise ValueError("document_lengths: without position ids the tokenizer's EOS id is needed")
-        starts = torch.zeros_like(tokens, dtype=torch.bool)
-        starts[:, 1:] = tokens[:, :-1] == eos_id
-    starts = starts.clone()
-    starts[:, 0] = True
-    idx = torch.nonzero(starts.flatten()).flatten().cpu().numpy()
-    return np.diff(np.append(idx, tokens.numel())).tolist()
-
-
 class DCPTrainer(Trainer):
     """torchtitan's ``Trainer`` whose attention runs torch_dcp's per-step plans."""
 
@@ -233,7 +198,8 @@ class DCPTrainer(Trainer):
         glob = torch.cat(parts, dim=1)  # [2 or 3, world * rows, L], rank-major
         g_tokens, g_labels = glob[0], glob[1]
         g_positions = glob[2] if positions is not None else None
-        lens = document_lengths(g_positions, g_tokens, getattr(self.tokenizer, "eos_id", None))
+        lens = packed_document_lengths(None if g_positions is None else g_positions.cpu().numpy(),
+                                       g_tokens.cpu().numpy(), getattr(self.tokenizer, "eos_id", None))
         if g_positions is None:  # what the model uses without positions: 0..L-1 in every row
             g_positions = torch.arange(g_tokens.shape[1], device=g_tokens.device).expand_as(g_tokens)
         cfg = self.config.dcp
