@@ -82,3 +82,26 @@ def test_load_documents_reads_jsonl_text(tmp_path):
     f.write_text(_jsonl([{"text": ""}]))
     with pytest.raises(ValueError, match="holds no documents"):
         load_documents(f)
+
+
+def test_packed_document_lengths_from_positions_and_from_eos():
+    import numpy as np
+
+    from torch_dcp.data import packed_document_lengths
+
+    # two rows of 6: row 0 holds documents of 2, 3 and 1 tokens; row 1 continues a document
+    # (its positions were renumbered from 0 by the loader) and then starts one of 2 tokens
+    positions = np.array([[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 0, 1]])
+    tokens = np.arange(12).reshape(2, 6)
+    assert packed_document_lengths(positions, tokens).tolist() == [2, 3, 1, 4, 2]
+    # a row that does not start at position 0 still starts a document
+    assert packed_document_lengths(np.array([[5, 6, 0, 1]]), np.zeros((1, 4))).tolist() == [2, 2]
+    # without positions: a document ends with its EOS (9); a row's last EOS ends nothing more
+    eos_rows = np.array([[1, 9, 2, 3, 9, 4], [5, 6, 9, 9, 7, 9]])
+    assert packed_document_lengths(None, eos_rows, eos_id=9).tolist() == [2, 3, 1, 3, 1, 2]
+    with pytest.raises(ValueError, match="EOS token id"):
+        packed_document_lengths(None, eos_rows)
+    with pytest.raises(ValueError, match="positions .* differ"):
+        packed_document_lengths(positions[:, :5], tokens)
+    with pytest.raises(ValueError, match=r"\[rows, seq_len\]"):
+        packed_document_lengths(None, np.arange(4), eos_id=0)

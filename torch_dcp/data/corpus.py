@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["stdlib_text_files", "load_documents", "byte_tokenize", "pack_batches"]
+__all__ = ["stdlib_text_files", "load_documents", "byte_tokenize", "pack_batches", "packed_document_lengths"]
 
 
 def stdlib_text_files(limit: int | None = None) -> list[Path]:
@@ -102,3 +102,43 @@ def pack_batches(
             if used == tokens_per_step:
                 yield batch
                 batch, used = [], 0
+
+
+def packed_document_lengths(positions: np.ndarray | None, tokens: np.ndarray, eos_id: int | None = None) -> np.ndarray:
+    """Lengths of the documents packed into rows, in row-major order (the ``doc_lens`` of the
+    rows concatenated into one sequence).
+
+    Every row starts a document; inside a row a document starts where ``positions`` is 0 (the
+    loader's per-document position ids) or, without positions, right after an ``eos_id`` token
+    (the EOS is the last token of its document), as torchtitan's block-causal masks have them.
+
+    Args:
+        positions: ``[R, L]`` integer position ids, or ``None``.
+        tokens: ``[R, L]`` token ids.
+        eos_id: the EOS token id (used when ``positions`` is ``None``).
+
+    Returns:
+        int64 ``[n_docs]``, positive, summing to ``R * L``.
+
+    Raises:
+        ValueError: ``tokens`` not 2-D or empty, ``positions`` of another shape, or neither
+            positions nor an EOS id.
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or tokens.size == 0:
+        raise ValueError(f"packed_document_lengths: tokens must be a non-empty [rows, seq_len] array, got shape "
+                         f"{list(tokens.shape)}")
+    if positions is not None:
+        positions = np.asarray(positions)
+        if positions.shape != tokens.shape:
+            raise ValueError(f"packed_document_lengths: positions {list(positions.shape)} and tokens "
+                             f"{list(tokens.shape)} differ")
+        starts = positions == 0
+    else:
+        if eos_id is None:
+            raise ValueError("packed_document_lengths: without position ids the EOS token id is needed")
+        starts = np.zeros(tokens.shape, dtype=bool)
+        starts[:, 1:] = tokens[:, :-1] == eos_id
+    starts[:, 0] = True
+    idx = np.flatnonzero(starts)
+    return np.diff(np.append(idx, tokens.size)).astype(np.int64)

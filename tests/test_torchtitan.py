@@ -1,0 +1,177 @@
+"""torchtitan with torch_dcp against torchtitan without context parallelism (CPU, gloo).
+
+Every rank process applies the CPU shims of ``recipes/torchtitan_cpu.py`` (listed with their
+reasons there), imports torchtitan once, and trains the debug model twice from the same seed and
+data: torchtitan's own ``llama3_debugmodel_ce_loss`` (FlexAttention with the packed-document
+causal mask, no context parallelism) and ``llama3_debugmodel_dcp`` (the same model and loss, its
+attention run by torch_dcp's plans over the data-parallel ranks). Losses of every step and the
+full gradients of step 1 must agree to 1e-5 (float32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import io
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spawn import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
+                                reason="torchtitan is not installed (pip install -e '.[torchtitan]')")
+
+BAD_CONFIGS = {  # torchtitan arguments -> what the start-up error must name
+    "planner": (["--dcp.planner", "zigzag"], "--dcp.planner"),
+    "block_size": (["--dcp.block-size", "0"], "--dcp.block-size"),
+    "tp": (["--parallelism.tensor_parallel_degree", "2"], "--parallelism.tensor_parallel_degree"),
+    "pp": (["--parallelism.pipeline_parallel_degree", "2"], "--parallelism.pipeline_parallel_degree"),
+    "cp": (["--parallelism.context_parallel_degree", "2"], "--parallelism.context_parallel_degree"),
+    "kernel": (["--dcp.kernel", "fast"], "--dcp.kernel"),
+}
+
+
+def _assets(tmp: Path) -> tuple[Path, Path]:
+    sys.path.insert(0, str(RECIPES))
+    from torchtitan_cpu import make_assets
+
+    return make_assets(tmp / "assets", n_docs=120, max_chars=6000, vocab_size=512)
+
+
+def _record(trainer) -> dict:
+    """Wrap the trainer's logging, forward-backward and (DCP) data hook to record the global
+    loss and grad norm of every step, step 1's full gradients (before clipping), and the comm
+    bytes of every DCP plan."""
+    from torch.distributed.tensor import DTensor
+
+    rec: dict = {"loss": [], "grad_norm": [], "grads": None, "comm_bytes": [], "attention_calls": 0}
+    log, fwd_bwd = trainer.metrics_processor.log, trainer.forward_backward_step
+
+    def log_step(*args, **kwargs):
+        rec["loss"].append(float(args[1]))
+        rec["grad_norm"].append(float(args[3]))
+        return log(*args, **kwargs)
+
+    def forward_backward_step(**kwargs):
+        loss = fwd_bwd(**kwargs)
+        if trainer.step == 1:
+            rec["grads"] = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                            for n, p in trainer.model_parts[0].named_parameters()}
+        return loss
+
+    trainer.metrics_processor.log = log_step
+    trainer.forward_backward_step = forward_backward_step
+    if hasattr(trainer, "dcp_mesh"):
+        import torch_dcp
+
+        hook = trainer.post_dataloading_process
+        forward = torch_dcp.RankExecutor.forward
+
+        def count_forward(self, *args, **kwargs):  # executor forward passes (recomputations included)
+            rec["attention_calls"] += 1
+            return forward(self, *args, **kwargs)
+
+        torch_dcp.RankExecutor.forward = count_forward
+
+        def post_dataloading_process(*args, **kwargs):
+            out = hook(*args, **kwargs)
+            rec["comm_bytes"].append(trainer._dcp_plan.stats()["comm_bytes"])
+            return out
+
+        trainer.post_dataloading_process = post_dataloading_process
+    return rec
+
+
+def _ranks(rank: int, world: int, mesh, tmp: str, runs: dict, bad: dict) -> None:
+    # what torchrun would set (the process group itself is the harness's, which torchtitan reuses)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      HF_HOME=f"{tmp}/hf", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    sys.path.insert(0, str(RECIPES))
+    from torchtitan_cpu import apply_cpu_shims
+
+    apply_cpu_shims()
+    from torchtitan.config import ConfigManager
+
+    results: dict = {"runs": {}, "bad": {}}
+    for name, args in runs.items():
+        trainer = ConfigManager().parse_args(args).build()
+        rec = _record(trainer)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        results["runs"][name] = rec
+    for name, args in bad.items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            try:
+                ConfigManager().parse_args(args)
+                results["bad"][name] = "accepted"
+            except SystemExit:
+                results["bad"][name] = " ".join(re.sub(r"[│╭╮╰╯─]", " ", err.getvalue()).split())
+    if rank == 0:
+        torch.save(results, f"{tmp}/results.pt")
+
+
+def _train(tmp_path: Path, world: int, steps: int, seq_len: int, local_batch: int, dcp_args: list[str],
+           parallel_args: list[str], bad: dict | None = None) -> dict:
+    sys.path.insert(0, str(RECIPES))
+    from torchtitan_cpu import torchtitan_args
+
+    tok, data = _assets(tmp_path)
+    common = dict(tokenizer=tok, dataset=data, steps=steps, seq_len=seq_len, local_batch_size=local_batch)
+    runs = {
+        "ref": torchtitan_args(dump=tmp_path / "ref", dcp=False, **common) + parallel_args,
+        "dcp": torchtitan_args(dump=tmp_path / "dcp", dcp=True, **common) + parallel_args + dcp_args,
+    }
+    dcp_head = runs["dcp"][: len(runs["dcp"]) - len(dcp_args)]
+    bad_runs = {k: dcp_head + args for k, (args, _) in (bad or {}).items()}
+    run_ranks(functools.partial(_ranks, tmp=str(tmp_path), runs=runs, bad=bad_runs), world, tmp_path, timeout=400)
+    return torch.load(tmp_path / "results.pt")
+
+
+def _check_parity(res: dict, steps: int) -> tuple[float, float]:
+    ref, dcp = res["runs"]["ref"], res["runs"]["dcp"]
+    assert len(ref["loss"]) == len(dcp["loss"]) == steps
+    loss_rel = max(abs(a - b) / abs(b) for a, b in zip(dcp["loss"], ref["loss"]))
+    assert loss_rel <= 1e-5, (dcp["loss"], ref["loss"])
+    assert ref["grads"].keys() == dcp["grads"].keys() and len(ref["grads"]) > 10
+    grad_diff = max(float((dcp["grads"][n] - g).abs().max()) for n, g in ref["grads"].items())
+    assert grad_diff <= 1e-5, grad_diff
+    assert all(float(g.abs().max()) > 0 for g in dcp["grads"].values())
+    assert len(dcp["comm_bytes"]) == steps and sum(dcp["comm_bytes"]) > 0  # documents really were split
+    # one executor forward per layer and step: selective AC saves the attention, never reruns it
+    assert dcp["attention_calls"] == 6 * steps, dcp["attention_calls"]
+    return loss_rel, grad_diff
+
+
+def test_dcp_matches_no_cp_on_2_ranks_and_bad_configs_fail_at_start(tmp_path):
+    """dp2 (FSDP over 2 ranks), 3 steps, planner dcp with 64-token blocks; and every deliberately
+    wrong config stops at start-up with a message naming its key."""
+    res = _train(tmp_path, world=2, steps=3, seq_len=512, local_batch=2,
+                 dcp_args=["--dcp.planner", "dcp", "--dcp.block-size", "64", "--dcp.divisions", "2",
+                           "--dcp.check-plan"], parallel_args=[], bad=BAD_CONFIGS)
+    loss_rel, grad_diff = _check_parity(res, 3)
+    print(f"2 ranks: loss rel diff {loss_rel:.2e}, step-1 grad max abs diff {grad_diff:.2e}")
+    for name, (_, key) in BAD_CONFIGS.items():
+        assert key in res["bad"][name], (name, res["bad"][name])
+
+
+def test_dcp_matches_no_cp_on_4_ranks_hsdp(tmp_path):
+    """HSDP: 2 replicas x FSDP over 2 ranks; DCP over all 4 ranks (the flattened data-parallel
+    mesh), 2 steps, planner ring (every document split over every rank)."""
+    res = _train(tmp_path, world=4, steps=2, seq_len=256, local_batch=1,
+                 dcp_args=["--dcp.planner", "ring", "--dcp.divisions", "2"],
+                 parallel_args=["--parallelism.data_parallel_replicate_degree", "2",
+                                "--parallelism.data_parallel_shard_degree", "2"])
+    loss_rel, grad_diff = _check_parity(res, 2)
+    print(f"4 ranks: loss rel diff {loss_rel:.2e}, step-1 grad max abs diff {grad_diff:.2e}")

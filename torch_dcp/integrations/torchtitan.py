@@ -1,0 +1,295 @@
+"""torchtitan (0.3.0) trains with torch_dcp: a config registry module.
+
+    torchrun --nproc-per-node 8 -m torchtitan.train \\
+        --module torch_dcp.integrations.torchtitan --config llama3_8b_dcp --dcp.planner dcp
+
+torchtitan's extension point is a config registry module: ``--module M --config F`` calls
+``M.F()`` for the trainer ``Config``. This module registers
+
+* :func:`llama3_debugmodel_dcp` and :func:`llama3_8b_dcp`: torchtitan's own ``llama3_debugmodel``
+  and ``llama3_8b`` configs (every torchtitan key still applies) turned into
+  :class:`DCPTrainer.Config` with a ``dcp: DCPConfig`` section (``--dcp.planner``,
+  ``--dcp.block-size``, ``--dcp.divisions``, ``--dcp.kernel``, ``--dcp.check-plan``,
+  ``--dcp.timeout``);
+* :class:`DCPTrainer`, torchtitan's ``Trainer`` with two hooks overridden:
+
+  - ``post_dataloading_process`` (once per microbatch): all-gathers the microbatch's rows
+    over the DCP mesh (torchtitan's data-parallel ``batch`` mesh: DCP unifies data and context
+    parallelism in that one dimension), finds the documents of every row (a document starts
+    where the loader's position id is 0, else after an EOS token, as torchtitan's
+    block-causal mask has them; every row starts one), builds the :class:`~torch_dcp.BatchSpec`
+    of the packed global batch, plans it, and keeps this rank's tokens, labels and positions
+    (``plan.token_indices(rank)``), then hands them to torchtitan's own hook;
+  - ``_forward_backward_body``: runs torchtitan's forward and backward inside
+    :func:`torch_dcp.context_parallel` for the step's plan, so the model's inner attention,
+    torchtitan's ``ScaledDotProductAttention`` wrapper, runs torch_dcp's executor forward and
+    backward.
+
+The loss is torchtitan's: the sum of this rank's token losses divided by the global count of
+valid labels (torchtitan counts them before this hook, over all ranks' rows, ignored labels
+excluded), and FSDP2 sums gradients over the mesh; so losses and gradients equal those of the
+run without context parallelism. Parallelism is torchtitan's ``parallelize_llama`` (FSDP2 or
+HSDP over the data-parallel dimensions, activation checkpointing) with torchtitan's own context
+parallelism off. Refused at start-up, each with a message naming the key: tensor, pipeline,
+context and expert parallelism, the ``spmd_types``/``full_dtensor`` backends, CUDA graphs,
+``torch.compile`` of the model, validation and the chunked loss (see :func:`check_config`).
+
+This module imports torchtitan (``pip install 'torch-dcp[torchtitan]'``); ``import torch_dcp``
+does not import this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.distributed.activation_checkpoint import SelectiveAC
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.config_utils import decoder_vocab_size
+from torchtitan.models.llama3 import config_registry as llama3_registry
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+import torch_dcp
+from torch_dcp.data import packed_document_lengths
+from torch_dcp.executor.kernels import _KERNELS
+from torch_dcp.planners import PLANNERS
+
+__all__ = ["DCPConfig", "DCPTrainer", "DCPSelectiveAC", "check_config", "with_dcp", "llama3_debugmodel_dcp",
+           "llama3_8b_dcp"]
+
+KERNELS = ("auto", *sorted(_KERNELS))
+
+
+@dataclass(kw_only=True, slots=True)
+class DCPConfig:
+    """The ``--dcp.*`` keys."""
+
+    planner: str = "dcp"
+    """Placement of token blocks and attention tiles: dcp (hypergraph), greedy, fcp, megatron or ring."""
+
+    block_size: int = 1024
+    """Tokens per block (ignored by ring, whose chunks are 1/(2W) of each document)."""
+
+    divisions: int = 4
+    """Divisions per rank, to overlap communication with compute."""
+
+    kernel: str = "auto"
+    """Attention kernel of the executor: auto, flex, varlen, sdpa or reference."""
+
+    check_plan: bool = False
+    """Validate every plan (every tile once, inputs present, sends matched) before running it."""
+
+    timeout: float = 600.0
+    """Seconds any wait of the DCP step may block (the plan check and every transfer)."""
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad key."""
+        if self.planner not in PLANNERS:
+            raise ValueError(f"--dcp.planner: unknown planner {self.planner!r}; choose one of {sorted(PLANNERS)}")
+        for key, value in (("block-size", self.block_size), ("divisions", self.divisions)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"--dcp.{key} must be a positive integer, got {value!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"--dcp.kernel: unknown kernel {self.kernel!r}; choose one of {list(KERNELS)}")
+        if not self.timeout > 0:
+            raise ValueError(f"--dcp.timeout must be a positive number of seconds, got {self.timeout!r}")
+
+
+def check_config(config: "DCPTrainer.Config") -> None:
+    """Refuse, at start-up, what the DCP trainer does not support.
+
+    Raises:
+        ValueError: a bad ``--dcp.*`` key (:meth:`DCPConfig.validate`), or a torchtitan key set to
+            a combination torch_dcp does not support, named in the message.
+    """
+    config.dcp.validate()
+    par = config.parallelism
+    for key, what in (("tensor_parallel_degree", "tensor parallelism"),
+                      ("pipeline_parallel_degree", "pipeline parallelism"),
+                      ("expert_parallel_degree", "expert parallelism")):
+        degree = getattr(par, key, 1)
+        if degree > 1:
+            raise ValueError(f"--parallelism.{key} {degree}: {what} together with torch_dcp is not supported; set "
+                             "it to 1 (DCP uses the data-parallel dimensions: data_parallel_shard_degree / "
+                             "data_parallel_replicate_degree)")
+    if par.context_parallel_degree > 1:
+        raise ValueError(f"--parallelism.context_parallel_degree {par.context_parallel_degree}: torch_dcp replaces "
+                         "torchtitan's context parallelism; set it to 1 (DCP spreads documents over the "
+                         "data-parallel ranks)")
+    if par.spmd_backend != "partial_dtensor":
+        raise ValueError(f"--parallelism.spmd_backend {par.spmd_backend}: torch_dcp needs partial_dtensor (its ranks "
+                         "hold different numbers of tokens each step, which the other backends type as even shards)")
+    if not config.training.disable_cuda_graphs:
+        raise ValueError("--training.disable_cuda_graphs must be set with torch_dcp: CUDA graphs need fixed shapes "
+                         "and a rank's token count changes every step")
+    if config.compile.enable and "model" in config.compile.components:
+        raise ValueError("--compile.enable with 'model' in --compile.components is not supported with torch_dcp "
+                         "(the attention's per-step plan is not traceable); compile only the loss, or turn it off")
+    if config.validator.enable:
+        raise ValueError("--validator.enable is not supported with torch_dcp (validation would attend across "
+                         "documents without a plan); turn it off")
+    if isinstance(config.loss, ChunkedLossWrapper.Config):
+        raise ValueError("--loss: torchtitan's ChunkedLossWrapper needs a local sequence length divisible by its "
+                         "num_chunks, and a DCP rank's token count changes every step; use CrossEntropyLoss")
+    if config.model_spec is not None:
+        for layer in config.model_spec.model.layers:
+            inner = getattr(getattr(layer, "attention", None), "inner_attention", None)
+            if inner is not None and not isinstance(inner, ScaledDotProductAttention.Config):
+                raise ValueError(f"model_spec: torch_dcp runs the attention of torchtitan's ScaledDotProductAttention, "
+                                 f"the model has {type(inner).__qualname__}; build the config with with_dcp()")
+
+
+class DCPTrainer(Trainer):
+    """torchtitan's ``Trainer`` whose attention runs torch_dcp's per-step plans."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        dcp: DCPConfig = field(default_factory=DCPConfig)
+        """torch_dcp: dynamic context parallelism over the data-parallel ranks."""
+
+        def __post_init__(self):
+            Trainer.Config.__post_init__(self)
+            check_config(self)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        dims = self.parallel_dims
+        if dims.dp_enabled:
+            self.dcp_mesh = dims.get_mesh("batch")
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.dcp_mesh = init_device_mesh(self.device.type, (1,), mesh_dim_names=("dcp",))
+        self.dcp_topology = torch_dcp.Topology.from_mesh(self.dcp_mesh)
+        attn = config.model_spec.model.first_attention
+        self._dcp_heads = (attn.n_heads, attn.n_kv_heads or attn.n_heads,
+                           attn.head_dim or config.model_spec.model.dim // attn.n_heads)
+        self._dcp_layers = len(config.model_spec.model.layers)
+        param = config.training.mixed_precision_param
+        self._dcp_dtype = "bfloat16" if "bfloat16" in (param, config.training.dtype) else "float32"
+        self._dcp_plan: torch_dcp.Plan | None = None
+        logger.info(f"torch_dcp: {self.dcp_mesh.size()} rank(s) on the data-parallel mesh, "
+                    f"{self.dcp_topology.n_nodes} node(s); planner={config.dcp.planner} "
+                    f"block_size={config.dcp.block_size} divisions={config.dcp.divisions} "
+                    f"kernel={config.dcp.kernel} attention dtype={self._dcp_dtype}")
+
+    # ------------------------------------------------------------------ the per-step plan
+    def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
+        """Gather the microbatch's rows over the DCP mesh, plan, keep this rank's tokens; then
+        torchtitan's own hook on them (inputs, labels, positions ``[1, S_local]``)."""
+        extra = sorted(set(input_dict) - {"input", "positions"})
+        if extra:
+            raise ValueError(f"torch_dcp: the dataloader gives inputs {extra} besides 'input' and 'positions', which "
+                             "torch_dcp cannot shard by token")
+        tokens = input_dict["input"]
+        positions = input_dict.get("positions")
+        rows = [tokens, labels] + ([positions] if positions is not None else [])
+        local = torch.stack([r.to(tokens.device, torch.int64) for r in rows])  # [2 or 3, rows, L]
+        group = self.dcp_mesh.get_group()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local, group=group)
+        glob = torch.cat(parts, dim=1)  # [2 or 3, world * rows, L], rank-major
+        g_tokens, g_labels = glob[0], glob[1]
+        g_positions = glob[2] if positions is not None else None
+        lens = packed_document_lengths(None if g_positions is None else g_positions.cpu().numpy(),
+                                       g_tokens.cpu().numpy(), getattr(self.tokenizer, "eos_id", None))
+        if g_positions is None:  # what the model uses without positions: 0..L-1 in every row
+            g_positions = torch.arange(g_tokens.shape[1], device=g_tokens.device).expand_as(g_tokens)
+        cfg = self.config.dcp
+        h, h_kv, d = self._dcp_heads
+        batch = torch_dcp.BatchSpec(lens, torch_dcp.Causal(), n_heads=h, n_kv_heads=h_kv, head_dim=d,
+                                    dtype=self._dcp_dtype)
+        plan = torch_dcp.plan(batch, self.dcp_topology, planner=cfg.planner, block_size=cfg.block_size,
+                              divisions=cfg.divisions)
+        if cfg.check_plan:
+            plan.validate()
+        idx = torch.from_numpy(plan.token_indices(rank)).to(g_tokens.device)
+        self._dcp_plan = plan
+        if rank == 0 and self.metrics_processor.should_log(self.step):
+            self._log_plan(plan, batch)
+        sharded = {"input": g_tokens.flatten()[idx][None].to(tokens.dtype),
+                   "positions": g_positions.flatten()[idx][None]}
+        return super().post_dataloading_process(sharded, g_labels.flatten()[idx][None].to(labels.dtype))
+
+    def _log_plan(self, plan: torch_dcp.Plan, batch: torch_dcp.BatchSpec) -> None:
+        s = plan.stats()
+        ring = torch_dcp.plan(batch, self.dcp_topology, planner="ring", divisions=self.config.dcp.divisions).stats()
+        n = self._dcp_layers
+        mib = 1024 * 1024
+        saved = 1 - s["comm_bytes"] / ring["comm_bytes"] if ring["comm_bytes"] else 0.0
+        logger.info(f"torch_dcp step {self.step}: {batch.n_docs} docs (longest {int(batch.doc_lens.max())}) "
+                    f"over {plan.world_size} ranks, planner {s['planner']}: comm {s['comm_bytes'] * n / mib:.2f} MiB "
+                    f"vs ring {ring['comm_bytes'] * n / mib:.2f} MiB ({saved:.0%} less; {n} layers, fwd+bwd), "
+                    f"compute imbalance {s['compute_imbalance']:.3f} (ring {ring['compute_imbalance']:.3f}), "
+                    f"planning {1000 * s['plan_seconds']:.1f} ms")
+
+    def _forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs):
+        plan, self._dcp_plan = self._dcp_plan, None
+        if plan is None:
+            raise RuntimeError("torch_dcp: forward-backward without a plan (post_dataloading_process did not run)")
+        cfg = self.config.dcp
+        with torch_dcp.context_parallel(self.dcp_mesh, plan=plan, kernel=cfg.kernel, timeout=cfg.timeout):
+            return Trainer._forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs)
+
+
+class DCPSelectiveAC(SelectiveAC):
+    """torchtitan's per-op selective activation checkpointing that also saves the outputs of
+    ``torch_dcp::attention`` (as torchtitan saves those of the SDPA ops): recomputing it in the
+    backward would run the plan's forward transfers a second time."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(SelectiveAC.Config):
+        pass
+
+    def get_save_ops(self) -> set:
+        return SelectiveAC.get_save_ops(self) | {torch.ops.torch_dcp.attention.default}
+
+
+# ---------------------------------------------------------------------- registered configs
+def with_dcp(base: Trainer.Config, dcp: DCPConfig | None = None) -> DCPTrainer.Config:
+    """torchtitan's trainer config ``base`` as a :class:`DCPTrainer.Config`: every key kept, except
+    that every layer's inner attention becomes torchtitan's ``ScaledDotProductAttention`` (which
+    torch_dcp runs), a ``ChunkedLossWrapper`` becomes its inner loss (plain cross entropy, the
+    same sum over tokens), torchtitan's ``SelectiveAC`` becomes :class:`DCPSelectiveAC`, the
+    backend ``partial_dtensor``, CUDA graphs off and validation off.
+
+    Raises:
+        ValueError: ``base`` has no model spec, or what :func:`check_config` refuses.
+    """
+    if base.model_spec is None:
+        raise ValueError("with_dcp: the base config has no model_spec")
+    for layer in base.model_spec.model.layers:
+        if getattr(layer, "attention", None) is not None:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    loss = base.loss
+    if isinstance(loss, ChunkedLossWrapper.Config):
+        loss = loss.loss_fn
+    if loss is None:
+        loss = CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(base.model_spec))
+    base.parallelism.spmd_backend = "partial_dtensor"
+    base.training.disable_cuda_graphs = True
+    base.validator.enable = False
+    values = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    values.update(loss=loss, dcp=dcp if dcp is not None else DCPConfig())
+    ac = base.activation_checkpoint
+    if type(ac) is SelectiveAC.Config:
+        values["activation_checkpoint"] = DCPSelectiveAC.Config(
+            **{f.name: getattr(ac, f.name) for f in dataclasses.fields(ac) if f.init})
+    return DCPTrainer.Config(**values)
+
+
+def llama3_debugmodel_dcp() -> DCPTrainer.Config:
+    """torchtitan's ``llama3_debugmodel`` (6 layers, dim 256, 16 heads) with torch_dcp."""
+    return with_dcp(llama3_registry.llama3_debugmodel())
+
+
+def llama3_8b_dcp() -> DCPTrainer.Config:
+    """torchtitan's ``llama3_8b`` (32 layers, dim 4096, GQA 32/8 heads) with torch_dcp."""
+    return with_dcp(llama3_registry.llama3_8b())
