@@ -71,7 +71,7 @@ class DCPConfig:
     """The ``--dcp.*`` keys."""
 
     planner: str = "dcp"
-    """Placement of token blocks and attention tiles: dcp (hypergraph), greedy, fcp, megatron or ring."""
+    """Placement of token blocks and attention tiles: dcp (hypergraph), greedy, fcp, megatron, ring or allgather."""
 
     block_size: int = 1024
     """Tokens per block (ignored by ring, whose chunks are 1/(2W) of each document)."""
