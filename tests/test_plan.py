@@ -75,10 +75,15 @@ def batches(draw):
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(batch=batches(), world=st.integers(1, 8), block=st.integers(1, 9), divisions=st.integers(1, 5),
-       planner=st.sampled_from(["ring", "greedy", "dcp", "megatron", "fcp"]))
+@given(batch=batches(), world=st.integers(1, 8), block=st.integers(1, 9),
+       divisions=st.none() | st.integers(1, 5), planner=st.sampled_from(["ring", "greedy", "dcp", "megatron", "fcp"]))
 def test_plan_properties(batch, world, block, divisions, planner):
-    plan = torch_dcp.plan(batch, world, planner=planner, block_size=block, divisions=divisions)
+    try:
+        plan = torch_dcp.plan(batch, world, planner=planner, block_size=block, divisions=divisions)
+    except ValueError as err:  # more divisions than the placement has tiles: refused, naming the bound
+        assert divisions is not None and "divisions must lie in 1.." in str(err), err
+        plan = torch_dcp.plan(batch, world, planner=planner, block_size=block)
+        assert divisions > max(1, plan.workload.n_tiles)
     plan.validate()  # inputs present, sends matched, every tile once, outputs complete
     wl = plan.workload
     # tiles are exactly the non-empty (q block, kv block) pairs of the dense mask
@@ -204,6 +209,55 @@ def test_validate_catches_a_missing_transfer():
     plan._programs[(1, False)] = type(prog)(prog.rank, prog.backward, broken, prog.local_rows, prog.buffer_rows)
     with pytest.raises(PlanError, match="deadlock|never"):
         plan.validate()
+
+
+PLANNERS = ["ring", "greedy", "dcp", "megatron", "fcp"]
+
+
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_divisions_outside_one_to_tiles_are_refused(planner):
+    """divisions must lie in 1..max(1, tiles of the placement); None is min(4, tiles), so a
+    batch of one tile (or none: a mask that hides every key) still plans."""
+    nothing = Ranges([[] for _ in range(3)])  # no query sees a key: no tiles
+    for lens, mask in (([10, 5], Causal()), ([1], Causal()), ([3], nothing), ([40, 3, 9], Lambda(sink=1, window=4))):
+        batch = BatchSpec(lens, mask, n_heads=2, n_kv_heads=1, head_dim=4)
+        auto = torch_dcp.plan(batch, 2, planner=planner, block_size=4)
+        n_tiles = auto.workload.n_tiles
+        bound = max(1, n_tiles)
+        rounds = 1 if auto.placement.tile_round is None or n_tiles == 0 else int(auto.placement.tile_round.max()) + 1
+        assert auto.divisions == min(4, bound) * rounds, (lens, n_tiles)
+        auto.validate()
+        for d in sorted({1, (1 + bound) // 2, bound}):
+            plan = torch_dcp.plan(batch, 2, planner=planner, block_size=4, divisions=d)
+            assert plan.divisions == d * rounds and plan.workload.n_tiles == n_tiles
+            plan.validate()
+        for d in (0, -1, bound + 1, 10**6):
+            with pytest.raises(ValueError, match=rf"divisions must lie in 1\.\.{bound} .*: {n_tiles}\), got {d}$"):
+                torch_dcp.plan(batch, 2, planner=planner, block_size=4, divisions=d)
+        for d in (2.0, True, "4"):
+            with pytest.raises(ValueError, match="divisions must be an integer"):
+                torch_dcp.plan(batch, 2, planner=planner, block_size=4, divisions=d)
+
+
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_block_sizes_outside_bounds_are_refused(planner):
+    """Every planner, also those that cut their own chunks (ring, megatron), refuses a block
+    size that is not an integer in 1..MAX_TOKENS, through plan() and called directly."""
+    from torch_dcp.batch import MAX_TOKENS
+    from torch_dcp.planners import get_planner
+
+    batch = BatchSpec([10, 5], n_heads=2, n_kv_heads=1, head_dim=4)
+    topo = torch_dcp.Topology.single_node(2)
+    for bad in (0, -3, MAX_TOKENS + 1, 2**63, 10**30):
+        msg = rf"block_size must lie in 1\.\.{MAX_TOKENS} .*got {bad}$"
+        with pytest.raises(ValueError, match=msg):
+            torch_dcp.plan(batch, 2, planner=planner, block_size=bad)
+        with pytest.raises(ValueError, match=msg):
+            get_planner(planner)(batch, topo, bad)
+    for bad in (4.0, True, "4", None):
+        with pytest.raises(ValueError, match=rf"block_size must be an integer in 1\.\.{MAX_TOKENS}"):
+            torch_dcp.plan(batch, 2, planner=planner, block_size=bad)
+    assert torch_dcp.plan(batch, 2, planner=planner, block_size=MAX_TOKENS).workload.n_tiles > 0
 
 
 def test_plan_rejects_bad_arguments():

@@ -113,7 +113,7 @@ def context_parallel(
     plan: Plan | None = None,
     planner: str = "greedy",
     block_size: int = 1024,
-    divisions: int = 4,
+    divisions: int | None = None,
     topology: Topology | None = None,
     kernel: str | DivisionKernel | None = None,
     timeout: "float | datetime.timedelta" = 600.0,
@@ -130,7 +130,8 @@ def context_parallel(
         buffer_seq_dims: the sequence dimension of every buffer.
         no_restore_buffers: buffers (by identity) left sharded on exit; the others are restored.
         batch: the step's :class:`BatchSpec` (planned on entry with ``planner``,
-            ``block_size``, ``divisions``, ``topology``), or
+            ``block_size``, ``divisions``, ``topology``, as :func:`torch_dcp.plan` does;
+            ``divisions=None``: ``min(4, tiles)``), or
         plan: a precomputed :class:`Plan` (give exactly one of ``batch`` and ``plan``).
         topology: ranks per node and links, for planning (default: all ranks on one node).
         kernel: the executor's attention kernel (default ``"auto"``).
@@ -150,7 +151,8 @@ def context_parallel(
         A :class:`DCPContext` (plan, executor, ``unshard``).
 
     Raises:
-        ValueError: bad arguments (both or neither of ``batch``/``plan``, buffers and seq dims
+        ValueError: bad arguments (both or neither of ``batch``/``plan``, a block size or
+            divisions out of bounds (see :func:`torch_dcp.plan`), buffers and seq dims
             of different lengths, a buffer whose sequence length is not the batch's, a
             ``no_restore_buffers`` entry that is not a buffer, a plan for another world size,
             a mesh that is not one-dimensional); inside the body, an SDPA call that
