@@ -511,7 +511,8 @@ def _mismatched_plan(rank, world, mesh):
             with torch_dcp.context_parallel(mesh, plan=torch_dcp.plan(batch, world + 1, block_size=8)):
                 pass
     else:  # it times out, or finds the odd rank's connection closed once that rank has left
-        with pytest.raises(TransferError, match=r"rank \d: the plan check at entry .*(within 5 s|closed)") as err:
+        msg = rf"rank \d: the plan check at entry .*(within {TIMEOUT} s|closed)"
+        with pytest.raises(TransferError, match=msg) as err:
             with torch_dcp.context_parallel(mesh, plan=good, timeout=TIMEOUT):
                 pass
         assert rank not in err.value.peers and odd in err.value.peers

@@ -236,7 +236,8 @@ def test_inputs_that_do_not_match_the_plan_are_named():
         ((out[:, :2], lse, go), r"out: 2 heads"),
         ((out, lse, go[:-1]), r"dout: sequence length 15"),
         ((out, lse, go.double()), r"dout: expected dtype"),
-        ((out, lse[:, :1], go), r"lse: expected a floating \[S_local, heads\] = \[16, 4\] .*got torch.float32 \[16, 1\]"),
+        ((out, lse[:, :1], go), r"lse: expected a floating \[S_local, heads\] = \[16, 4\] .*"
+                                r"got torch.float32 \[16, 1\]"),
         ((out, lse[:-1], go), r"lse: .*\[15, 4\]"),
         ((out, lse.long(), go), r"lse: .*torch.int64"),
     ]
