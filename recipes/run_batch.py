@@ -42,7 +42,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--planner", default="greedy")
     p.add_argument("--mask", choices=sorted(MASKS), default="causal")
     p.add_argument("--block-size", type=int, default=512)
-    p.add_argument("--divisions", type=int, default=4)
+    p.add_argument("--divisions", type=int, default=None,
+                   help="divisions per rank (default: torch_dcp.plan's, min(4, tiles))")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)

@@ -4,7 +4,8 @@ Each rank writes ``ok{rank}`` when ``fn(rank, world, mesh)`` returns and ``err{r
 traceback) when it raises; :func:`run_ranks` asserts every rank finished cleanly. A rank leaves
 with ``os._exit`` after destroying its process group: PyTorch's C++ teardown at interpreter exit
 sometimes aborts ("terminate called without an active exception", SIGABRT) after all the work
-is done and the group is gone, which would fail a test that passed.
+is done and the group is gone, which would fail a test that passed. Inside ``fn``,
+:func:`fresh_group` replaces the rank's process group with a new one (recovery after a fault).
 """
 
 from __future__ import annotations
@@ -41,22 +42,45 @@ def run_ranks(fn: Callable, world: int, tmp_path: Path, timeout: float = 300.0, 
         assert (tmp_path / f"ok{r}").exists(), f"rank {r} did not finish"
 
 
-def _entry(rank: int, fn: Callable, world: int, tmp: str, barrier: bool) -> None:
+#: the run's folder, in a spawned rank: files there are a side channel between the ranks that
+#: needs no process group (e.g. to order the ranks around a fault)
+run_dir = ""
+
+
+def _init(rank: int, world: int, name: str) -> object:
+    """Init this rank's default gloo group (rendezvous file ``name`` in the run's folder) and
+    return its one-dimensional CPU mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)  # world processes share 2 cores: more threads each only oversubscribe them
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=f"file://{run_dir}/{name}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
+    return init_device_mesh("cpu", (world,))
+
+
+def fresh_group(rank: int, world: int, name: str) -> object:
+    """Inside ``fn``: destroy this rank's default group (whatever it left pending) and init a
+    fresh one (rendezvous file ``name``, new for every call); returns its mesh. Every rank must
+    call it."""
+    dist.destroy_process_group()
+    return _init(rank, world, name)
+
+
+def _entry(rank: int, fn: Callable, world: int, tmp: str, barrier: bool) -> None:
+    global run_dir
+
+    torch.set_num_threads(1)  # world processes share 2 cores: more threads each only oversubscribe them
+    run_dir = tmp
     try:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = _init(rank, world, "init")
         fn(rank, world, mesh)
         open(f"{tmp}/ok{rank}", "w").close()
     except BaseException:
         with open(f"{tmp}/err{rank}", "w") as f:
             f.write(traceback.format_exc())
     finally:
-        if barrier:
-            with contextlib.suppress(Exception):
-                dist.barrier()  # no rank tears its group down while a peer still talks to it
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            if barrier:
+                with contextlib.suppress(Exception):
+                    dist.barrier()  # no rank tears its group down while a peer still talks to it
+            dist.destroy_process_group()
     os._exit(0)

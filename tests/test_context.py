@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -131,6 +132,9 @@ def _errors_and_restore(rank, world, mesh):
             ((ql[..., :8], kl[..., :8], kl[..., :8]), dict(is_causal=True), "head_dim 8"),
             ((ql[:, :2], kl, kl), dict(is_causal=True), "query has 2 heads"),
             ((ql, kl[:, :1], kl[:, :1]), dict(is_causal=True), "key/value have 1/1 heads"),
+            ((ql, kl, kl.repeat_interleave(2, 1)), dict(is_causal=True), "key/value have 2/4 heads"),
+            ((ql, kl, kl[:, :, :-1]), dict(is_causal=True), "value has sequence length"),
+            ((ql, kl, kl[..., :8]), dict(is_causal=True), "value head_dim 8"),
             ((qd, kl, kl), dict(is_causal=True), "plain tensor"),
         ]
         for args, kwargs, msg in cases:
@@ -297,6 +301,11 @@ def test_attention_op_opcheck_and_plain_tensors():
             assert err <= TOLS[dtype] * max(1.0, want.abs().max().item()), f"{dtype} {what}: error {err:.2e}"
 
 
+#: the fault tests' timeout (the issue's target: every rank raises within TIMEOUT + 5 s); a
+#: frozen or absent rank stalls for STALL s, longer than that
+TIMEOUT, STALL = 5, 7
+
+
 def _frozen_rank(rank, world, mesh):
     """Rank 1 stalls inside the body for longer than the timeout before its SDPA call; every rank
     must raise TransferTimeoutError within the timeout (+ 5 s) of starting to wait."""
@@ -306,11 +315,11 @@ def _frozen_rank(rank, world, mesh):
 
     batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
     q, k, v, _ = random_qkv(batch, torch.float32)
-    with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, divisions=2, timeout=3) as ctx:
+    with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, divisions=2, timeout=TIMEOUT) as ctx:
         idx = torch.from_numpy(ctx.plan.token_indices(rank))
         ql, kl, vl = (t[idx].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         if rank == 1:
-            time.sleep(5)
+            time.sleep(STALL)
         t0 = time.monotonic()
         # the waiting rank times out; the late one then finds its peer gone (gloo closes a pair
         # that timed out) or times out in turn: a TransferError naming the phase either way
@@ -318,7 +327,7 @@ def _frozen_rank(rank, world, mesh):
         with pytest.raises(expected, match=r"forward pass, CommWait\(phase=\d+\)|phase \d+: posting") as err:
             F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
         waited = time.monotonic() - t0
-        assert waited < 3 + 5, f"rank {rank} waited {waited:.1f} s"
+        assert waited < TIMEOUT + 5, f"rank {rank} waited {waited:.1f} s"
         assert err.value.peers and rank not in err.value.peers
     assert F.scaled_dot_product_attention is _SDPA  # restored after the error
 
@@ -370,13 +379,13 @@ def _exception_before_sdpa(rank, world, mesh):
     # closed its connection (TransferError): either names the phase and the peers
     expected = RuntimeError if rank == world - 1 else TransferError
     with pytest.raises(expected) as err:
-        with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, divisions=2, timeout=3) as ctx:
+        with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, divisions=2, timeout=TIMEOUT) as ctx:
             idx = torch.from_numpy(ctx.plan.token_indices(rank))
             ql, kl, vl = (t[idx].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             if rank == world - 1:
                 raise RuntimeError("the model failed before attention")
             F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
-    assert time.monotonic() - t0 < 3 + 5
+    assert time.monotonic() - t0 < TIMEOUT + 5
     if rank != world - 1:  # it names the ranks it waited for (the failed one, or one waiting for it)
         assert err.value.peers and rank not in err.value.peers, err.value.peers
     assert F.scaled_dot_product_attention is _SDPA and torch_dcp.context._active is None
@@ -396,7 +405,7 @@ def _killed_mid_step(rank, world, mesh):
 
     batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
     q, k, v, go = random_qkv(batch, torch.float32)
-    with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, divisions=2, timeout=3) as ctx:
+    with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, divisions=2, timeout=TIMEOUT) as ctx:
         idx = torch.from_numpy(ctx.plan.token_indices(rank))
         ql, kl, vl = (t[idx].transpose(0, 1).unsqueeze(0).clone().requires_grad_(True) for t in (q, k, v))
         out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
@@ -405,7 +414,7 @@ def _killed_mid_step(rank, world, mesh):
         t0 = time.monotonic()
         with pytest.raises(TransferError, match="backward pass"):
             out.backward(go[idx].transpose(0, 1).unsqueeze(0))
-        assert time.monotonic() - t0 < 3 + 5
+        assert time.monotonic() - t0 < TIMEOUT + 5
 
 
 def test_a_rank_killed_mid_step(tmp_path):
@@ -452,15 +461,104 @@ def _never_enters(rank, world, mesh):
 
     batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
     if rank == 1:
-        time.sleep(6)
+        time.sleep(STALL)
         return
     t0 = time.monotonic()
     with pytest.raises(TransferTimeoutError, match="plan check at entry"):
-        with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, timeout=3):
+        with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, timeout=TIMEOUT):
             pass
-    assert time.monotonic() - t0 < 3 + 5
+    assert time.monotonic() - t0 < TIMEOUT + 5
     assert F.scaled_dot_product_attention is _SDPA and torch_dcp.context._active is None
 
 
 def test_a_rank_that_never_enters_gives_a_timeout_at_entry(tmp_path):
     run_ranks(_never_enters, 2, tmp_path, timeout=60, barrier=False)
+
+
+def _mismatched_plan(rank, world, mesh):
+    """The last rank holds another plan. For the same world size every rank raises at the plan
+    check at entry (the digests differ), restored, and the group stays in step: the next
+    context is exact. A plan for another world size: that rank refuses it before any
+    communication; the others raise a TransferError at the plan check. All within the timeout
+    + 5 s."""
+    import time
+
+    from torch_dcp.executor import TransferError
+
+    batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
+    q, k, v, go = random_qkv(batch, torch.float32)
+    ref = reference_with_grads(batch, q, k, v, go)
+    odd = world - 1
+    good = torch_dcp.plan(batch, world, block_size=8)
+    mine = torch_dcp.plan(batch, world, planner="ring") if rank == odd else good
+    tokens = torch.arange(batch.total_tokens).unsqueeze(0)
+    before = tokens.clone()
+    differ = list(range(odd)) if rank == odd else [odd]
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"ranks hold different plans \(rank {rank} differs from ranks "
+                                           rf"{re.escape(str(differ))}\)"):
+        with torch_dcp.context_parallel(mesh, buffers=[tokens], buffer_seq_dims=[1], plan=mine, timeout=TIMEOUT):
+            pytest.fail("entered the context with a mismatched plan")
+    assert time.monotonic() - t0 < TIMEOUT + 5
+    assert torch.equal(tokens, before)
+    assert F.scaled_dot_product_attention is _SDPA and torch_dcp.context._active is None
+    with torch_dcp.context_parallel(mesh, plan=good, timeout=TIMEOUT) as ctx:
+        _check_attention(ctx, rank, q, k, v, go, ref, True, True, "after a mismatched plan")
+
+    t0 = time.monotonic()
+    if rank == odd:
+        with pytest.raises(ValueError, match=rf"the plan is for {world + 1} ranks, the mesh has {world}"):
+            with torch_dcp.context_parallel(mesh, plan=torch_dcp.plan(batch, world + 1, block_size=8)):
+                pass
+    else:  # it times out, or finds the odd rank's connection closed once that rank has left
+        msg = rf"rank \d: the plan check at entry .*(within {TIMEOUT} s|closed)"
+        with pytest.raises(TransferError, match=msg) as err:
+            with torch_dcp.context_parallel(mesh, plan=good, timeout=TIMEOUT):
+                pass
+        assert rank not in err.value.peers and odd in err.value.peers
+    assert time.monotonic() - t0 < TIMEOUT + 5
+    assert F.scaled_dot_product_attention is _SDPA and torch_dcp.context._active is None
+
+
+def test_a_mismatched_plan_on_one_rank(tmp_path):
+    run_ranks(_mismatched_plan, 3, tmp_path, timeout=90, barrier=False)
+
+
+def _recovery(rank, world, mesh):
+    """A context works; in the next, rank 1 fails before attention and stays silent until rank 0
+    has timed out (its receive stays queued in gloo). Both replace the process group with a
+    fresh one, and the next context is exact again."""
+    import time
+    from pathlib import Path
+
+    import spawn
+    from torch_dcp.executor import TransferTimeoutError
+
+    batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
+    q, k, v, go = random_qkv(batch, torch.float32, seed=4)
+    ref = reference_with_grads(batch, q, k, v, go)
+    with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, divisions=2, timeout=TIMEOUT) as ctx:
+        _check_attention(ctx, rank, q, k, v, go, ref, True, True, "before the fault")
+    caught = Path(spawn.run_dir) / "rank0-caught"
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeoutError if rank == 0 else RuntimeError, match="phase|model failed"):
+        with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, divisions=2, timeout=TIMEOUT) as ctx:
+            if rank == 1:
+                raise RuntimeError("the model failed before attention")
+            idx = torch.from_numpy(ctx.plan.token_indices(rank))
+            F.scaled_dot_product_attention(*(t[idx].transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
+                                           is_causal=True, enable_gqa=True)
+    assert F.scaled_dot_product_attention is _SDPA and torch_dcp.context._active is None
+    if rank == 0:
+        assert time.monotonic() - t0 < TIMEOUT + 5
+        caught.touch()
+    while not caught.exists():  # rank 1: silent, its group intact, until rank 0 has timed out
+        assert time.monotonic() - t0 < TIMEOUT + 30, "rank 0 did not time out"
+        time.sleep(0.05)
+    mesh = spawn.fresh_group(rank, world, "init-fresh")
+    with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, timeout=TIMEOUT) as ctx:
+        _check_attention(ctx, rank, q, k, v, go, ref, True, True, "fresh group after a timeout")
+
+
+def test_the_next_context_on_a_fresh_group_works_after_a_timeout(tmp_path):
+    run_ranks(_recovery, 2, tmp_path, timeout=90)

@@ -206,6 +206,50 @@ def test_device_plan_built_ahead_is_used_and_checked():
         RankExecutor(plan, 0, InProcessTransport(mailbox, 0), kernel="sdpa", device_plan=dps[0])
 
 
+def test_inputs_that_do_not_match_the_plan_are_named():
+    """Every input the executor gets is checked against the plan's BatchSpec and this rank's
+    tokens before any work; the ValueError names what differs."""
+    batch = torch_dcp.BatchSpec([5, 11], torch_dcp.Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype="float32")
+    plan = torch_dcp.plan(batch, 1, block_size=4)
+    ex = RankExecutor(plan, 0, InProcessTransport(Mailbox(), 0))
+    q, k, v, go = random_qkv(batch, torch.float32)
+    out, lse = ex.forward(q, k, v)
+    forward = [
+        ((q[:-1], k, v), r"q: sequence length 15, but rank 0 holds 16 tokens"),
+        ((q, k, v[:-1]), r"v: sequence length 15"),
+        ((q[:, :3], k, v), r"q: 3 heads, the plan's BatchSpec has 4 \("),
+        ((q, k[:, :1], v[:, :1]), r"k: 1 heads, the plan's BatchSpec has 2 \(n_kv_heads\) or 4 \(repeated\)"),
+        ((q, k, v.repeat_interleave(2, 1)), r"k and v have 2 and 4 heads"),
+        ((q[..., :4], k, v), r"q: head_dim 4, the plan's BatchSpec has 8"),
+        ((q, k, v[..., :4]), r"v: head_dim 4"),
+        ((q.double(), k, v), r"q: expected dtype torch.float32 .*got torch.float64"),
+        ((q, k.half(), v), r"k: expected dtype"),
+        ((q[None], k, v), r"q: expected \[S_local, heads, head_dim\] \(3 dims\)"),
+        ((q, k.to("meta"), v), r"k is on meta, q on cpu"),
+    ]
+    for args, msg in forward:
+        with pytest.raises(ValueError, match=msg):
+            ex.forward(*args)
+        with pytest.raises(ValueError, match=msg):
+            ex.backward(*args, out, lse, go)
+    backward = [
+        ((out[:, :2], lse, go), r"out: 2 heads"),
+        ((out, lse, go[:-1]), r"dout: sequence length 15"),
+        ((out, lse, go.double()), r"dout: expected dtype"),
+        ((out, lse[:, :1], go), r"lse: expected a floating \[S_local, heads\] = \[16, 4\] .*"
+                                r"got torch.float32 \[16, 1\]"),
+        ((out, lse[:-1], go), r"lse: .*\[15, 4\]"),
+        ((out, lse.long(), go), r"lse: .*torch.int64"),
+    ]
+    for args, msg in backward:
+        with pytest.raises(ValueError, match=msg):
+            ex.backward(q, k, v, *args)
+    dq, dk, dv = ex.backward(q, k, v, out, lse, go)  # the executor still works
+    ref = reference_with_grads(batch, q, k, v, go)
+    for got, want in zip((out, dq, dk, dv), ref):
+        assert (got.double() - want).abs().max() < 1e-5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kernel,dtype", [("flex", "float32"), ("reference", "float32"), ("auto", "bfloat16"),
                                           ("varlen", "bfloat16")])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,8 @@ import torch_dcp
 from torch_dcp import BatchSpec, BlockwiseCausal, Causal, Full, Lambda, Plan, PlanError, Ranges, SharedQuestion
 from torch_dcp._interleave import interleave
 from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor
-from torch_dcp.plan import CommLaunch
+from torch_dcp.plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch
+from torch_dcp.workload import Buf
 from reference import dense_batch_mask, random_qkv
 
 
@@ -75,10 +78,15 @@ def batches(draw):
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(batch=batches(), world=st.integers(1, 8), block=st.integers(1, 9), divisions=st.integers(1, 5),
-       planner=st.sampled_from(["ring", "greedy", "dcp", "megatron", "fcp"]))
+@given(batch=batches(), world=st.integers(1, 8), block=st.integers(1, 9),
+       divisions=st.none() | st.integers(1, 5), planner=st.sampled_from(["ring", "greedy", "dcp", "megatron", "fcp"]))
 def test_plan_properties(batch, world, block, divisions, planner):
-    plan = torch_dcp.plan(batch, world, planner=planner, block_size=block, divisions=divisions)
+    try:
+        plan = torch_dcp.plan(batch, world, planner=planner, block_size=block, divisions=divisions)
+    except ValueError as err:  # more divisions than the placement has tiles: refused, naming the bound
+        assert divisions is not None and "divisions must lie in 1.." in str(err), err
+        plan = torch_dcp.plan(batch, world, planner=planner, block_size=block)
+        assert divisions > max(1, plan.workload.n_tiles)
     plan.validate()  # inputs present, sends matched, every tile once, outputs complete
     wl = plan.workload
     # tiles are exactly the non-empty (q block, kv block) pairs of the dense mask
@@ -204,6 +212,126 @@ def test_validate_catches_a_missing_transfer():
     plan._programs[(1, False)] = type(prog)(prog.rank, prog.backward, broken, prog.local_rows, prog.buffer_rows)
     with pytest.raises(PlanError, match="deadlock|never"):
         plan.validate()
+
+
+def _edit(plan, rank, backward, kind, change, buffer_rows=None):
+    """Replace the first instruction of type ``kind`` in a program of ``plan`` by ``change(ins)``."""
+    prog = plan.program(rank, backward)
+    i = next(i for i, ins in enumerate(prog.instructions) if isinstance(ins, kind) and change(ins) is not None)
+    ins = list(prog.instructions)
+    ins[i] = change(ins[i])
+    plan._programs[(rank, backward)] = dataclasses.replace(prog, instructions=tuple(ins),
+                                                           buffer_rows=buffer_rows or prog.buffer_rows)
+
+
+def test_validate_checks_the_row_layout_the_executor_assumes():
+    """Programs whose every tile and message still match, but whose rows the executor would
+    read or write wrongly: each is refused, naming the rank, instruction and rows."""
+    batch = BatchSpec([40, 12, 20], n_heads=2, n_kv_heads=1, head_dim=4)
+
+    def fresh():
+        plan = torch_dcp.plan(batch, 3, planner="ring", divisions=2)
+        plan.validate()
+        return plan
+
+    # an output written at another block's local rows
+    plan = fresh()
+    _edit(plan, 1, False, BlockwiseReduction,
+          lambda r: dataclasses.replace(r, dst_row=r.dst_row[::-1].copy()) if r.dst == Buf.OUT else None)
+    with pytest.raises(PlanError, match=r"forward program of rank 1, BlockwiseReduction: writes output OUT of block "
+                                        r"\d+ at row \d+; its tokens start at local row \d+"):
+        plan.validate()
+    plan = fresh()
+    _edit(plan, 2, True, BlockwiseReduction,
+          lambda r: dataclasses.replace(r, dst_row=r.dst_row + 1) if r.dst == Buf.OUT_DKV else None)
+    with pytest.raises(PlanError, match="backward program of rank 2.*output OUT_DKV"):
+        plan.validate()
+    # local inputs copied from the wrong rows, or to other rows
+    plan = fresh()
+    _edit(plan, 0, False, BlockwiseCopy, lambda c: dataclasses.replace(c, src_rows=c.src_rows + 1))
+    with pytest.raises(PlanError, match="rank 0, BlockwiseCopy: copies blocks .* in local order"):
+        plan.validate()
+    plan = fresh()
+    _edit(plan, 0, False, BlockwiseCopy, lambda c: dataclasses.replace(c, blocks=c.blocks[::-1].copy()))
+    with pytest.raises(PlanError, match="rank 0, BlockwiseCopy: copies blocks"):
+        plan.validate()
+    # a block past the end of its buffer
+    plan = fresh()
+    prog = plan.program(1)
+    rows = dict(prog.buffer_rows)
+    rows[Buf.KV] -= 1
+    plan._programs[(1, False)] = dataclasses.replace(prog, buffer_rows=rows)
+    with pytest.raises(PlanError, match=r"rank 1, .*block \d+ at rows \d+\.\.\d+ of buffer KV, which has \d+ rows"):
+        plan.validate()
+    # a message received into scattered rows: the last block of a message of key/value blocks
+    # one row further on, where the attention then reads it (and the buffer one row longer)
+    plan = fresh()
+    prog = plan.program(0)
+    launch = next(i for i in prog.instructions if isinstance(i, CommLaunch)
+                  and any(len(t.blocks) > 1 and t.kind == Buf.KV for t in i.recvs))
+    t = next(t for t in launch.recvs if len(t.blocks) > 1 and t.kind == Buf.KV)
+    old_row = int(t.rows[-1])
+    moved = dataclasses.replace(t, rows=np.concatenate([t.rows[:-1], t.rows[-1:] + 1]))
+    out = []
+    for ins in prog.instructions:
+        if ins is launch:
+            ins = dataclasses.replace(ins, recvs=tuple(moved if r is t else r for r in ins.recvs))
+        elif isinstance(ins, BlockwiseAttention):
+            ins = dataclasses.replace(ins, kv_row=np.where(ins.kv_row == old_row, old_row + 1, ins.kv_row))
+        out.append(ins)
+    rows = {k: v + 1 for k, v in prog.buffer_rows.items()}
+    plan._programs[(0, False)] = dataclasses.replace(prog, instructions=tuple(out), buffer_rows=rows)
+    with pytest.raises(PlanError, match="rank 0, CommLaunch: receives blocks .* into rows .* one contiguous run"):
+        plan.validate()
+
+
+PLANNERS = ["ring", "greedy", "dcp", "megatron", "fcp"]
+
+
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_divisions_outside_one_to_tiles_are_refused(planner):
+    """divisions must lie in 1..max(1, tiles of the placement); None is min(4, tiles), so a
+    batch of one tile (or none: a mask that hides every key) still plans."""
+    nothing = Ranges([[] for _ in range(3)])  # no query sees a key: no tiles
+    for lens, mask in (([10, 5], Causal()), ([1], Causal()), ([3], nothing), ([40, 3, 9], Lambda(sink=1, window=4))):
+        batch = BatchSpec(lens, mask, n_heads=2, n_kv_heads=1, head_dim=4)
+        auto = torch_dcp.plan(batch, 2, planner=planner, block_size=4)
+        n_tiles = auto.workload.n_tiles
+        bound = max(1, n_tiles)
+        rounds = 1 if auto.placement.tile_round is None or n_tiles == 0 else int(auto.placement.tile_round.max()) + 1
+        assert auto.divisions == min(4, bound) * rounds, (lens, n_tiles)
+        auto.validate()
+        for d in sorted({1, (1 + bound) // 2, bound}):
+            plan = torch_dcp.plan(batch, 2, planner=planner, block_size=4, divisions=d)
+            assert plan.divisions == d * rounds and plan.workload.n_tiles == n_tiles
+            plan.validate()
+        for d in (0, -1, bound + 1, 10**6):
+            with pytest.raises(ValueError, match=rf"divisions must lie in 1\.\.{bound} .*: {n_tiles}\), got {d}$"):
+                torch_dcp.plan(batch, 2, planner=planner, block_size=4, divisions=d)
+        for d in (2.0, True, "4"):
+            with pytest.raises(ValueError, match="divisions must be an integer"):
+                torch_dcp.plan(batch, 2, planner=planner, block_size=4, divisions=d)
+
+
+@pytest.mark.parametrize("planner", PLANNERS)
+def test_block_sizes_outside_bounds_are_refused(planner):
+    """Every planner, also those that cut their own chunks (ring, megatron), refuses a block
+    size that is not an integer in 1..MAX_TOKENS, through plan() and called directly."""
+    from torch_dcp.batch import MAX_TOKENS
+    from torch_dcp.planners import get_planner
+
+    batch = BatchSpec([10, 5], n_heads=2, n_kv_heads=1, head_dim=4)
+    topo = torch_dcp.Topology.single_node(2)
+    for bad in (0, -3, MAX_TOKENS + 1, 2**63, 10**30):
+        msg = rf"block_size must lie in 1\.\.{MAX_TOKENS} .*got {bad}$"
+        with pytest.raises(ValueError, match=msg):
+            torch_dcp.plan(batch, 2, planner=planner, block_size=bad)
+        with pytest.raises(ValueError, match=msg):
+            get_planner(planner)(batch, topo, bad)
+    for bad in (4.0, True, "4", None):
+        with pytest.raises(ValueError, match=rf"block_size must be an integer in 1\.\.{MAX_TOKENS}"):
+            torch_dcp.plan(batch, 2, planner=planner, block_size=bad)
+    assert torch_dcp.plan(batch, 2, planner=planner, block_size=MAX_TOKENS).workload.n_tiles > 0
 
 
 def test_plan_rejects_bad_arguments():

@@ -32,7 +32,7 @@ from .api import plan as make_plan
 from .attention_op import as_dtensor, bind_args, like, local
 from .batch import BatchSpec
 from .executor import RankExecutor, TorchDistributedTransport
-from .executor.transport import TransferTimeoutError, as_timedelta, is_timeout
+from .executor.transport import TransferError, TransferTimeoutError, as_timedelta, is_timeout
 from .executor.kernels import DivisionKernel
 from .plan import Plan
 from .topology import Topology
@@ -113,7 +113,7 @@ def context_parallel(
     plan: Plan | None = None,
     planner: str = "greedy",
     block_size: int = 1024,
-    divisions: int = 4,
+    divisions: int | None = None,
     topology: Topology | None = None,
     kernel: str | DivisionKernel | None = None,
     timeout: "float | datetime.timedelta" = 600.0,
@@ -130,14 +130,16 @@ def context_parallel(
         buffer_seq_dims: the sequence dimension of every buffer.
         no_restore_buffers: buffers (by identity) left sharded on exit; the others are restored.
         batch: the step's :class:`BatchSpec` (planned on entry with ``planner``,
-            ``block_size``, ``divisions``, ``topology``), or
+            ``block_size``, ``divisions``, ``topology``, as :func:`torch_dcp.plan` does;
+            ``divisions=None``: ``min(4, tiles)``), or
         plan: a precomputed :class:`Plan` (give exactly one of ``batch`` and ``plan``).
         topology: ranks per node and links, for planning (default: all ranks on one node).
         kernel: the executor's attention kernel (default ``"auto"``).
         timeout: the longest any wait inside the context blocks (seconds or a ``timedelta``;
             default 10 minutes): the plan check at entry and every transfer. When it expires the
             waiting rank raises :class:`~torch_dcp.executor.TransferTimeoutError` naming the
-            pass, the phase and the ranks that did not answer.
+            pass, the phase and the ranks that did not answer (at the plan check: "the plan
+            check at entry").
 
     Inside, the model calls ``F.scaled_dot_product_attention(q, k, v, is_causal=...)`` with
     ``q: [1, H, S_local, D]`` and ``k, v: [1, H_kv, S_local, D]`` (``enable_gqa=True``) or
@@ -150,7 +152,8 @@ def context_parallel(
         A :class:`DCPContext` (plan, executor, ``unshard``).
 
     Raises:
-        ValueError: bad arguments (both or neither of ``batch``/``plan``, buffers and seq dims
+        ValueError: bad arguments (both or neither of ``batch``/``plan``, a block size or
+            divisions out of bounds (see :func:`torch_dcp.plan`), buffers and seq dims
             of different lengths, a buffer whose sequence length is not the batch's, a
             ``no_restore_buffers`` entry that is not a buffer, a plan for another world size,
             a mesh that is not one-dimensional); inside the body, an SDPA call that
@@ -159,7 +162,10 @@ def context_parallel(
             than the BatchSpec's, DTensor inputs; see :func:`_check_call`), raised on every
             rank before any communication, so the process group stays usable.
         RuntimeError: another torch_dcp or PyTorch context-parallel context is active, or the
-            ranks hold different plans.
+            ranks hold different plans (raised on every rank at entry).
+        TransferError: a wait inside the context failed: a peer's connection closed (it
+            crashed or left), or :class:`~torch_dcp.executor.TransferTimeoutError` (a subclass)
+            when the timeout expired.
     """
     global _active
     import torch.distributed as dist
@@ -240,14 +246,17 @@ def _check_same_plan(plan: Plan, group: Any, rank: int, world: int, device: torc
     mine = torch.frombuffer(bytearray(bytes.fromhex(plan.digest())), dtype=torch.uint8).to(device)
     parts = [torch.empty_like(mine) for _ in range(world)]
     work = dist.all_gather(parts, mine, group=group, async_op=True)
+    others = [r for r in range(world) if r != rank]
     try:
         work.wait(timeout)
     except RuntimeError as err:
         if not is_timeout(err):
-            raise
+            raise TransferError(f"torch_dcp.context_parallel: rank {rank}: the plan check at entry (all-gather of the "
+                                f"plan digests) failed: a peer's connection closed (it failed or left): {err}", -1,
+                                others) from None
         raise TransferTimeoutError(f"torch_dcp.context_parallel: rank {rank}: the plan check at entry (all-gather of "
                                    f"the plan digests) did not complete within {timeout.total_seconds():g} s: some "
-                                   "rank did not enter the context", -1, []) from None
+                                   "rank did not enter the context", -1, others) from None
     differ = [r for r, d in enumerate(parts) if not torch.equal(d, mine)]
     if differ:
         raise RuntimeError(f"torch_dcp.context_parallel: ranks hold different plans (rank {rank} differs from ranks "

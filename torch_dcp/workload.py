@@ -13,10 +13,26 @@ from typing import Any
 
 import numpy as np
 
-from .batch import BatchSpec
+from .batch import MAX_TOKENS, BatchSpec
 from .masks import count_visible_pairs
 
-__all__ = ["Workload", "Buf", "FWD_FLOPS_PER_PAIR", "BWD_FLOPS_PER_PAIR", "spans_to_indices", "item_token_bytes"]
+__all__ = ["Workload", "Buf", "FWD_FLOPS_PER_PAIR", "BWD_FLOPS_PER_PAIR", "spans_to_indices", "item_token_bytes",
+           "check_block_size"]
+
+
+def check_block_size(block_size: Any) -> int:
+    """``block_size`` as an ``int`` when it is an integer in ``1 .. MAX_TOKENS`` (a larger block
+    than the batch is fine: one block per document).
+
+    Raises:
+        ValueError: not an integer, or outside ``1 .. MAX_TOKENS`` (the message names the bound).
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
+        raise ValueError(f"block_size must be an integer in 1..{MAX_TOKENS}, got {block_size!r}")
+    if not 1 <= block_size <= MAX_TOKENS:
+        raise ValueError(f"block_size must lie in 1..{MAX_TOKENS} (MAX_TOKENS, the most tokens a batch holds), "
+                         f"got {block_size}")
+    return int(block_size)
 
 
 class Buf(enum.IntEnum):
@@ -160,10 +176,9 @@ class Workload:
         shorter.
 
         Raises:
-            ValueError: ``block_size`` is not a positive integer.
+            ValueError: ``block_size`` is not an integer in ``1 .. MAX_TOKENS``.
         """
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        block_size = check_block_size(block_size)
         lens = batch.doc_lens
         nb = -(-lens // block_size)
         doc = np.repeat(np.arange(batch.n_docs), nb)

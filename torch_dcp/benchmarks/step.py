@@ -85,7 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-doc-len", type=int, default=None, help="longest document (default 32768 for longtail)")
     p.add_argument("--mask", choices=sorted(MASKS), default="causal")
     p.add_argument("--block-size", type=int, default=None, help=f"token block size {both('block_size')}")
-    p.add_argument("--divisions", type=int, default=4)
+    p.add_argument("--divisions", type=int, default=None,
+                   help="divisions per rank (default: torch_dcp.plan's, min(4, tiles))")
     p.add_argument("--heads", type=int, default=None, help=both("heads"))
     p.add_argument("--kv-heads", type=int, default=None, help=both("kv_heads"))
     p.add_argument("--head-dim", type=int, default=None, help=both("head_dim"))
@@ -176,7 +177,8 @@ def _one_rank(batch, args, dev, q, k, v, go) -> dict[str, Any]:
         g = torch.empty_like(like)
         g[idx] = t
         res.append(g)
-    return {"s": time_median(step, dev, args.repeat), "results": res, "kernel": _name(ex.kernel)}
+    return {"s": time_median(step, dev, args.repeat), "results": res, "kernel": _name(ex.kernel),
+            "divisions": plan.divisions}
 
 
 # ---------------------------------------------------------------------- W ranks, emulated
@@ -289,7 +291,7 @@ def run(args: argparse.Namespace, out: Any = None) -> dict[str, Any]:
 
     p(f"step: {batch.total_tokens} tokens, {batch.n_docs} documents (longest {int(batch.doc_lens.max())}), "
       f"mask {a.mask}, {a.dtype}, GQA {a.heads}/{a.kv_heads}, head_dim {a.head_dim}, block {a.block_size}, "
-      f"{a.divisions} divisions, planner {a.planner}; on {device_name(dev)}, torch {torch.__version__}; "
+      f"{a.divisions or 'auto'} divisions, planner {a.planner}; on {device_name(dev)}, torch {torch.__version__}; "
       f"forward + backward, median of {a.repeat}")
     ex = _one_rank(batch, a, dev, q, k, v, go)
     dense = _dense(batch, dev, q, k, v, go, a.repeat)
@@ -299,7 +301,7 @@ def run(args: argparse.Namespace, out: Any = None) -> dict[str, Any]:
     res: dict[str, Any] = {
         "device": device_name(dev), "torch": torch.__version__, "tokens": batch.total_tokens, "docs": batch.n_docs,
         "max_doc": int(batch.doc_lens.max()), "mask": a.mask, "dtype": a.dtype, "heads": a.heads,
-        "kv_heads": a.kv_heads, "head_dim": a.head_dim, "block_size": a.block_size, "divisions": a.divisions,
+        "kv_heads": a.kv_heads, "head_dim": a.head_dim, "block_size": a.block_size, "divisions": ex["divisions"],
         "planner": a.planner, "kernel": ex["kernel"], "repeat": a.repeat,
         "exec_s": ex["s"], "dense_s": dense["s"], "dense": dense["name"], "exec_over_dense": ex["s"] / dense["s"],
         "varlen_s": var["s"] if var else None, "varlen": why or "aten._flash_attention_forward/_backward, cu_seqlens",

@@ -239,15 +239,35 @@ class RankExecutor:
         return self._uploaded
 
     # ------------------------------------------------------------------ checks
-    def _check(self, name: str, t: torch.Tensor, heads: int) -> None:
+    def _check(self, name: str, t: torch.Tensor, heads: int, device: torch.device | None = None) -> None:
+        """Raise ``ValueError`` naming what of ``t`` (``[S_local, heads, head_dim]``) differs
+        from the plan: dims, sequence length, heads, head_dim, dtype or device."""
         b = self.plan.batch
-        want = (self.local_rows, heads, b.head_dim)
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected [S_local, heads, head_dim] (3 dims) on rank {self.rank}, got shape "
+                             f"{list(t.shape)}")
+        s, h, d = t.shape
+        if s != self.local_rows:
+            raise ValueError(f"{name}: sequence length {s}, but rank {self.rank} holds {self.local_rows} tokens of the "
+                             f"plan (shape {list(t.shape)})")
         # keys/values may also come with their heads repeated to the query heads
-        ok = tuple(t.shape) == want or (heads == b.n_kv_heads and tuple(t.shape) == (self.local_rows, b.n_heads, b.head_dim))
-        if t.dim() != 3 or not ok:
-            raise ValueError(f"{name}: expected shape {list(want)} ([S_local, heads, head_dim]) on rank {self.rank}, got {list(t.shape)}")
+        if h != heads and not (heads == b.n_kv_heads and h == b.n_heads):
+            want = f"{heads}" if heads == b.n_heads else f"{heads} (n_kv_heads) or {b.n_heads} (repeated)"
+            raise ValueError(f"{name}: {h} heads, the plan's BatchSpec has {want} (shape {list(t.shape)})")
+        if d != b.head_dim:
+            raise ValueError(f"{name}: head_dim {d}, the plan's BatchSpec has {b.head_dim} (shape {list(t.shape)})")
         if t.dtype != self.dtype:
             raise ValueError(f"{name}: expected dtype {self.dtype} (the plan's BatchSpec.dtype), got {t.dtype}")
+        if device is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device}, q on {device}")
+
+    def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        b = self.plan.batch
+        self._check("q", q, b.n_heads)
+        self._check("k", k, b.n_kv_heads, q.device)
+        self._check("v", v, b.n_kv_heads, q.device)
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"k and v have {k.shape[1]} and {v.shape[1]} heads; they must have the same")
 
     @property
     def timings(self) -> list[InstructionTime]:
@@ -270,13 +290,20 @@ class RankExecutor:
         Returns ``(out [S_local, H, D] in q.dtype, lse [S_local, H])``.
 
         Raises:
-            ValueError: wrong shapes or dtype.
+            ValueError: a sequence length, head count, head_dim, dtype or device that does not
+                match the plan's BatchSpec and this rank (the message names which), or ``k``
+                and ``v`` with different head counts.
         """
         return _drain(self.forward_steps(q, k, v, scale))
 
     def backward(self, q, k, v, out, lse, dout, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of this rank's Q, K, V (complete: partials computed on other ranks are
-        received and summed). Returns ``(dq, dk, dv)`` in the input dtype."""
+        received and summed). Returns ``(dq, dk, dv)`` in the input dtype.
+
+        Raises:
+            ValueError: as :meth:`forward`, for ``q, k, v, out, dout``; an ``lse`` that is not
+                ``[S_local, H]`` floating point on the inputs' device.
+        """
         return _drain(self.backward_steps(q, k, v, out, lse, dout, scale))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -306,10 +333,7 @@ class RankExecutor:
 
     def forward_steps(self, q, k, v, scale: float | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`forward` as a generator that yields while waiting for messages."""
-        b = self.plan.batch
-        self._check("q", q, b.n_heads)
-        self._check("k", k, b.n_kv_heads)
-        self._check("v", v, b.n_kv_heads)
+        self._check_inputs(q, k, v)
         up = self.prepare(q.device)
         run = _Run(False)
         h, hkv, d = q.shape[1], k.shape[1], q.shape[2]
@@ -326,9 +350,12 @@ class RankExecutor:
                        scale: float | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """:meth:`backward` as a generator that yields while waiting for messages."""
         b = self.plan.batch
-        for name, t, heads in (("q", q, b.n_heads), ("k", k, b.n_kv_heads), ("v", v, b.n_kv_heads),
-                               ("out", out, b.n_heads), ("dout", dout, b.n_heads)):
-            self._check(name, t, heads)
+        self._check_inputs(q, k, v)
+        self._check("out", out, b.n_heads, q.device)
+        self._check("dout", dout, b.n_heads, q.device)
+        if tuple(lse.shape) != (self.local_rows, b.n_heads) or not lse.is_floating_point() or lse.device != q.device:
+            raise ValueError(f"lse: expected a floating [S_local, heads] = {[self.local_rows, b.n_heads]} tensor on "
+                             f"{q.device} (the forward's), got {lse.dtype} {list(lse.shape)} on {lse.device}")
         up = self.prepare(q.device)
         run = _Run(True)
         h, hkv, d = q.shape[1], k.shape[1], q.shape[2]

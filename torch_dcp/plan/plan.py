@@ -202,7 +202,10 @@ class Plan:
         inputs are present in the buffers when it runs; every send has a matching receive
         (same phase, peer, kind and blocks) and nothing is left unreceived; partial outputs
         and gradients are merged without counting a tile twice; and every rank ends with the
-        complete outputs (forward) and dQ, dK, dV (backward) of its blocks.
+        complete outputs (forward) and dQ, dK, dV (backward) of its blocks. It also checks what
+        the executor assumes of the layout: local blocks are copied in local token order to the
+        same rows, every block lies inside its buffer's rows, every message is received into
+        one contiguous run of rows, and outputs are written at their blocks' local rows.
 
         Raises:
             PlanError: naming the rank, instruction and what is wrong.

@@ -43,12 +43,18 @@ def validate_pass(plan: "Plan", backward: bool) -> None:
 
 
 class _RankState:
-    def __init__(self, plan: "Plan", rank: int):
+    def __init__(self, plan: "Plan", rank: int, backward: bool):
         self.rank = rank
         self.buf: dict[Buf, dict[int, Any]] = {b: {} for b in (Buf.Q, Buf.KV, Buf.OPART, Buf.DQ, Buf.DKV)}
         self.out: dict[Buf, dict[int, frozenset]] = {}
         self.launched: dict[int, CommLaunch] = {}
-        self.home = set(plan.local_blocks(rank).tolist())
+        home = plan.local_blocks(rank)
+        self.home_order = home.tolist()
+        self.home = set(self.home_order)
+        lens = plan.workload.block_len[home]
+        #: first row of every local block in the rank's inputs and outputs (local token order)
+        self.local_row = dict(zip(self.home_order, (np.cumsum(lens) - lens).tolist()))
+        self.buffer_rows = plan.program(rank, backward).buffer_rows
 
 
 class _Symbolic:
@@ -97,7 +103,7 @@ class _Symbolic:
                     raise PlanError(f"rank {rank}: output {name.name} is not complete for its blocks")
 
     def _rank(self, rank: int) -> Generator[None, None, dict]:
-        st = _RankState(self.plan, rank)
+        st = _RankState(self.plan, rank, self.backward)
         for ins in self.plan.program(rank, self.backward).instructions:
             step = dispatch(self, ins, st)
             if step is not None:
@@ -106,14 +112,33 @@ class _Symbolic:
             self.fail(rank, None, f"phases {sorted(st.launched)} launched but never waited")
         return st.out
 
+    def check_rows(self, st: _RankState, ins: Any, kind: Buf, row: int, block: int) -> None:
+        """Fail unless block ``block`` at ``row`` lies inside the rank's buffer ``kind`` (the
+        executor allocates ``buffer_rows[kind]`` rows)."""
+        n = st.buffer_rows.get(kind)
+        end = row + int(self.plan.workload.block_len[block])
+        if n is None or row < 0 or end > n:
+            self.fail(st.rank, ins, f"block {block} at rows {row}..{end - 1} of buffer {kind.name}, which has "
+                                    f"{n or 0} rows")
+
     # ------------------------------------------------------------------ the table's handlers
     def on_copy(self, ins: BlockwiseCopy, st: _RankState) -> None:
-        for b, dst in zip(ins.blocks.tolist(), ins.dst_rows.tolist()):
-            if b not in st.home:
-                self.fail(st.rank, ins, f"copies block {b}, which is not local")
+        # the executor copies its local inputs in order: rows 0 .. S-1 of the inputs to the
+        # same rows of the work buffer
+        blocks = ins.blocks.tolist()
+        if blocks != st.home_order[:len(blocks)] or not np.array_equal(ins.dst_rows, ins.src_rows):
+            self.fail(st.rank, ins, f"copies blocks {blocks[:8]} from rows {ins.src_rows[:8].tolist()} to rows "
+                                    f"{ins.dst_rows[:8].tolist()}; the executor copies the local blocks "
+                                    f"{st.home_order[:8]} in local order, to the same rows")
+        for b, src, dst in zip(blocks, ins.src_rows.tolist(), ins.dst_rows.tolist()):
+            if src != st.local_row[b]:
+                self.fail(st.rank, ins, f"copies block {b} from input row {src}; its tokens start at local row "
+                                        f"{st.local_row[b]}")
+            self.check_rows(st, ins, ins.kind, dst, b)
             st.buf[ins.kind][dst] = (ins.kind, b)
             if self.backward:
                 acc = _ACCUMULATOR[ins.kind]
+                self.check_rows(st, ins, acc, dst, b)
                 st.buf[acc][dst] = (acc, b, frozenset())
 
     def on_launch(self, ins: CommLaunch, st: _RankState) -> None:
@@ -132,6 +157,14 @@ class _Symbolic:
                     self.fail(rank, ins, f"sends block {b} ({tr.kind.name}) from row {row}, which holds {tag}")
                 tags.append(tag)
             by_peer.setdefault(tr.peer, []).append((tr.kind, tr.blocks.tolist(), tags))
+        blen = self.plan.workload.block_len
+        for tr in ins.recvs:
+            for b, row in zip(tr.blocks.tolist(), tr.rows.tolist()):
+                self.check_rows(st, ins, tr.kind, row, b)
+            if len(tr.rows) and not np.array_equal(tr.rows[1:], tr.rows[:-1] + blen[tr.blocks[:-1]]):
+                self.fail(rank, ins, f"receives blocks {tr.blocks.tolist()[:8]} from rank {tr.peer} into rows "
+                                     f"{tr.rows.tolist()[:8]}; the executor receives a message into one contiguous "
+                                     "run of rows, in block order")
         for peer, msgs in by_peer.items():
             key = (ins.phase, rank, peer)
             if key in self.mail:
@@ -186,6 +219,7 @@ class _Symbolic:
             if self.backward:
                 self._accumulate(rank, ins, st.buf[Buf.DQ], int(ins.out_row[g]), Buf.DQ, qb, got)
             else:
+                self.check_rows(st, ins, Buf.OPART, int(ins.out_row[g]), qb)
                 st.buf[Buf.OPART][int(ins.out_row[g])] = (Buf.OPART, qb, frozenset(got))
 
     def on_reduction(self, ins: BlockwiseReduction, st: _RankState) -> None:
@@ -201,10 +235,14 @@ class _Symbolic:
                     self.fail(rank, ins, f"block {b}: a tile is counted twice")
                 union |= tag[2]
             if ins.dst in st.buf:
+                self.check_rows(st, ins, ins.dst, drow, b)
                 st.buf[ins.dst][drow] = (ins.dst, b, frozenset(union))
             else:
                 if b not in st.home:
                     self.fail(rank, ins, f"writes output of block {b}, which is not local")
+                if drow != st.local_row[b]:
+                    self.fail(rank, ins, f"writes output {ins.dst.name} of block {b} at row {drow}; its tokens "
+                                         f"start at local row {st.local_row[b]}")
                 st.out.setdefault(ins.dst, {})[b] = frozenset(union)
 
     def _accumulate(self, rank: int, ins: Any, buf: dict, row: int, name: Buf, block: int, tiles: set) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..batch import BatchSpec
 from ..topology import Topology
-from ..workload import Workload
+from ..workload import Workload, check_block_size
 from .base import Placement
 from .ring import zigzag_spans
 
@@ -21,7 +21,14 @@ __all__ = ["plan_allgather"]
 
 def plan_allgather(batch: BatchSpec, topology: Topology, block_size: int | None = None) -> Placement:
     """Zig-zag placement, tiles on their query's rank, every fetch from the owner.
-    ``block_size`` is ignored (chunks are ``L / 2W``)."""
+    ``block_size`` is not used (chunks are ``L / 2W``), but it must be ``None`` or a valid
+    block size, as for every planner.
+
+    Raises:
+        ValueError: ``block_size`` is not ``None`` or an integer in ``1 .. MAX_TOKENS``.
+    """
+    if block_size is not None:
+        check_block_size(block_size)
     w = topology.world_size
     doc, start, end, member = zigzag_spans(batch.doc_lens, w)
     workload = Workload.from_spans(batch, doc, start, end)

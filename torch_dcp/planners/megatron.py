@@ -37,7 +37,7 @@ import numpy as np
 
 from ..batch import BatchSpec
 from ..topology import Topology
-from ..workload import Workload
+from ..workload import Workload, check_block_size
 from .base import Placement, Routing
 from .ring import zigzag_spans
 
@@ -128,8 +128,14 @@ def plan_megatron(batch: BatchSpec, topology: Topology, block_size: int | None =
     Args:
         max_seqlen_per_rank: tokens one rank holds of a document before it needs a bigger CP
             group; default ``ceil(total_tokens / world_size)``.
-        block_size: ignored (chunks are ``L / 2 cp``).
+        block_size: not used (chunks are ``L / 2 cp``), but it must be ``None`` or a valid
+            block size, as for every planner.
+
+    Raises:
+        ValueError: ``block_size`` is not ``None`` or an integer in ``1 .. MAX_TOKENS``.
     """
+    if block_size is not None:
+        check_block_size(block_size)
     w = topology.world_size
     m = max_seqlen_per_rank or -(-batch.total_tokens // w)
     rounds = megatron_schedule(batch.doc_lens, w, m, trim_tolerance)

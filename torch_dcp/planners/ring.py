@@ -22,7 +22,7 @@ import numpy as np
 
 from ..batch import BatchSpec
 from ..topology import Topology
-from ..workload import Workload
+from ..workload import Workload, check_block_size
 from .base import Placement, Routing
 
 __all__ = ["plan_ring", "zigzag_spans"]
@@ -53,8 +53,15 @@ def zigzag_spans(doc_lens: np.ndarray, group_size: np.ndarray) -> tuple[np.ndarr
 
 def plan_ring(batch: BatchSpec, topology: Topology, block_size: int | None = None) -> Placement:
     """Ring attention on the zig-zag layout: tiles on their query's rank, in ring step
-    ``(rank - key/value home) mod W``. ``block_size`` is ignored (chunks are ``L / 2W``); the
-    plan has ``W`` divisions (the ring steps) whatever ``divisions`` asks."""
+    ``(rank - key/value home) mod W``. ``block_size`` is not used (chunks are ``L / 2W``), but
+    it must be ``None`` or a valid block size, as for every planner; the plan has ``W``
+    divisions (the ring steps) whatever ``divisions`` asks.
+
+    Raises:
+        ValueError: ``block_size`` is not ``None`` or an integer in ``1 .. MAX_TOKENS``.
+    """
+    if block_size is not None:
+        check_block_size(block_size)
     w = topology.world_size
     doc, start, end, member = zigzag_spans(batch.doc_lens, w)
     workload = Workload.from_spans(batch, doc, start, end)
