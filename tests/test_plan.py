@@ -15,6 +15,7 @@ from torch_dcp import BatchSpec, BlockwiseCausal, Causal, Full, Lambda, Plan, Pl
 from torch_dcp._interleave import interleave
 from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor
 from torch_dcp.plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch
+from torch_dcp.planners import Routing
 from torch_dcp.workload import Buf
 from reference import dense_batch_mask, random_qkv
 
@@ -285,7 +286,7 @@ def test_validate_checks_the_row_layout_the_executor_assumes():
         plan.validate()
 
 
-PLANNERS = ["ring", "greedy", "dcp", "megatron", "fcp"]
+PLANNERS = ["ring", "allgather", "greedy", "dcp", "megatron", "fcp"]
 
 
 @pytest.mark.parametrize("planner", PLANNERS)
@@ -299,11 +300,13 @@ def test_divisions_outside_one_to_tiles_are_refused(planner):
         n_tiles = auto.workload.n_tiles
         bound = max(1, n_tiles)
         rounds = 1 if auto.placement.tile_round is None or n_tiles == 0 else int(auto.placement.tile_round.max()) + 1
-        assert auto.divisions == min(4, bound) * rounds, (lens, n_tiles)
+        ring_steps = auto.placement.ring_steps()[1] if auto.placement.routing is Routing.RING else None
+        assert auto.divisions == (ring_steps or min(4, bound) * rounds), (lens, n_tiles)
         auto.validate()
         for d in sorted({1, (1 + bound) // 2, bound}):
             plan = torch_dcp.plan(batch, 2, planner=planner, block_size=4, divisions=d)
-            assert plan.divisions == d * rounds and plan.workload.n_tiles == n_tiles
+            # ring attention (ring, megatron) runs its own steps whatever divisions asks
+            assert plan.divisions == (ring_steps or d * rounds) and plan.workload.n_tiles == n_tiles
             plan.validate()
         for d in (0, -1, bound + 1, 10**6):
             with pytest.raises(ValueError, match=rf"divisions must lie in 1\.\.{bound} .*: {n_tiles}\), got {d}$"):
