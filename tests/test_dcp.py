@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import torch_dcp
 from torch_dcp import BatchSpec, BlockwiseCausal, Causal, Lambda, SharedQuestion, Topology
+from torch_dcp.planners import Routing
 from torch_dcp.planners.dcp import DCPHypergraph, estimate_seconds
 
 
@@ -21,14 +22,54 @@ def _part(plan):
 def test_hypergraph_objective_is_the_plans_traffic(mask):
     batch = BatchSpec([900, 40, 2500, 7, 1300], mask, n_heads=8, n_kv_heads=2, head_dim=64)
     topo = Topology(n_nodes=2, ranks_per_node=3)
-    for planner in ("dcp", "greedy", "allgather"):
-        plan = torch_dcp.plan(batch, topo, planner=planner, block_size=128)
+    for planner, options in (("dcp", {"node_routes": False}), ("greedy", {}), ("allgather", {})):
+        plan = torch_dcp.plan(batch, topo, planner=planner, block_size=128, **options)
         hg = DCPHypergraph(plan.workload)
         s = plan.stats()
         assert hg.km1(_part(plan), topo.world_size) == pytest.approx(s["comm_bytes"], rel=1e-12)
         # node-level connectivity is a lower bound: two ranks of one node fetch a block twice
         node = _part(plan) // topo.ranks_per_node
         assert hg.km1(node, topo.n_nodes) <= s["inter_node_bytes"] + 1e-6
+
+
+@pytest.mark.parametrize("mask", [Causal(), Lambda(sink=8, window=200)], ids=["causal", "lambda"])
+def test_node_routes_cross_into_a_node_once(mask):
+    """dcp on several nodes routes fetches through one gateway per node (Routing.NODE): every
+    (node, kind, block) crosses the network at most once -- except blocks first needed in
+    division 0 -- with the same placement and fewer inter-node bytes than direct routes."""
+    batch = BatchSpec([3000, 700, 1200, 64, 2000, 5000], mask, n_heads=8, n_kv_heads=2, head_dim=64)
+    topo = Topology(n_nodes=2, ranks_per_node=4)
+    plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=128)
+    direct = torch_dcp.plan(batch, topo, planner="dcp", block_size=128, node_routes=False)
+    assert plan.placement.routing is Routing.NODE and direct.placement.routing is Routing.DIRECT
+    assert np.array_equal(plan.placement.block_rank, direct.placement.block_rank)
+    plan.validate()
+    t = plan.tables
+    node = topo.node_of(t["fetch_rank"])
+    crossing = node != topo.node_of(t["fetch_src"])
+    keys = np.stack([node, t["fetch_kind"], t["fetch_block"]], axis=1)[crossing]
+    uniq, count = np.unique(keys, axis=0, return_counts=True)
+    for (n, k, b), c in zip(uniq, count):
+        if c > 1:  # only groups first needed in division 0 stay direct
+            rows = (node == n) & (t["fetch_kind"] == k) & (t["fetch_block"] == b)
+            assert t["fetch_div"][rows].min() == 0, (n, k, b)
+    relayed = ~crossing & (plan.placement.block_rank[t["fetch_block"]] != t["fetch_src"])
+    # the direct plan's duplicates (several ranks of a node fetch one block) are what is relayed
+    td = direct.tables
+    dn = topo.node_of(td["fetch_rank"])
+    dcross = dn != topo.node_of(td["fetch_src"])
+    dk = np.stack([dn, td["fetch_kind"], td["fetch_block"]], axis=1)[dcross]
+    _, inv, cnt = np.unique(dk, axis=0, return_inverse=True, return_counts=True)
+    first_div = np.full(len(cnt), np.iinfo(np.int64).max)
+    np.minimum.at(first_div, inv.reshape(-1), td["fetch_div"][dcross])
+    duplicates = int((cnt - 1)[first_div > 0].sum())
+    assert int(relayed.sum()) == duplicates
+    assert duplicates > 0 or not isinstance(mask, Causal)  # the causal batch has some
+    s, d = plan.stats(), direct.stats()
+    assert (s["inter_node_bytes"] < d["inter_node_bytes"]) if duplicates else (s == {**d, "plan_seconds": s["plan_seconds"]})
+    hg = DCPHypergraph(plan.workload)
+    assert hg.km1(_part(plan) // topo.ranks_per_node, topo.n_nodes) <= s["inter_node_bytes"] + 1e-6
+    assert torch_dcp.plan(batch, 4, planner="dcp", block_size=128).placement.routing is Routing.DIRECT  # one node
 
 
 def test_deterministic_digest():

@@ -54,7 +54,7 @@ def _check(plan, batch, tol=1e-10, seed=0, kernel=None):
         assert err <= tol, f"{name}: max abs error {err:.3e} > {tol}"
 
 
-@pytest.mark.parametrize("planner", ["ring", "allgather", "greedy", "dcp", "megatron", "fcp"])
+@pytest.mark.parametrize("planner", ["ring", "greedy", "dcp", "megatron", "fcp"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("heads", list(HEADS))
@@ -62,6 +62,17 @@ def test_exact_forward_backward(planner, world_size, mask_name, heads):
     batch = _batch(mask_name, heads)
     divisions = 1 + (world_size + len(mask_name)) % 4
     plan = torch_dcp.plan(batch, world_size, planner=planner, block_size=BLOCK, divisions=divisions)
+    plan.validate()
+    _check(plan, batch)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 8])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_exact_allgather(world_size, mask_name):
+    """allgather shares ring's layout and the direct routes every other planner uses: one
+    head configuration is enough on top of theirs."""
+    batch = _batch(mask_name, "gqa8/2-d32")
+    plan = torch_dcp.plan(batch, world_size, planner="allgather", block_size=BLOCK, divisions=3)
     plan.validate()
     _check(plan, batch)
 

@@ -29,7 +29,7 @@ from .ir import PlanError
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import Plan
 
-__all__ = ["ROUTERS", "route_tables", "check_routes", "direct_routes", "ring_routes"]
+__all__ = ["ROUTERS", "route_tables", "check_routes", "direct_routes", "ring_routes", "node_routes"]
 
 _SIDES = ("q", "kv")
 
@@ -116,10 +116,43 @@ def ring_routes(plan: "Plan") -> dict[str, np.ndarray]:
     }
 
 
+def node_routes(plan: "Plan") -> dict[str, np.ndarray]:
+    """Direct routes with each inter-node fetch deduplicated per node (see
+    :attr:`Routing.NODE`): of the ranks of one node fetching the same (kind, block) from
+    another node, the one needing it first (lowest rank on ties) fetches it from the home in
+    the division before, the others from it in their own divisions. Groups whose first use is
+    division 0 stay direct (nothing runs before it)."""
+    t = direct_routes(plan)
+    topo = plan.topology
+    fr, fk, fb, fd = t["fetch_rank"], t["fetch_kind"], t["fetch_block"], t["fetch_div"].copy()
+    src = t["fetch_src"].copy()
+    node = topo.node_of(fr)
+    remote = node != topo.node_of(src)
+    sel = np.nonzero(remote)[0]
+    if len(sel):
+        nb = max(plan.workload.n_blocks, 1)
+        key = (node[sel] * 2 + fk[sel]) * nb + fb[sel]
+        order = sel[np.lexsort((fr[sel], fd[sel], key))]  # by group, then division, then rank
+        k = (node[order] * 2 + fk[order]) * nb + fb[order]
+        first = np.ones(len(order), bool)
+        first[1:] = k[1:] != k[:-1]
+        group = np.cumsum(first) - 1
+        size = np.bincount(group)
+        gate = order[first]  # the gateway row of every group
+        dedup = (size[group] > 1) & (fd[gate][group] > 0)
+        rows = order[dedup & ~first]
+        src[rows] = fr[gate[group[dedup & ~first]]]
+        gates = gate[(size > 1) & (fd[gate] > 0)]
+        fd[gates] -= 1
+    t["fetch_div"], t["fetch_src"] = fd, src
+    return t
+
+
 #: routing -> ``fn(plan) -> tables``: the one table of route builders.
 ROUTERS: dict[Routing, Callable[["Plan"], dict[str, np.ndarray]]] = {
     Routing.DIRECT: direct_routes,
     Routing.RING: ring_routes,
+    Routing.NODE: node_routes,
 }
 
 

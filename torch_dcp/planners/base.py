@@ -26,10 +26,16 @@ class Routing(enum.Enum):
       each rank receiving them from rank ``r - 1`` and passing them on to ``r + 1`` the next
       step; in the backward the dK/dV partials travel with them, each rank adding its own
       before passing them on, and the last one sends the sums home.
+    * ``NODE``: like ``DIRECT``, but a block that several ranks of another node fetch crosses
+      the network once: the node's first fetcher (its gateway) fetches it from the home one
+      division earlier than any of them needs it, and the others get it from the gateway over
+      NVLink (blocks first needed in division 0 stay direct). Partial results still go
+      straight home.
     """
 
     DIRECT = "direct"
     RING = "ring"
+    NODE = "node"
 
 
 @dataclasses.dataclass(frozen=True)

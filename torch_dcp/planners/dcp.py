@@ -41,7 +41,7 @@ import numpy as np
 from ..batch import BatchSpec
 from ..topology import Topology
 from ..workload import Buf, Workload, item_token_bytes
-from .base import Placement
+from .base import Placement, Routing
 
 __all__ = ["plan_dcp", "DCPHypergraph", "estimate_seconds"]
 
@@ -229,6 +229,7 @@ def plan_dcp(
     objective: str = "time",
     max_compute_imbalance: float = 2.0,
     flops_per_second: float = 1.6e14,
+    node_routes: bool = True,
 ) -> Placement:
     """DCP hypergraph placement (see module docstring).
 
@@ -248,6 +249,9 @@ def plan_dcp(
         max_compute_imbalance: the loosest compute bound (max/mean) ``"time"`` accepts.
         flops_per_second: attention throughput of one rank for the estimate (default:
             an A100 at about 160 TFLOP/s, forward and backward together).
+        node_routes: on several nodes, route fetches through one gateway rank per node
+            (:attr:`~torch_dcp.planners.base.Routing.NODE`: a block crosses into a node once);
+            ``False`` fetches every block from its home.
 
     Raises:
         ValueError: bad block size, tolerances or objective.
@@ -325,7 +329,8 @@ def plan_dcp(
                 key = (estimate_seconds(hg, part, topology, flops_per_second),) + key
             if best_key is None or key < best_key:
                 best, best_key = part, key
-    return Placement(wl, w, best[blocks], best[tiles], planner="dcp")
+    routing = Routing.NODE if node_routes and nn > 1 else Routing.DIRECT
+    return Placement(wl, w, best[blocks], best[tiles], planner="dcp", routing=routing)
 
 
 def estimate_seconds(hg: DCPHypergraph, part: np.ndarray, topology: Topology, flops_per_second: float) -> float:
