@@ -30,7 +30,7 @@ import torch
 
 from .division import Division
 
-__all__ = ["KernelLayout", "DivisionKernel", "GroupKernel", "ReferenceKernel", "SDPAKernel", "AutoKernel", "get_kernel", "out_with_delta"]
+__all__ = ["KernelLayout", "DivisionKernel", "GroupKernel", "ReferenceKernel", "SDPAKernel", "AutoKernel", "get_kernel", "KERNEL_NAMES", "out_with_delta"]
 
 
 class KernelLayout(NamedTuple):
@@ -366,6 +366,9 @@ def _varlen_kernel():
 
 
 _KERNELS = {"reference": ReferenceKernel, "sdpa": SDPAKernel, "flex": _flex_kernel, "varlen": _varlen_kernel}
+
+#: Every kernel name :func:`get_kernel` accepts.
+KERNEL_NAMES: tuple[str, ...] = ("auto", *sorted(_KERNELS))
 
 
 def get_kernel(kernel: "str | DivisionKernel | None", device: torch.device | str | None = None,

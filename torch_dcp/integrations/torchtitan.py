@@ -57,13 +57,13 @@ from torchtitan.trainer import Trainer
 
 import torch_dcp
 from torch_dcp.data import packed_document_lengths
-from torch_dcp.executor.kernels import _KERNELS
+from torch_dcp.executor.kernels import KERNEL_NAMES
 from torch_dcp.planners import PLANNERS
 
 __all__ = ["DCPConfig", "DCPTrainer", "DCPSelectiveAC", "check_config", "with_dcp", "llama3_debugmodel_dcp",
            "llama3_8b_dcp"]
 
-KERNELS = ("auto", *sorted(_KERNELS))
+KERNELS = KERNEL_NAMES
 
 
 @dataclass(kw_only=True, slots=True)
