@@ -36,7 +36,7 @@ def fetch_item_bytes(placement: Placement) -> tuple[np.ndarray, np.ndarray]:
 def assign_divisions(placement: Placement, divisions: int, topology: Topology | None = None) -> np.ndarray:
     """Division of every tile on its rank.
 
-    With scheduling rounds (``placement.tile_round``, e.g. Megatron's), round ``r`` gets its
+    With scheduling rounds (``placement.tile_round``, e.g. FCP's transfer rounds), round ``r`` gets its
     own divisions ``r T .. r T + T - 1``: rounds run one after another.
 
     Args:

@@ -280,15 +280,13 @@ def ring_step_seconds(plan: Plan, cost_model: CostModel | None = None) -> float:
     inter = topo.node_of((np.arange(w) - 1) % w) != topo.node_of(np.arange(w))
     total = 0.0
     for backward in (False, True):
-        flops = wl.tile_flops_bwd if backward else wl.tile_flops_fwd
-        compute = np.zeros((w, w))
-        for r in range(w):
-            for s in range(w):
-                tiles = np.nonzero((pl.tile_rank == r) & (plan.tile_division == s))[0]
-                if len(tiles):
-                    pairs = float(wl.tile_pairs[tiles].sum()) * b.n_heads
-                    compute[r, s] = cm.attention_seconds(pairs, float(flops[tiles].sum()), backward,
-                                                         not bool(wl.tile_full[tiles].all()), b.head_dim, b.dtype)
+        # the attention of every (rank, step): one launch, as the simulator charges a division
+        cell = pl.tile_rank * w + plan.tile_division
+        flops = np.bincount(cell, wl.tile_flops_bwd if backward else wl.tile_flops_fwd, w * w)
+        pairs = np.bincount(cell, wl.tile_pairs, w * w) * b.n_heads
+        masked = np.bincount(cell, ~wl.tile_full, w * w) > 0
+        compute = np.array([cm.attention_seconds(p, f, backward, bool(m), b.head_dim, b.dtype)
+                            for p, f, m in zip(pairs, flops, masked)]).reshape(w, w)
         # bytes into rank r over the hop that overlaps step s - 1 (s = w + 1: after the last step)
         nbytes = np.zeros((w, w + 2))
         np.add.at(nbytes, (t["fetch_rank"], t["fetch_div"]), wl.block_len[t["fetch_block"]] * itb[(backward, Buf.KV)])

@@ -160,7 +160,8 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
     pre_send_waits: dict[int, set[int]] = {d: set() for d in range(T)}
     recv_slots: dict[Buf, dict[int, list[int]]] = {Buf.Q: {}, Buf.KV: {}}
     recv_phase: dict[Buf, dict[int, set[int]]] = {Buf.Q: {}, Buf.KV: {}}
-    home_set = set(hb_all := home.tolist())
+    hb = home.tolist()
+    home_set = set(hb)
     sides = ((Buf.Q, Buf.DQ if backward else Buf.OPART),) + (((Buf.KV, Buf.DKV),) if backward else ())
     for side, kind in sides:
         name = "q" if side == Buf.Q else "kv"
@@ -241,7 +242,6 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
     instructions.extend(CommWait(p) for p in ret_phases)
 
     # final reductions into the local outputs
-    hb = hb_all
     if backward:
         for side, src, dst in ((Buf.Q, Buf.DQ, Buf.OUT_DQ), (Buf.KV, Buf.DKV, Buf.OUT_DKV)):
             red = [(b, int(hr), [rows[side][b]] + recv_slots[side].get(b, [])) for b, hr in zip(hb, home_row.tolist())]

@@ -12,24 +12,17 @@ from __future__ import annotations
 
 from ..batch import BatchSpec
 from ..topology import Topology
-from ..workload import Workload, check_block_size
-from .base import Placement
-from .ring import zigzag_spans
+from .base import Placement, Routing
+from .ring import zigzag_placement
 
 __all__ = ["plan_allgather"]
 
 
 def plan_allgather(batch: BatchSpec, topology: Topology, block_size: int | None = None) -> Placement:
-    """Zig-zag placement, tiles on their query's rank, every fetch from the owner.
-    ``block_size`` is not used (chunks are ``L / 2W``), but it must be ``None`` or a valid
-    block size, as for every planner.
+    """Zig-zag placement (:func:`~torch_dcp.planners.ring.zigzag_placement`), every fetch from
+    the owner.
 
     Raises:
         ValueError: ``block_size`` is not ``None`` or an integer in ``1 .. MAX_TOKENS``.
     """
-    if block_size is not None:
-        check_block_size(block_size)
-    w = topology.world_size
-    doc, start, end, member = zigzag_spans(batch.doc_lens, w)
-    workload = Workload.from_spans(batch, doc, start, end)
-    return Placement(workload, w, member, member[workload.tile_q], planner="allgather")
+    return zigzag_placement(batch, topology, block_size, "allgather", Routing.DIRECT)

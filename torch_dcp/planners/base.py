@@ -52,7 +52,7 @@ class Placement:
         tile_rank: int64 ``[n_tiles]``, rank computing every tile.
         planner: name of the planner that produced it.
         tile_round: optional int64 ``[n_tiles]``: scheduling rounds that run one after
-            another (Megatron's barriers); ``None`` for one round.
+            another (FCP's transfer rounds), each divided by the scheduler; ``None`` for one round.
         routing: how blocks and partials travel (:class:`Routing`).
         ring_groups: for ``Routing.RING``, optional int64 ``[n_docs, 3]``: every document's
             ring, ``(first rank, ranks, first division)``: its blocks live on ranks

@@ -150,11 +150,10 @@ def plan_megatron(batch: BatchSpec, topology: Topology, block_size: int | None =
     wl = Workload.from_spans(batch, doc, start, end)  # blocks in (doc, start) order: the spans' order
     block_rank = doc_rank0[doc] + member
     tile_rank = block_rank[wl.tile_q]
-    tile_round = doc_round[wl.block_doc[wl.tile_q]]
     # round r's divisions start after every earlier round's steps (its largest group's size)
     steps = np.zeros(len(rounds), np.int64)
     np.maximum.at(steps, doc_round, doc_cp)
     first_div = np.concatenate(([0], np.cumsum(steps)[:-1]))[doc_round]
     groups = np.stack([doc_rank0, doc_cp, first_div], axis=1)
-    return Placement(wl, w, block_rank, tile_rank, planner="megatron", tile_round=tile_round,
+    return Placement(wl, w, block_rank, tile_rank, planner="megatron",
                      routing=Routing.RING, ring_groups=groups)

@@ -25,7 +25,7 @@ from ..topology import Topology
 from ..workload import Workload, check_block_size
 from .base import Placement, Routing
 
-__all__ = ["plan_ring", "zigzag_spans"]
+__all__ = ["plan_ring", "zigzag_placement", "zigzag_spans"]
 
 
 def zigzag_spans(doc_lens: np.ndarray, group_size: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -51,11 +51,11 @@ def zigzag_spans(doc_lens: np.ndarray, group_size: np.ndarray) -> tuple[np.ndarr
     return doc[keep], start[keep], (start + size)[keep], member[keep]
 
 
-def plan_ring(batch: BatchSpec, topology: Topology, block_size: int | None = None) -> Placement:
-    """Ring attention on the zig-zag layout: tiles on their query's rank, in ring step
-    ``(rank - key/value home) mod W``. ``block_size`` is not used (chunks are ``L / 2W``), but
-    it must be ``None`` or a valid block size, as for every planner; the plan has ``W``
-    divisions (the ring steps) whatever ``divisions`` asks.
+def zigzag_placement(batch: BatchSpec, topology: Topology, block_size: int | None, planner: str,
+                     routing: Routing) -> Placement:
+    """The zig-zag layout over all ranks (:func:`zigzag_spans`), tiles on their query's rank,
+    with ``routing``. ``block_size`` is not used (chunks are ``L / 2W``), but it must be
+    ``None`` or a valid block size, as for every planner.
 
     Raises:
         ValueError: ``block_size`` is not ``None`` or an integer in ``1 .. MAX_TOKENS``.
@@ -66,4 +66,15 @@ def plan_ring(batch: BatchSpec, topology: Topology, block_size: int | None = Non
     doc, start, end, member = zigzag_spans(batch.doc_lens, w)
     workload = Workload.from_spans(batch, doc, start, end)
     # blocks are sorted by (doc, start): the order of the spans
-    return Placement(workload, w, member, member[workload.tile_q], planner="ring", routing=Routing.RING)
+    return Placement(workload, w, member, member[workload.tile_q], planner=planner, routing=routing)
+
+
+def plan_ring(batch: BatchSpec, topology: Topology, block_size: int | None = None) -> Placement:
+    """Ring attention on the zig-zag layout (:func:`zigzag_placement`): tiles in ring step
+    ``(rank - key/value home) mod W``; the plan has ``W`` divisions (the ring steps) whatever
+    ``divisions`` asks.
+
+    Raises:
+        ValueError: ``block_size`` is not ``None`` or an integer in ``1 .. MAX_TOKENS``.
+    """
+    return zigzag_placement(batch, topology, block_size, "ring", Routing.RING)
