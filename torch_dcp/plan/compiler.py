@@ -62,6 +62,14 @@ def _runs(keys: np.ndarray) -> list[np.ndarray]:
     return np.split(np.arange(n), starts[1:])
 
 
+def _row_array(row_map: dict[int, int], n_blocks: int) -> np.ndarray:
+    """``row_map`` (block -> first row) as an int64 array ``[n_blocks]``, -1 where absent."""
+    a = np.full(n_blocks, -1, np.int64)
+    if row_map:
+        a[np.fromiter(row_map.keys(), np.int64, len(row_map))] = np.fromiter(row_map.values(), np.int64, len(row_map))
+    return a
+
+
 def _reduction(op: ReduceOp, src: Buf, dst: Buf, entries: list[tuple[int, int, list[int]]]) -> BlockwiseReduction:
     ptr = np.concatenate(([0], np.cumsum([len(e[2]) for e in entries]))).astype(np.int64)
     return BlockwiseReduction(op, src, dst, _i64(e[0] for e in entries), _i64(e[1] for e in entries), ptr,
@@ -113,43 +121,42 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
     tiles = tiles[np.lexsort((wl.tile_kv[tiles], wl.tile_q[tiles], br[wl.tile_q[tiles]], plan.tile_division[tiles]))]
     tdiv = plan.tile_division[tiles]
     tq = wl.tile_q[tiles]
-    groups = _runs(np.stack([tdiv, tq], axis=1))
+    tkv = wl.tile_kv[tiles]
+    # groups: runs of equal (division, query block), in that order
+    start = np.ones(len(tiles), bool)
+    start[1:] = (tdiv[1:] != tdiv[:-1]) | (tq[1:] != tq[:-1])
+    g_first = np.nonzero(start)[0]
+    g_div, g_q = tdiv[g_first], tq[g_first]
+    g_end = np.append(g_first[1:], len(tiles))
 
     instructions: list[Instruction] = [
         BlockwiseCopy(Buf.Q, home, home_row, home_row),
         BlockwiseCopy(Buf.KV, home, home_row, home_row),
     ]
-    # partial-output / gradient slots
+    row_of = {kind: _row_array(rows[kind], wl.n_blocks) for kind in kind_of}
+    # partial-output / gradient slots: forward, one per group, in group order
     part_rows = 0 if not backward else ws_size[Buf.Q]
     kv_part_rows = ws_size[Buf.KV]
+    if backward:
+        g_out = row_of[Buf.Q][g_q]
+    else:
+        g_out = part_rows + np.concatenate(([0], np.cumsum(blen[g_q])[:-1])).astype(np.int64)
+        part_rows += int(blen[g_q].sum())
     group_slot: dict[int, list[tuple[int, int]]] = {}  # q block -> [(division, opart row)]
+    if not backward:
+        for qb, d, row in zip(g_q.tolist(), g_div.tolist(), g_out.tolist()):
+            group_slot.setdefault(qb, []).append((d, row))
     attn_by_div: dict[int, BlockwiseAttention] = {}
-    groups_of: dict[int, list[np.ndarray]] = {}
-    for g in groups:
-        groups_of.setdefault(int(tdiv[g[0]]), []).append(g)
+    bounds = np.searchsorted(g_div, np.arange(T + 1))
     for d in range(T):
-        gs = groups_of.get(d, [])
-        if not gs:
+        a, b = int(bounds[d]), int(bounds[d + 1])
+        if a == b:
             continue
-        q_block, q_row, out_row, kv_ptr = [], [], [], [0]
-        kv_block, kv_row, tile_ids = [], [], []
-        for g in gs:
-            qb = int(tq[g[0]])
-            q_block.append(qb)
-            q_row.append(rows[Buf.Q][qb])
-            if backward:
-                out_row.append(rows[Buf.Q][qb])
-            else:
-                out_row.append(part_rows)
-                group_slot.setdefault(qb, []).append((d, part_rows))
-                part_rows += int(blen[qb])
-            kvs = wl.tile_kv[tiles[g]]
-            kv_block.extend(kvs.tolist())
-            kv_row.extend(rows[Buf.KV][b] for b in kvs.tolist())
-            tile_ids.extend(tiles[g].tolist())
-            kv_ptr.append(len(kv_block))
-        attn_by_div[d] = BlockwiseAttention(d, _i64(q_block), _i64(q_row), _i64(out_row), _i64(kv_ptr),
-                                            _i64(kv_block), _i64(kv_row), _i64(tile_ids))
+        ta, tb = int(g_first[a]), int(g_end[b - 1])
+        kv_block = tkv[ta:tb]
+        kv_ptr = np.concatenate(([0], g_end[a:b] - ta)).astype(np.int64)
+        attn_by_div[d] = BlockwiseAttention(d, g_q[a:b].copy(), row_of[Buf.Q][g_q[a:b]], g_out[a:b].copy(), kv_ptr,
+                                            kv_block.copy(), row_of[Buf.KV][kv_block], tiles[ta:tb].copy())
 
     # returns: partial outputs (forward) or gradient partials (backward), to the block's home or
     # to a rank that adds its own partial and passes the sum on (a relay); receives first, so

@@ -1,10 +1,11 @@
 """Plan serialisation (no pickle) and the content digest.
 
-Format (version 4): magic, then ``<IQQ`` (format version, header bytes, body bytes), the SHA-256
+Format (version 5): magic, then ``<IQQ`` (format version, header bytes, body bytes), the SHA-256
 of everything after the magic but the checksum itself (version, lengths, header, body), a JSON
 header (batch, topology, planner, routing, divisions, block size and the array table), then raw
 little-endian arrays -- block spans, block and tile ranks, tile divisions in the narrowest
-integer types. Tiles and programs are recomputed on load. Any changed, missing or extra byte
+integer types, and ring groups (Megatron's CP groups) where the placement has them. Tiles and
+programs are recomputed on load. Any changed, missing or extra byte
 fails the length or checksum test: a corrupted plan is never loaded as another plan.
 """
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["FORMAT_MAGIC", "FORMAT_VERSION", "plan_to_bytes", "plan_from_bytes", "plan_digest"]
 
 FORMAT_MAGIC = b"TDCPLAN\0"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 _LENGTHS = struct.Struct("<IQQ")
 _SUM = 32  # SHA-256 bytes
 
@@ -40,6 +41,8 @@ def _content(plan: "Plan") -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     arrays["block_rank"] = plan.placement.block_rank.astype(smallest_int(plan.world_size))
     arrays["tile_rank"] = plan.placement.tile_rank.astype(smallest_int(plan.world_size))
     arrays["tile_division"] = plan.tile_division.astype(smallest_int(plan.divisions))
+    if plan.placement.ring_groups is not None:  # Megatron's rings: the routes depend on them
+        arrays["ring_groups"] = plan.placement.ring_groups
     batch = plan.batch.to_dict()
     for i, m in enumerate(plan.batch.masks):
         if isinstance(m, Ranges):
@@ -115,7 +118,8 @@ def plan_from_bytes(cls: type, data: bytes) -> "Plan":
         if len(arrays["tile_rank"]) != wl.n_tiles:
             raise ValueError(f"{len(arrays['tile_rank'])} tile ranks for {wl.n_tiles} tiles")
         placement = Placement(wl, topology.world_size, arrays["block_rank"], arrays["tile_rank"],
-                              planner=content["planner"], routing=Routing(content["routing"]))
+                              planner=content["planner"], routing=Routing(content["routing"]),
+                              ring_groups=arrays.get("ring_groups"))
         return cls(placement, topology, arrays["tile_division"], content["divisions"], doc["meta"]["plan_seconds"])
     except Exception as err:  # noqa: BLE001 - one error type for every unreadable payload
         raise PlanError(f"unreadable plan payload: {type(err).__name__}: {err}") from None
