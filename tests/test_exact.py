@@ -132,3 +132,42 @@ def test_emulate_rejects_bad_inputs():
     with pytest.raises(ValueError, match="dtype"):
         torch_dcp.emulate(plan, q.float(), k.float(), v.float())
     assert torch.equal(torch_dcp.emulate(plan, q, k, v), torch_dcp.emulate(plan, q, k, v, go)[0])
+
+
+def _relays(plan):
+    """(fetches passed on by a gateway, partials reduced on the way home) of ``plan``."""
+    t, br = plan.tables, plan.placement.block_rank
+    fetch = int((br[t["fetch_block"]] != t["fetch_src"]).sum())
+    ret = sum(int((br[t[f"ret_{s}_block"]] != t[f"ret_{s}_dst"]).sum()) for s in ("q", "kv"))
+    return fetch, ret
+
+
+@pytest.mark.parametrize("nodes,rpn", [(2, 2), (2, 4), (3, 2)])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_exact_node_routes(nodes, rpn, mask_name):
+    """Routing.NODE: fetches relayed by a node's gateway (also in the opening phase before
+    division 0) and partials reduced on a node's reducer (also in the closing phase after the
+    last division) give the dense reference's outputs and gradients."""
+    import dataclasses
+
+    from torch_dcp.api import _divide
+    from torch_dcp.planners import Routing
+
+    batch = _batch(mask_name, "gqa8/2-d32")
+    topo = torch_dcp.Topology(n_nodes=nodes, ranks_per_node=rpn)
+    dcp = torch_dcp.plan(batch, topo, planner="dcp", block_size=BLOCK, divisions=3, rivals=())
+    assert dcp.placement.routing is Routing.NODE
+    # the greedy layout spreads documents over nodes: many relays of both kinds; with one
+    # division every gateway fetches in the opening phase and reducers send in the closing one
+    greedy = dataclasses.replace(torch_dcp.plan(batch, topo, planner="greedy", block_size=BLOCK).placement,
+                                 routing=Routing.NODE)
+    spread = {d: _divide(greedy, topo, d) for d in (3, 1)}
+    for plan in (dcp, *spread.values()):
+        plan.validate()
+        _check(plan, batch)
+    if mask_name in ("causal", "full"):
+        fetch, ret = _relays(spread[3])
+        assert fetch > 0 and ret > 0
+    if mask_name == "full":
+        t = spread[1].tables
+        assert (t["fetch_div"] == -1).any() and any((t[f"ret_{s}_div"] == 1).any() for s in ("q", "kv"))

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .batch import BatchSpec
 from .plan import Plan
-from .planners import Routing, get_planner
+from .planners import CANDIDATES, Placement, Routing, get_planner
 from .schedule import assign_divisions
 from .topology import Topology
 from .workload import check_block_size
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .cost import CostModel
 
 __all__ = ["plan", "DEFAULT_DIVISIONS"]
 
@@ -26,6 +29,7 @@ def plan(
     planner: str = "greedy",
     block_size: int = 1024,
     divisions: int | None = None,
+    cost_model: "CostModel | str | None" = None,
     **options: Any,
 ) -> Plan:
     """Plan one attention step of ``batch`` on ``topology``.
@@ -41,11 +45,18 @@ def plan(
             scheduling round, for planners with rounds): an integer in ``1 .. n_tiles`` (the
             placement's number of tiles; 1 when it has none), or ``None`` (default) for
             ``min(4, n_tiles)`` (at least 1), so that tiny batches plan too.
+        cost_model: for planners that offer several candidates (``"dcp"`` with its default
+            time objective: its shortlist, ring attention's and Megatron's plans, see
+            :func:`~torch_dcp.planners.dcp.dcp_candidates`), the :class:`~torch_dcp.cost.CostModel`
+            (or ``"a100"``, ``"h100"``, JSON table paths) whose simulated forward + backward
+            time picks the fastest (:func:`torch_dcp.simulate.simulate`); default ``"a100"``.
         **options: planner-specific options (e.g. ``eps_compute`` for ``greedy``).
 
     Returns:
-        The :class:`Plan`; ``plan.plan_seconds`` holds the planning time (placement and
-        divisions).
+        The :class:`Plan`; ``plan.plan_seconds`` holds the planning time (placement,
+        divisions and, where candidates are timed, their simulation); ``plan.candidates``
+        the ``(planner label, simulated seconds)`` of every candidate timed (empty when the
+        planner offers one).
 
     Raises:
         ValueError: unknown planner, a bad topology, a block size that is not an integer in
@@ -58,20 +69,37 @@ def plan(
     if divisions is not None and (isinstance(divisions, bool) or not isinstance(divisions, (int, np.integer))):
         raise ValueError(f"divisions must be an integer (or None for automatic), got {divisions!r}")
     t0 = time.perf_counter()
-    placement = fn(batch, topology, block_size, **options)
-    n_tiles = placement.workload.n_tiles
+    offer = CANDIDATES.get(planner)
+    placements = offer(batch, topology, block_size, **options) if offer else [fn(batch, topology, block_size, **options)]
+    n_tiles = placements[0].workload.n_tiles
     bound = max(1, n_tiles)  # a batch with no tiles still runs as one (empty) division
     if divisions is None:
         divisions = min(DEFAULT_DIVISIONS, bound)
     elif not 1 <= divisions <= bound:
         raise ValueError(f"divisions must lie in 1..{bound} (the number of tiles of the {planner} placement of this "
                          f"batch: {n_tiles}), got {divisions}")
-    divisions = int(divisions)
+    plans = [_divide(p, topology, int(divisions)) for p in placements]
+    timed: list[tuple[str, float]] = []
+    if len(plans) > 1:
+        from .cost import CostModel
+        from .simulate import simulate
+
+        cm = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model or "a100")
+        timed = [(p.planner, simulate(p, cm).makespan_s) for p in plans]
+        chosen = plans[min(range(len(plans)), key=lambda i: (timed[i][1], i))]
+    else:
+        chosen = plans[0]
+    chosen.plan_seconds = time.perf_counter() - t0
+    chosen.candidates = timed
+    return chosen
+
+
+def _divide(placement: Placement, topology: Topology, divisions: int) -> Plan:
+    """The plan of ``placement`` with ``divisions`` per rank (ring attention: its own steps)."""
     if placement.routing is Routing.RING:  # ring attention's own steps, whatever divisions asks
         tile_division, n_div = placement.ring_steps()
     else:
         tile_division = assign_divisions(placement, divisions, topology)
         rounds = placement.tile_round
         n_div = divisions * (1 if rounds is None or rounds.size == 0 else int(rounds.max()) + 1)
-    seconds = time.perf_counter() - t0
-    return Plan(placement, topology, tile_division, n_div, plan_seconds=seconds)
+    return Plan(placement, topology, tile_division, n_div)

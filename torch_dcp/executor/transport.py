@@ -22,6 +22,12 @@ TAGS_PER_PHASE = 16
 Message = tuple[int, int, torch.Tensor]  # (peer, kind tag, uint8 tensor)
 
 
+def _tag(phase: int, kind_tag: int) -> int:
+    """The point-to-point tag of a message: non-negative for every plan phase (the opening
+    phase is ``-2``)."""
+    return (phase + 2) * TAGS_PER_PHASE + kind_tag
+
+
 class TransferError(RuntimeError):
     """A phase's transfers failed (e.g. a peer's connection closed: it crashed or gave up).
     ``phase``: the plan's communication phase (-1: the plan check at entry); ``peers``: the
@@ -148,9 +154,9 @@ class TorchDistributedTransport(Transport):
 
     def launch(self, phase, sends, recvs):
         dist = self.dist
-        ops = [dist.P2POp(dist.irecv, buf, self._global[peer], self.group, tag=phase * TAGS_PER_PHASE + tag)
+        ops = [dist.P2POp(dist.irecv, buf, self._global[peer], self.group, tag=_tag(phase, tag))
                for peer, tag, buf in recvs]
-        ops += [dist.P2POp(dist.isend, msg, self._global[peer], self.group, tag=phase * TAGS_PER_PHASE + tag)
+        ops += [dist.P2POp(dist.isend, msg, self._global[peer], self.group, tag=_tag(phase, tag))
                 for peer, tag, msg in sends]
         peers = [peer for peer, _, _ in recvs] + [peer for peer, _, _ in sends]
         try:

@@ -15,10 +15,13 @@ Row order is chosen so that data moves with few operations: fetched blocks are l
 rows per peer; received partials likewise; a division's groups run by (home rank, query block),
 so partial outputs returned to one peer sit side by side.
 
-Communication runs in phases, numbered ``2d`` (fetching the inputs of division ``d``) and
-``2d + 1`` (returning partial outputs or gradients whose last use was division ``d``). Every
-rank launches phases in the same order, ``0, 2, 1, 4, 3, ..., 2T - 1``, skipping the ones it
-takes no part in, so point-to-point messages match pairwise in order.
+Communication runs in phases, numbered ``2d`` (fetching the inputs of division ``d``; phase
+``-2`` opens the pass with the blocks a node's gateway fetches before division 0) and
+``2d + 1`` (returning partial outputs or gradients whose last use was division ``d``; phase
+``2T + 1`` closes the pass with the sums a node's reducer sends on after the last division,
+see :func:`~torch_dcp.plan.routes.node_routes`). Every rank launches phases in the same order,
+``-2, 0, 2, 1, 4, 3, ..., 2T - 1, 2T + 1``, skipping the ones it takes no part in, so
+point-to-point messages match pairwise in order.
 """
 
 from __future__ import annotations
@@ -103,8 +106,9 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
         ws_size[kind] = S + int(blen[fb].sum())
 
     # fetch transfers per division: receives (I fetch) and sends (others fetch my blocks)
-    fetch_recv: dict[int, list[Transfer]] = {d: [] for d in range(T)}
-    fetch_send: dict[int, list[Transfer]] = {d: [] for d in range(T)}
+    # (division -1: the opening phase, blocks a node's gateway fetches before division 0)
+    fetch_recv: dict[int, list[Transfer]] = {d: [] for d in range(-1, T)}
+    fetch_send: dict[int, list[Transfer]] = {d: [] for d in range(-1, T)}
     for sel_mask, peer_arr, out in ((mine, src_of, fetch_recv), (src_of == rank, t["fetch_rank"], fetch_send)):
         sel = np.nonzero(sel_mask)[0]
         order = np.lexsort((t["fetch_block"][sel], t["fetch_kind"][sel], peer_arr[sel], t["fetch_div"][sel]))
@@ -161,10 +165,11 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
     # returns: partial outputs (forward) or gradient partials (backward), to the block's home or
     # to a rank that adds its own partial and passes the sum on (a relay); receives first, so
     # that a relay's send can include what it received
-    ret_send: dict[int, list[Transfer]] = {d: [] for d in range(T)}
-    ret_recv: dict[int, list[Transfer]] = {d: [] for d in range(T)}
+    # returns after division d go in phase 2d + 1; d = T is the closing phase after the last
+    ret_send: dict[int, list[Transfer]] = {d: [] for d in range(T + 1)}
+    ret_recv: dict[int, list[Transfer]] = {d: [] for d in range(T + 1)}
     pre_send_reductions: dict[tuple[int, ReduceOp, Buf], list[tuple[int, int, list[int]]]] = {}
-    pre_send_waits: dict[int, set[int]] = {d: set() for d in range(T)}
+    pre_send_waits: dict[int, set[int]] = {d: set() for d in range(T + 1)}
     recv_slots: dict[Buf, dict[int, list[int]]] = {Buf.Q: {}, Buf.KV: {}}
     recv_phase: dict[Buf, dict[int, set[int]]] = {Buf.Q: {}, Buf.KV: {}}
     hb = home.tolist()
@@ -222,17 +227,22 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
         raise PlanError(f"rank {rank} receives partials of block {stray[0]}, which it neither holds nor passes on")
 
     # program order
-    fetch_phases = [bool(fetch_send[d] or fetch_recv[d]) for d in range(T)]
+    fetch_phases = {d: bool(fetch_send[d] or fetch_recv[d]) for d in range(-1, T)}
+    if fetch_phases[-1]:  # the opening phase completes before division 0's fetch starts
+        instructions.append(CommLaunch(-2, tuple(fetch_send[-1]), tuple(fetch_recv[-1])))
+        instructions.append(CommWait(-2))
     if fetch_phases[0]:
         instructions.append(CommLaunch(0, tuple(fetch_send[0]), tuple(fetch_recv[0])))
         instructions.append(CommWait(0))
-    ret_phases = []
-    for d in range(T):
+    ret_phases: list[int] = []
+    waited: set[int] = set()
+    for d in range(T + 1):
         if d + 1 < T and fetch_phases[d + 1]:
             instructions.append(CommLaunch(2 * (d + 1), tuple(fetch_send[d + 1]), tuple(fetch_recv[d + 1])))
         if d in attn_by_div:
             instructions.append(attn_by_div[d])
-        for p in sorted(pre_send_waits[d]):  # relayed partials must have arrived before they are added
+        for p in sorted(pre_send_waits[d] - waited):  # relayed partials must have arrived before they are added
+            waited.add(p)
             if p not in ret_phases:
                 raise PlanError(f"rank {rank}: a partial relayed after division {d} arrives in phase {p}, "
                                 f"which is not earlier")

@@ -58,6 +58,8 @@ class Plan:
         self.tile_division = td
         self.divisions = int(divisions)
         self.plan_seconds = float(plan_seconds)
+        #: ``(planner label, simulated seconds)`` of the candidates :func:`torch_dcp.plan` timed
+        self.candidates: list[tuple[str, float]] = []
         self._programs: dict[tuple[int, bool], Program] = {}
 
     # ------------------------------------------------------------------ basics

@@ -9,8 +9,9 @@ A plan's routes are two tables, built from its placement, tile divisions and
   it in an earlier division and passes it on -- a relay);
 * returns, per side (``q``: partial outputs forward and dQ backward; ``kv``: dK/dV backward),
   one row per (rank, non-local block) whose partial the rank sends on: ``ret_{side}_rank``,
-  ``_block``, ``_div`` (sent after that division) and ``_dst`` (the block's home, or a rank that
-  adds its own partial -- if it has one -- before sending the sum on later).
+  ``_block``, ``_div`` (sent after that division; ``T``, one past the last, is the plan's
+  closing return phase) and ``_dst`` (the block's home, or a rank that adds its own partial --
+  if it has one -- before sending the sum on later).
 
 A relay is only correct if the relaying rank holds what it passes on when it launches the
 transfer: :func:`check_routes` proves that for every row (source fetched strictly earlier,
@@ -117,11 +118,19 @@ def ring_routes(plan: "Plan") -> dict[str, np.ndarray]:
 
 
 def node_routes(plan: "Plan") -> dict[str, np.ndarray]:
-    """Direct routes with each inter-node fetch deduplicated per node (see
-    :attr:`Routing.NODE`): of the ranks of one node fetching the same (kind, block) from
-    another node, the one needing it first (lowest rank on ties) fetches it from the home in
-    the division before, the others from it in their own divisions. Groups whose first use is
-    division 0 stay direct (nothing runs before it)."""
+    """Direct routes with every inter-node fetch deduplicated and every inter-node return
+    pre-reduced per node (see :attr:`Routing.NODE`).
+
+    * Fetches: of the ranks of one node fetching the same (kind, block) from another node, the
+      one needing it first (lowest rank on ties) fetches it from the home in the division
+      before (for division 0: the opening phase, division ``-1``), the others from it in
+      their own divisions.
+    * Returns: of the ranks of one node returning partials of the same block to another node,
+      the one finishing last (lowest rank on ties) is the node's reducer: the others send their
+      partials to it over NVLink, it adds them to its own and sends the sum home once. It
+      sends after its own last division, or one division later when another rank of its node
+      finishes in the same division (after the last division: the plan's closing return phase,
+      ``2T + 1``)."""
     t = direct_routes(plan)
     topo = plan.topology
     fr, fk, fb, fd = t["fetch_rank"], t["fetch_kind"], t["fetch_block"], t["fetch_div"].copy()
@@ -139,13 +148,40 @@ def node_routes(plan: "Plan") -> dict[str, np.ndarray]:
         group = np.cumsum(first) - 1
         size = np.bincount(group)
         gate = order[first]  # the gateway row of every group
-        dedup = (size[group] > 1) & (fd[gate][group] > 0)
+        dedup = size[group] > 1
         rows = order[dedup & ~first]
         src[rows] = fr[gate[group[dedup & ~first]]]
-        gates = gate[(size > 1) & (fd[gate] > 0)]
-        fd[gates] -= 1
+        fd[gate[size > 1]] -= 1  # division -1: the opening phase
     t["fetch_div"], t["fetch_src"] = fd, src
+    for side in _SIDES:
+        _reduce_in_node(plan, t, side)
     return t
+
+
+def _reduce_in_node(plan: "Plan", t: dict[str, np.ndarray], side: str) -> None:
+    """Reroute ``side``'s direct inter-node returns through one reducer per (node, block) (see
+    :func:`node_routes`), in place."""
+    topo = plan.topology
+    rr, rb = t[f"ret_{side}_rank"], t[f"ret_{side}_block"]
+    rd, rt = t[f"ret_{side}_div"].copy(), t[f"ret_{side}_dst"].copy()
+    node = topo.node_of(rr)
+    sel = np.nonzero(node != topo.node_of(rt))[0]
+    if len(sel):
+        nb = max(plan.workload.n_blocks, 1)
+        key = node[sel] * nb + rb[sel]
+        order = sel[np.lexsort((rr[sel], -rd[sel], key))]  # by group, latest division first, then rank
+        k = node[order] * nb + rb[order]
+        first = np.ones(len(order), bool)
+        first[1:] = k[1:] != k[:-1]
+        group = np.cumsum(first) - 1
+        gate = order[first]  # the reducer of every group
+        members = order[~first]
+        reducer = gate[group[~first]]
+        rt[members] = rr[reducer]
+        tied = np.zeros(len(gate), bool)
+        tied[group[~first][rd[members] == rd[reducer]]] = True
+        rd[gate[tied]] += 1  # strictly after every partial it adds
+    t[f"ret_{side}_div"], t[f"ret_{side}_dst"] = rd, rt
 
 
 #: routing -> ``fn(plan) -> tables``: the one table of route builders.

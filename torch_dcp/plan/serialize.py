@@ -72,7 +72,8 @@ def plan_to_bytes(plan: "Plan") -> bytes:
         pad = (-len(raw)) % 8
         body.append(raw + b"\0" * pad)
         offset += len(raw) + pad
-    doc = {"content": {**header, "arrays": specs}, "meta": {"plan_seconds": plan.plan_seconds}}
+    doc = {"content": {**header, "arrays": specs}, "meta": {"plan_seconds": plan.plan_seconds,
+                                                           "candidates": [list(c) for c in plan.candidates]}}
     text = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     payload = text + b"".join(body)
     lengths = _LENGTHS.pack(FORMAT_VERSION, len(text), len(payload) - len(text))
@@ -120,7 +121,9 @@ def plan_from_bytes(cls: type, data: bytes) -> "Plan":
         placement = Placement(wl, topology.world_size, arrays["block_rank"], arrays["tile_rank"],
                               planner=content["planner"], routing=Routing(content["routing"]),
                               ring_groups=arrays.get("ring_groups"))
-        return cls(placement, topology, arrays["tile_division"], content["divisions"], doc["meta"]["plan_seconds"])
+        plan = cls(placement, topology, arrays["tile_division"], content["divisions"], doc["meta"]["plan_seconds"])
+        plan.candidates = [(str(label), float(t)) for label, t in doc["meta"].get("candidates", [])]
+        return plan
     except Exception as err:  # noqa: BLE001 - one error type for every unreadable payload
         raise PlanError(f"unreadable plan payload: {type(err).__name__}: {err}") from None
 

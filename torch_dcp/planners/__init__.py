@@ -10,13 +10,13 @@ from typing import Callable
 
 from .allgather import plan_allgather
 from .base import Placement, Routing
-from .dcp import plan_dcp
+from .dcp import dcp_candidates, plan_dcp
 from .fcp import plan_fcp
 from .greedy import plan_greedy
 from .megatron import plan_megatron
 from .ring import plan_ring
 
-__all__ = ["Placement", "Routing", "PLANNERS", "get_planner", "plan_allgather", "plan_dcp", "plan_fcp", "plan_greedy", "plan_megatron", "plan_ring"]
+__all__ = ["Placement", "Routing", "PLANNERS", "CANDIDATES", "get_planner", "dcp_candidates", "plan_allgather", "plan_dcp", "plan_fcp", "plan_greedy", "plan_megatron", "plan_ring"]
 
 #: name -> ``fn(batch, topology, block_size, **options) -> Placement``
 PLANNERS: dict[str, Callable[..., Placement]] = {
@@ -26,6 +26,13 @@ PLANNERS: dict[str, Callable[..., Placement]] = {
     "greedy": plan_greedy,
     "megatron": plan_megatron,
     "ring": plan_ring,
+}
+
+#: planners that offer several placements, best first: ``fn(batch, topology, block_size,
+#: **options) -> list[Placement]``; :func:`torch_dcp.plan` times them with the simulator and
+#: keeps the fastest
+CANDIDATES: dict[str, Callable[..., list[Placement]]] = {
+    "dcp": dcp_candidates,
 }
 
 

@@ -26,11 +26,12 @@ class Routing(enum.Enum):
       each rank receiving them from rank ``r - 1`` and passing them on to ``r + 1`` the next
       step; in the backward the dK/dV partials travel with them, each rank adding its own
       before passing them on, and the last one sends the sums home.
-    * ``NODE``: like ``DIRECT``, but a block that several ranks of another node fetch crosses
-      the network once: the node's first fetcher (its gateway) fetches it from the home one
-      division earlier than any of them needs it, and the others get it from the gateway over
-      NVLink (blocks first needed in division 0 stay direct). Partial results still go
-      straight home.
+    * ``NODE``: like ``DIRECT``, but every block and every partial result crosses into or out
+      of a node at most once: of the ranks of a node that fetch a block from another node,
+      the first (its gateway) fetches it from the home one division earlier than any of them
+      needs it (before division 0: in an opening phase), and the others get it from the
+      gateway over NVLink; partial results of one block that several ranks of a node return
+      to another node are added on one of them (the last to finish) and sent home once.
     """
 
     DIRECT = "direct"

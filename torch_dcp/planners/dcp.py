@@ -30,11 +30,19 @@ whichever is longer): where the network is the bottleneck, spreading a document'
 perfectly evenly costs more in transfers than it saves. Memory (token) balance is kept at
 ``1 + eps_memory`` either way: the token-level layers of a training step depend on it.
 
+The estimate only ranks; the simulator decides. :func:`dcp_candidates` returns the
+``shortlist`` best placements by estimate, followed by ring attention's and Megatron's own
+plans (``rivals``, when their resident tokens meet the same memory bound), and
+:func:`torch_dcp.plan` simulates every candidate on the cost model and keeps the fastest, so a
+dcp plan is never slower than ring attention's on the simulator that reports results.
+
 Solver: Mt-KaHyPar (deterministic preset, one thread, fixed seed): the same batch and seed
 give the same placement, hence the same ``Plan.digest()``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -42,8 +50,13 @@ from ..batch import BatchSpec
 from ..topology import Topology
 from ..workload import Buf, Workload, item_token_bytes
 from .base import Placement, Routing
+from .megatron import plan_megatron
+from .ring import plan_ring
 
-__all__ = ["plan_dcp", "DCPHypergraph", "estimate_seconds"]
+#: planners whose placements dcp's time objective also offers (:func:`dcp_candidates`)
+_RIVALS = {"ring": plan_ring, "megatron": plan_megatron}
+
+__all__ = ["plan_dcp", "dcp_candidates", "DCPHypergraph", "estimate_seconds"]
 
 _WEIGHT_SCALE = 1 << 20
 
@@ -217,7 +230,7 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
     return part
 
 
-def plan_dcp(
+def dcp_candidates(
     batch: BatchSpec,
     topology: Topology,
     block_size: int = 1024,
@@ -230,8 +243,10 @@ def plan_dcp(
     max_compute_imbalance: float = 2.0,
     flops_per_second: float = 1.6e14,
     node_routes: bool = True,
-) -> Placement:
-    """DCP hypergraph placement (see module docstring).
+    shortlist: int = 3,
+    rivals: tuple[str, ...] = ("ring", "megatron"),
+) -> list[Placement]:
+    """DCP hypergraph placements, best first (see module docstring).
 
     Args:
         batch, topology, block_size: the step, the cluster, tokens per block.
@@ -252,6 +267,16 @@ def plan_dcp(
         node_routes: on several nodes, route fetches through one gateway rank per node
             (:attr:`~torch_dcp.planners.base.Routing.NODE`: a block crosses into a node once);
             ``False`` fetches every block from its home.
+        shortlist: how many of its own placements to return (``"time"``: the ones with the
+            least estimated time, distinct; ``"bytes"``: only the best is returned).
+        rivals: with ``"time"``, the placements of these planners (``"ring"``,
+            ``"megatron"``) follow the shortlist, labelled ``"dcp:<name>"``, when their resident
+            bytes are within ``1 + eps_memory`` of the mean as dcp's own are; :func:`torch_dcp.plan`
+            times every candidate with the simulator and keeps the fastest, so dcp's plan is
+            never slower than theirs (on the simulator's cost model).
+
+    Returns:
+        Placements (at least one), the planner's own best first.
 
     Raises:
         ValueError: bad block size, tolerances or objective.
@@ -267,6 +292,11 @@ def plan_dcp(
         raise ValueError(f"max_compute_imbalance must be >= 1 + eps_compute, got {max_compute_imbalance!r}")
     if not flops_per_second > 0:
         raise ValueError(f"flops_per_second must be positive, got {flops_per_second!r}")
+    if isinstance(shortlist, bool) or not isinstance(shortlist, (int, np.integer)) or shortlist < 1:
+        raise ValueError(f"shortlist must be an integer >= 1, got {shortlist!r}")
+    unknown = [r for r in rivals if r not in _RIVALS]
+    if unknown:
+        raise ValueError(f"rivals must be among {sorted(_RIVALS)}, got {unknown}")
     wl = Workload.uniform(batch, block_size)
     hg = DCPHypergraph(wl)
     w = topology.world_size
@@ -304,17 +334,17 @@ def plan_dcp(
     # must beat; each is rebalanced, the one moving the fewest bytes wins
     from .fcp import plan_fcp
     from .greedy import plan_greedy
-    from .megatron import plan_megatron
 
+    placed = {"megatron": plan_megatron(batch, topology)}
     candidates = partitions + [plan_greedy(batch, topology, block_size).block_rank,
                                plan_fcp(batch, topology, block_size).block_rank, _zigzag(wl, w),
-                               _on_blocks(plan_megatron(batch, topology), wl)]
+                               _on_blocks(placed["megatron"], wl)]
     # looser compute bounds for the time objective, loosest first: each rebalancing continues
     # from the previous one
     looser = []
     if objective == "time":
         looser = sorted({b for b in (max_compute_imbalance - 1.0, 0.5, 0.25) if b > eps_compute}, reverse=True)
-    best, best_key = None, None
+    tried: list[tuple[tuple, int, np.ndarray]] = []
     for cand in candidates:
         mem_part = np.concatenate([cand[wl.tile_q], cand]).astype(np.int64)
         mem_part = _rebalance(hg, mem_part, w, hg.mem, blocks, eps_memory, topology)
@@ -327,10 +357,31 @@ def plan_dcp(
             key = (hg.km1(part, w), _inter_km1(hg, part, topology))
             if objective == "time":
                 key = (estimate_seconds(hg, part, topology, flops_per_second),) + key
-            if best_key is None or key < best_key:
-                best, best_key = part, key
+            tried.append((key, len(tried), part))
+    tried.sort(key=lambda x: x[:2])
     routing = Routing.NODE if node_routes and nn > 1 else Routing.DIRECT
-    return Placement(wl, w, best[blocks], best[tiles], planner="dcp", routing=routing)
+    chosen: list[np.ndarray] = []
+    for _, _, part in tried:
+        if len(chosen) == (shortlist if objective == "time" else 1):
+            break
+        if not any(np.array_equal(part, c) for c in chosen):
+            chosen.append(part)
+    out = [Placement(wl, w, p[blocks], p[tiles], planner="dcp", routing=routing) for p in chosen]
+    if objective == "time":
+        for name in rivals:
+            rival = placed[name] if name in placed else _RIVALS[name](batch, topology)
+            tokens = rival.rank_tokens()
+            if tokens.max() <= (1.0 + eps_memory) * tokens.mean():
+                out.append(dataclasses.replace(rival, planner=f"dcp:{name}"))
+    return out
+
+
+def plan_dcp(batch: BatchSpec, topology: Topology, block_size: int = 1024, **options) -> Placement:
+    """The DCP planner's own best placement (:func:`dcp_candidates` ``[0]``; same arguments,
+    no rivals). :func:`torch_dcp.plan` with ``planner="dcp"`` goes further: it times the
+    shortlist and the rivals with the simulator and keeps the fastest."""
+    options["rivals"] = ()
+    return dcp_candidates(batch, topology, block_size, **options)[0]
 
 
 def estimate_seconds(hg: DCPHypergraph, part: np.ndarray, topology: Topology, flops_per_second: float) -> float:
