@@ -103,7 +103,8 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
                     for bs in ([block_sizes[0]] if pname in fixed else block_sizes):
                         bar.set_postfix_str(f"{scale} {bname} {mname} {pname} B={bs}")
                         t0 = time.perf_counter()
-                        plan = make_plan(batch, topology, planner=pname, block_size=bs, divisions=divisions)
+                        plan = make_plan(batch, topology, planner=pname, block_size=bs, divisions=divisions,
+                                         cost_model=cm)
                         plan_s = time.perf_counter() - t0
                         sim = simulate(plan, cm)
                         st = plan.stats()
