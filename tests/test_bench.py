@@ -34,6 +34,8 @@ def test_paper_table_side_by_side():
             base = min(x["total_ms"] for x in rows if x["planner"] != "dcp" and
                        (x["scale"], x["mask"]) == (r["scale"], r["mask"]))
             assert r["speedup_vs_best_baseline"] == pytest.approx(base / r["total_ms"])
+            # ring attention's plan is among dcp's candidates, timed on the same cost model
+            assert r["speedup_vs_ring"] >= 1 - 1e-9
     assert text.count("| 0.5 | tail |") == 2 and "dcp at least as fast as every baseline on" in text
     assert sum(1 for line in text.splitlines() if line.startswith("{")) == len(rows)
 
@@ -51,6 +53,24 @@ def test_sweeps_print_tables(sweep):
         assert "R^2" in text
     if sweep == "eps":
         assert len(rows) == 6 and all(r["planner"] == "dcp" for r in rows)
+
+
+def test_balance_floors_bound_the_simulated_time():
+    """The balance benchmark: both dcp objectives per batch, each plan's simulated time at or
+    above its compute and link floors, and ideal at or below the compute floor."""
+    from torch_dcp.benchmarks.balance import bench_balance
+
+    out = io.StringIO()
+    rows = bench_balance(TOPO, "h100", masks=("causal",), scales=(1.0,), block_sizes=(512,), out=out,
+                         sources=SOURCES, total=TOTAL)
+    assert len(rows) == 1
+    for obj in ("time", "bytes"):
+        r = rows[0][obj]
+        assert r["ms"] >= max(r["compute_floor_ms"], r["link_floor_ms"]) * (1 - 1e-9)
+        assert r["ideal_ms"] <= r["compute_floor_ms"] * (1 + 1e-9)
+        assert r["link_floor_ms"] > 0  # 2 nodes: the long documents cross
+    assert rows[0]["bytes"]["compute_imbalance"] <= 1.1 + 1e-9
+    assert "time objective at least as fast as the balanced plan on" in out.getvalue()
 
 
 def test_scaled_batch_and_errors(tmp_path, capsys):

@@ -1,5 +1,6 @@
 """The benchmarks' command line, ``python -m torch_dcp.benchmarks COMMAND ...``: ``planners``,
-``paper`` (:mod:`~torch_dcp.benchmarks.planners`, :mod:`~torch_dcp.benchmarks.sweeps`),
+``paper`` (:mod:`~torch_dcp.benchmarks.planners`, :mod:`~torch_dcp.benchmarks.sweeps`), ``balance``
+(:mod:`~torch_dcp.benchmarks.balance`),
 ``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`), ``kernels reduce|table|division|plan``
 (:mod:`~torch_dcp.benchmarks.kernels`), ``ops`` (:mod:`~torch_dcp.benchmarks.ops`) and ``step``
 (:mod:`~torch_dcp.benchmarks.step`)."""
@@ -10,7 +11,7 @@ import argparse
 import json
 
 from ..topology import TOPOLOGY_PRESETS, Topology
-from . import common, kernels, ops, pictures, planners, step, sweeps
+from . import balance, common, kernels, ops, pictures, planners, step, sweeps
 from .common import MASKS
 
 __all__ = ["main", "parser"]
@@ -61,6 +62,14 @@ def parser() -> argparse.ArgumentParser:
     pp2.add_argument("--sweep-batch", default="longtail", help="length source of the sweep's batch")
     pp2.add_argument("--sweep-scale", type=float, default=1.0, help="length scale of the sweep's batch")
     pp2.set_defaults(run=_paper, error=pp2.error)
+    bp = sub.add_parser("balance", help="dcp's time objective against its compute-balanced plan, with floors",
+                        description=balance.__doc__, formatter_class=raw)
+    bp.add_argument("--topology", choices=sorted(TOPOLOGY_PRESETS), default="a100")
+    bp.add_argument("--cost", default="a100", help="a100, h100 or JSON cost tables")
+    bp.add_argument("--masks", default="causal,lambda")
+    bp.add_argument("--scales", default="0.5,1,2,4")
+    bp.add_argument("--block-sizes", default="1024,2048")
+    bp.set_defaults(run=_balance)
     pp3 = sub.add_parser("pictures", help="placement map, traffic matrix and simulated timeline of one plan (PNG)",
                          description=pictures.__doc__, formatter_class=raw)
     pp3.add_argument("--out", default=".")
@@ -165,6 +174,15 @@ def _paper(args) -> int:
         return 0
     planners.bench_paper(args.planners.split(","), args.masks.split(","), [float(x) for x in args.scales.split(",")],
                          block_sizes, args.divisions, Topology.preset(args.topology), args.cost, sources=sources)
+    return 0
+
+
+def _balance(args) -> int:
+    for m in args.masks.split(","):
+        if m not in MASKS:
+            args.error(f"unknown mask {m!r}; choose from {sorted(MASKS)}")
+    balance.bench_balance(Topology.preset(args.topology), args.cost, tuple(args.masks.split(",")),
+                          tuple(float(x) for x in args.scales.split(",")), tuple(_ints(args.block_sizes)))
     return 0
 
 

@@ -1,0 +1,107 @@
+"""Does dcp's time objective trade compute balance for bytes where it should?
+
+    python -m torch_dcp.benchmarks balance --topology a100 --cost a100
+
+On the paper's microbenchmark batches (4 nodes x 8 ranks, 131,072 tokens), dcp plans every
+batch twice: with its default ``objective="time"`` (compute balance may loosen up to 2x where
+links are the bottleneck; candidates timed on the simulator) and with ``objective="bytes"``
+(compute held within 1.1 of the mean, fewest bytes). For both plans it prints the simulated
+forward + backward time and two floors no schedule of that plan can beat:
+
+* ``compute floor``: the busiest rank's kernel time (the plan's own compute balance);
+* ``link floor``: the busiest link's bytes over its bandwidth (a rank's NVLink port in or out,
+  a network rail in or out), forward and backward together;
+
+and ``ideal``, the balanced compute (total kernel time / ranks) with nothing exposed. When the
+balanced plan's link floor lies above the time objective's whole simulated time, holding compute
+balance cannot pay on these links: that is the trade the time objective makes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+from ..api import plan as make_plan
+from ..cost import CostModel
+from ..plan import Plan
+from ..simulate import simulate
+from ..topology import Topology
+from .common import MASKS, bench_batch, paper_batches, paper_sources, progress
+
+__all__ = ["bench_balance", "link_floor_seconds"]
+
+
+def link_floor_seconds(plan: Plan) -> float:
+    """The busiest link's busy time of ``plan``, forward + backward (seconds): every transfer
+    occupies the sender's outgoing and the receiver's incoming port (NVLink inside a node) or
+    rail (between nodes) for ``bytes / bandwidth``; the floor is the largest total over
+    ports and rails."""
+    topo = plan.topology
+    src, dst, nbytes, _ = plan.transfers()
+    w = plan.world_size
+    inter = topo.node_of(src) != topo.node_of(dst)
+    busy = []
+    for ends, kind in ((src, 0), (dst, 1)):
+        intra = np.bincount(ends[~inter], weights=nbytes[~inter], minlength=w) / topo.intra_bandwidth
+        rail = topo.node_of(ends[inter]) * topo.rails_per_node + topo.rail_of(ends[inter])
+        rails = np.bincount(rail, weights=nbytes[inter], minlength=topo.n_nodes * topo.rails_per_node)
+        busy += [intra.max(initial=0.0), (rails / topo.rail_bandwidth).max(initial=0.0)]
+    return float(max(busy))
+
+
+def bench_balance(topology: Topology, cost: CostModel | str = "a100", masks: tuple[str, ...] = ("causal", "lambda"),
+                  scales: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0), block_sizes: tuple[int, ...] = (1024, 2048),
+                  divisions: int = 4, out=sys.stdout, total: int = 131072,
+                  sources: dict[str, list[int]] | None = None) -> list[dict]:
+    """Both objectives on every paper batch (best block size each); prints JSON lines and a
+    Markdown table; returns the rows (``time`` and ``bytes`` entries per batch)."""
+    cm = cost if isinstance(cost, CostModel) else CostModel.load(cost)
+    sources = sources or paper_sources(total=total)
+    rows = []
+    bar = progress(len(scales) * len(sources) * len(masks) * 2 * len(block_sizes), "balance")
+    for scale in scales:
+        for bname, lens in paper_batches(scale, total, sources=sources).items():
+            for mname in masks:
+                batch = bench_batch(lens, MASKS[mname])
+                row = {"scale": scale, "batch": bname, "mask": mname}
+                for objective in ("time", "bytes"):
+                    best = None
+                    for bs in block_sizes:
+                        plan = make_plan(batch, topology, planner="dcp", block_size=bs, divisions=divisions,
+                                         objective=objective, cost_model=cm)
+                        sim = simulate(plan, cm)
+                        busy = sim.forward.busy_s + sim.backward.busy_s
+                        st = plan.stats()
+                        r = {"ms": sim.makespan_s * 1e3, "compute_floor_ms": float(busy.max()) * 1e3,
+                             "link_floor_ms": link_floor_seconds(plan) * 1e3, "ideal_ms": sim.ideal_s * 1e3,
+                             "compute_imbalance": st["compute_imbalance"], "inter_node_gb": st["inter_node_bytes"] / 1e9,
+                             "block_size": bs, "chosen": plan.planner}
+                        if best is None or r["ms"] < best["ms"]:
+                            best = r
+                        bar.update()
+                    row[objective] = best
+                rows.append(row)
+                print(json.dumps(row, default=lambda v: round(v, 4)), file=out, flush=True)
+    bar.close()
+    _table(rows, out)
+    return rows
+
+
+def _table(rows: list[dict], out) -> None:
+    print("\n| scale | batch | mask | time objective ms (compute imb., inter GB) | floors compute / link ms "
+          "| bytes objective ms (compute imb., inter GB) | floors compute / link ms | ideal ms | bytes / time |",
+          file=out)
+    print("|---|---|---|---|---|---|---|---|---|", file=out)
+    for r in rows:
+        t, b = r["time"], r["bytes"]
+        print(f"| {r['scale']} | {r['batch']} | {r['mask']} | {t['ms']:.2f} ({t['compute_imbalance']:.2f}, "
+              f"{t['inter_node_gb']:.2f}) | {t['compute_floor_ms']:.2f} / {t['link_floor_ms']:.2f} | {b['ms']:.2f} "
+              f"({b['compute_imbalance']:.2f}, {b['inter_node_gb']:.2f}) | {b['compute_floor_ms']:.2f} / "
+              f"{b['link_floor_ms']:.2f} | {t['ideal_ms']:.2f} | {b['ms'] / t['ms']:.2f} |", file=out)
+    wins = sum(r["bytes"]["ms"] >= r["time"]["ms"] for r in rows)
+    print(f"\ntime objective at least as fast as the balanced plan on {wins}/{len(rows)} batches; "
+          f"the balanced plan's link floor above the time objective's simulated time on "
+          f"{sum(r['bytes']['link_floor_ms'] > r['time']['ms'] for r in rows)}/{len(rows)}", file=out)
