@@ -70,6 +70,8 @@ def test_balance_floors_bound_the_simulated_time():
         assert r["ideal_ms"] <= r["compute_floor_ms"] * (1 + 1e-9)
         assert r["link_floor_ms"] > 0  # 2 nodes: the long documents cross
     assert rows[0]["bytes"]["compute_imbalance"] <= 1.1 + 1e-9
+    # the balanced plan is one of the time objective's candidates, timed on the same model
+    assert rows[0]["time"]["ms"] <= rows[0]["bytes"]["ms"] * (1 + 1e-12)
     assert "time objective at least as fast as the balanced plan on" in out.getvalue()
 
 

@@ -191,9 +191,9 @@ def test_estimate_counts_link_and_compute_bottlenecks():
        mask=st.sampled_from([Causal(), Lambda(sink=4, window=300), SharedQuestion()]),
        nodes=st.integers(1, 2), rpn=st.integers(2, 4))
 def test_dcp_is_never_slower_than_ring_or_megatron_on_the_simulator(lens, mask, nodes, rpn):
-    """Item 5 of the node-aware issue: ring attention's and Megatron's plans are among dcp's
-    candidates (when their resident tokens meet dcp's memory bound), and the plan returned is
-    the fastest candidate on the simulator."""
+    """Item 5 of the node-aware issue: ring attention's and Megatron's plans (when their
+    resident tokens meet dcp's memory bound) and dcp's own compute-balanced plan are among
+    dcp's candidates, and the plan returned is the fastest candidate on the simulator."""
     from torch_dcp.cost import CostModel
     from torch_dcp.simulate import simulate
 
@@ -206,6 +206,8 @@ def test_dcp_is_never_slower_than_ring_or_megatron_on_the_simulator(lens, mask, 
     labels = [label for label, _ in plan.candidates]
     assert t == pytest.approx(min(s for _, s in plan.candidates), rel=1e-12)
     assert labels[0] == "dcp" and plan.planner in labels
+    balanced = torch_dcp.plan(batch, topo, planner="dcp", block_size=256, objective="bytes")
+    assert t <= simulate(balanced, cm).makespan_s * (1 + 1e-12)  # the bytes objective's plan is a candidate
     for rival in ("ring", "megatron"):
         other = torch_dcp.plan(batch, topo, planner=rival)
         tokens = other.placement.rank_tokens()

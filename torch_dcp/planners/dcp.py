@@ -31,7 +31,8 @@ perfectly evenly costs more in transfers than it saves. Memory (token) balance i
 ``1 + eps_memory`` either way: the token-level layers of a training step depend on it.
 
 The estimate only ranks; the simulator decides. :func:`dcp_candidates` returns the
-``shortlist`` best placements by estimate, followed by ring attention's and Megatron's own
+``shortlist`` best placements by estimate and the compute-balanced one with the fewest bytes
+(the ``"bytes"`` objective's choice), followed by ring attention's and Megatron's own
 plans (``rivals``, when their resident tokens meet the same memory bound), and
 :func:`torch_dcp.plan` simulates every candidate on the cost model and keeps the fastest, so a
 dcp plan is never slower than ring attention's on the simulator that reports results.
@@ -267,8 +268,9 @@ def dcp_candidates(
         node_routes: on several nodes, route fetches through one gateway rank per node
             (:attr:`~torch_dcp.planners.base.Routing.NODE`: a block crosses into a node once);
             ``False`` fetches every block from its home.
-        shortlist: how many of its own placements to return (``"time"``: the ones with the
-            least estimated time, distinct; ``"bytes"``: only the best is returned).
+        shortlist: how many of its own placements ranked by estimated time to return with
+            ``"time"``, followed by the bytes objective's choice (duplicates dropped);
+            ``"bytes"`` returns only its choice.
         rivals: with ``"time"``, the placements of these planners (``"ring"``,
             ``"megatron"``) follow the shortlist, labelled ``"dcp:<name>"``, when their resident
             bytes are within ``1 + eps_memory`` of the mean as dcp's own are; :func:`torch_dcp.plan`
@@ -345,6 +347,7 @@ def dcp_candidates(
     if objective == "time":
         looser = sorted({b for b in (max_compute_imbalance - 1.0, 0.5, 0.25) if b > eps_compute}, reverse=True)
     tried: list[tuple[tuple, int, np.ndarray]] = []
+    balanced: list[tuple[tuple, int, np.ndarray]] = []  # the tight compute bound: the bytes objective's field
     for cand in candidates:
         mem_part = np.concatenate([cand[wl.tile_q], cand]).astype(np.int64)
         mem_part = _rebalance(hg, mem_part, w, hg.mem, blocks, eps_memory, topology)
@@ -353,17 +356,21 @@ def dcp_candidates(
         for bound in looser:
             part = _rebalance(hg, part.copy(), w, hg.flops, tiles, bound, topology)
             tries.append(part)
-        for part in tries:
+        for i, part in enumerate(tries):
             key = (hg.km1(part, w), _inter_km1(hg, part, topology))
+            if i == 0:
+                balanced.append((key, len(tried), part))
             if objective == "time":
                 key = (estimate_seconds(hg, part, topology, flops_per_second),) + key
             tried.append((key, len(tried), part))
     tried.sort(key=lambda x: x[:2])
     routing = Routing.NODE if node_routes and nn > 1 else Routing.DIRECT
+    # the time objective's shortlist by estimate, and the bytes objective's choice (the estimate
+    # only ranks: the simulator may prefer the balanced plan)
+    ranked = [part for _, _, part in tried][:shortlist] if objective == "time" else []
+    ranked.append(min(balanced, key=lambda x: x[:2])[2])
     chosen: list[np.ndarray] = []
-    for _, _, part in tried:
-        if len(chosen) == (shortlist if objective == "time" else 1):
-            break
+    for part in ranked:
         if not any(np.array_equal(part, c) for c in chosen):
             chosen.append(part)
     out = [Placement(wl, w, p[blocks], p[tiles], planner="dcp", routing=routing) for p in chosen]
