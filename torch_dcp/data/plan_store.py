@@ -20,7 +20,6 @@ the store holds at most ``lookahead + 1`` steps' records at any time.
 
 from __future__ import annotations
 
-import datetime
 import json
 import struct
 import time
@@ -96,10 +95,6 @@ def decode_record(data: bytes) -> PlanRecord:
     return PlanRecord(data[5 + n:], json.loads(data[5:5 + n].decode()))
 
 
-def _is_timeout(err: BaseException) -> bool:
-    return "timeout" in str(err).lower() or "timed out" in str(err).lower()
-
-
 class PlanStore:
     """One rank's view of the plans in a ``torch.distributed.Store``.
 
@@ -110,14 +105,16 @@ class PlanStore:
             connection the process group or the caller uses.
         namespace: key prefix, the same on every rank of the group, unique per loader.
         rank, world_size: this rank and the size of the DCP group.
-        poll: seconds of one blocking wait slice (a wait checks ``stopped()`` between slices).
+        poll: the longest pause between two checks of a wait, seconds.
 
     Attributes:
-        op_seconds: seconds spent in store operations other than blocking waits (set, get,
-            add, delete, check), this rank, so far.
+        op_seconds: seconds spent in the store operations that move plans (set, get, add,
+            delete), this rank, so far.
+        poll_seconds: seconds spent in the ``check`` calls of waits (not the pauses between
+            them), this rank, so far.
     """
 
-    def __init__(self, store: Any, namespace: str, rank: int, world_size: int, poll: float = 0.2):
+    def __init__(self, store: Any, namespace: str, rank: int, world_size: int, poll: float = 0.01):
         try:
             store = store.clone()
         except Exception:  # stores without clone(): share the caller's connection
@@ -125,6 +122,7 @@ class PlanStore:
         self.store, self.ns, self.rank, self.world = store, namespace.rstrip("/"), int(rank), int(world_size)
         self.poll = float(poll)
         self.op_seconds = 0.0
+        self.poll_seconds = 0.0
 
     def key(self, step: int, digest: str) -> str:
         return f"{self.ns}/{int(step)}/{digest}"
@@ -138,7 +136,11 @@ class PlanStore:
 
     def present(self, step: int, digest: str) -> bool:
         """Whether the step's record is in the store."""
-        return bool(self._timed(self.store.check, [self.key(step, digest)]))
+        t0 = time.perf_counter()
+        try:
+            return bool(self.store.check([self.key(step, digest)]))
+        finally:
+            self.poll_seconds += time.perf_counter() - t0
 
     def wait_gone(self, step: int, digest: str, deadline: float, stopped: Callable[[], bool]) -> bool:
         """Wait until the step's record has been deleted (every rank read it); False when
@@ -148,7 +150,7 @@ class PlanStore:
             if time.monotonic() >= deadline or stopped():
                 return False
             time.sleep(pause)
-            pause = min(0.05, pause * 2)
+            pause = min(self.poll, pause * 2)
         return True
 
     def publish(self, step: int, digest: str, record: bytes) -> None:
@@ -157,23 +159,20 @@ class PlanStore:
 
     def wait(self, step: int, digest: str, deadline: float, stopped: Callable[[], bool]) -> bool:
         """Block until the step's record is in the store; False when ``deadline``
-        (``time.monotonic()``) passed or ``stopped()`` first.
+        (``time.monotonic()``) passed or ``stopped()`` first. Polls with ``check`` (1 ms
+        doubling to ``poll`` seconds between checks): no server-side waits, so no wait ever
+        holds a store connection, and ``stopped()`` is seen within ``poll`` seconds.
 
         Raises:
-            RuntimeError: the store failed (other than by a wait timing out), e.g. its server
-                is gone.
+            RuntimeError: the store failed, e.g. its server is gone.
         """
-        key = self.key(step, digest)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or stopped():
+        pause = 0.001
+        while not self.present(step, digest):
+            if time.monotonic() >= deadline or stopped():
                 return False
-            try:
-                self.store.wait([key], datetime.timedelta(seconds=max(0.001, min(self.poll, left))))
-                return True
-            except RuntimeError as err:  # DistStoreError on TCPStore, RuntimeError on FileStore
-                if not _is_timeout(err):
-                    raise
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause = min(self.poll, pause * 2)
+        return True
 
     def read(self, step: int, digest: str) -> bytes:
         """Read the step's record (after :meth:`wait`) and count this rank's read; the rank

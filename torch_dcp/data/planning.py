@@ -51,7 +51,8 @@ from ..topology import Topology
 from ..workload import check_block_size
 from .plan_store import PlanningError, PlanningTimeoutError, PlanStore, decode_record, encode_error, encode_plan
 
-__all__ = ["PlanningConfig", "PlannedBatch", "PlanningLoader", "PlanningError", "PlanningTimeoutError", "plan_batch"]
+__all__ = ["PlanningConfig", "PlannedBatch", "PlanningLoader", "PlanningError", "PlanningTimeoutError", "plan_batch",
+           "planning_pool"]
 
 T = TypeVar("T")
 _LOADERS = itertools.count()  # default namespaces: loaders made in the same order on every rank
@@ -157,6 +158,19 @@ def _warm_up(config: PlanningConfig) -> None:
         pass
 
 
+def planning_pool(workers: int = 1, config: PlanningConfig | None = None) -> cf.ProcessPoolExecutor:
+    """A pool of ``workers`` planning processes, started with "spawn" (the parent has threads
+    and torch: forking it is unsafe); with ``config``, each worker makes one tiny plan first
+    (imports and the partitioner's start-up paid before step 0; not waited for). Share it
+    between loaders with ``PlanningLoader(..., pool=)``; shut it down yourself.
+    """
+    pool = cf.ProcessPoolExecutor(max_workers=int(workers), mp_context=multiprocessing.get_context("spawn"))
+    if config is not None:
+        for _ in range(int(workers)):
+            pool.submit(_warm_up, config)
+    return pool
+
+
 @dataclass(frozen=True)
 class PlannedBatch(Generic[T]):
     """One step as the training loop receives it from a :class:`PlanningLoader`.
@@ -173,8 +187,10 @@ class PlannedBatch(Generic[T]):
         plan_seconds: the planner's own time for this batch (in the worker), seconds.
         wait_seconds: how long the training loop blocked in ``next()`` for it (0 when the plan
             was ready: planning hidden), seconds.
-        store_seconds: this rank's store operations for this step (set, get, add, delete,
-            check; blocking waits excluded), seconds.
+        store_seconds: this rank's store operations that moved this step's plan (set, get,
+            add, delete), seconds.
+        poll_seconds: this rank's ``check`` calls while waiting for this step's plan (or for
+            room to publish it), seconds (the pauses between them excluded).
         build_seconds: this rank's device-plan build and upload, seconds.
         stats: :meth:`Plan.stats` of the plan (computed by the worker).
         compare: ``{planner: stats}`` of the configuration's comparison planners.
@@ -189,6 +205,7 @@ class PlannedBatch(Generic[T]):
     plan_seconds: float
     wait_seconds: float
     store_seconds: float = 0.0
+    poll_seconds: float = 0.0
     build_seconds: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
     compare: dict[str, Any] = field(default_factory=dict)
@@ -310,13 +327,8 @@ class PlanningLoader(Generic[T]):
             store = dist.distributed_c10d._get_default_store() if self.world > 1 else dist.HashStore()
         ns = namespace if namespace is not None else f"torch_dcp/planning/{next(_LOADERS)}"
         self._store = PlanStore(store, ns, self.rank, self.world)
-        self._pool = pool
-        if pool is None:
-            self._own_pool = True
-            self._pool = cf.ProcessPoolExecutor(max_workers=self.workers, mp_context=multiprocessing.get_context("spawn"))
-        if warmup and self._own_pool:
-            for _ in range(self.workers):
-                self._pool.submit(_warm_up, config)
+        self._own_pool = pool is None
+        self._pool = planning_pool(self.workers, config if warmup else None) if pool is None else pool
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> "PlanningLoader[T]":
@@ -407,7 +419,7 @@ class PlanningLoader(Generic[T]):
         self._next_yield += 1
         return PlannedBatch(st.step, st.batch, st.data, res["plan"], res["device_plan"], st.planning_rank,
                             res["plan_seconds"], time.perf_counter() - t0, res["store_seconds"],
-                            res["build_seconds"], res["stats"], res["compare"])
+                            res["poll_seconds"], res["build_seconds"], res["stats"], res["compare"])
 
     def _next_inline(self) -> PlannedBatch[T]:
         self._start()
@@ -428,7 +440,7 @@ class PlanningLoader(Generic[T]):
         dp, build = self._device_plan(plan)
         self._next_yield = self._next_pull = step + 1
         return PlannedBatch(step, batch, data, plan, dp, self.rank, header["plan_seconds"], time.perf_counter() - t0,
-                            0.0, build, header["stats"], header["compare"])
+                            0.0, 0.0, build, header["stats"], header["compare"])
 
     # ------------------------------------------------------------------ the background thread
     def _serve(self) -> None:
@@ -475,7 +487,7 @@ class PlanningLoader(Generic[T]):
         assert ps is not None
         if self._stopped():
             raise PlanningError(st.step, st.planning_rank, "the loader was closed")
-        op0 = ps.op_seconds
+        op0, poll0 = ps.op_seconds, ps.poll_seconds
         if st.planning_rank == self.rank:
             self._publish(st)
         try:
@@ -491,7 +503,7 @@ class PlanningLoader(Generic[T]):
             record = decode_record(ps.read(st.step, st.digest))
         except (ValueError, RuntimeError) as err:
             raise PlanningError(st.step, st.planning_rank, f"reading its plan from the store failed: {err}") from None
-        store_seconds = ps.op_seconds - op0
+        store_seconds, poll_seconds = ps.op_seconds - op0, ps.poll_seconds - poll0
         if record.cause is not None:
             raise PlanningError(st.step, st.planning_rank, record.cause)
         try:
@@ -503,6 +515,7 @@ class PlanningLoader(Generic[T]):
         plan.plan_seconds = float(record.header.get("plan_seconds", 0.0))
         dp, build = (None, 0.0) if self._closing.is_set() else self._device_plan(plan)
         return {"plan": plan, "device_plan": dp, "plan_seconds": plan.plan_seconds, "store_seconds": store_seconds,
+                "poll_seconds": poll_seconds,
                 "build_seconds": build, "stats": record.header.get("stats", {}),
                 "compare": record.header.get("compare", {})}
 
