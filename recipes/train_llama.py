@@ -3,14 +3,19 @@
     torchrun --standalone --nproc-per-node 4 recipes/train_llama.py            # DCP (default)
     torchrun --standalone --nproc-per-node 4 recipes/train_llama.py --cp-impl torch   # PyTorch's CP
     python recipes/train_llama.py --cp-impl none                                # one process, no parallelism
+    torchrun --standalone --nproc-per-node 4 recipes/train_llama.py --compare-precomputed 4   # loader vs precomputed plans
 
 What happens every step:
 
 * real documents (the Python standard library's sources, byte-level tokens; or ``--data``)
   are packed into one global batch of ``--tokens-per-step`` tokens, documents capped at
   ``--max-doc-len``: many short documents and a few long ones;
-* every rank builds the same ``BatchSpec`` (document lengths + mask), and
-  ``torch_dcp.context_parallel`` plans the step, shards the token ids, labels and
+* every rank builds the same ``BatchSpec`` (document lengths + mask); a
+  :class:`torch_dcp.data.PlanningLoader` plans it ``--plan-ahead`` steps ahead in worker
+  processes (step ``i`` on rank ``i mod W``'s workers, shared through the process group's
+  Store; every rank builds its device plan in the background), so the loop receives the step
+  with its plan ready (``--plan-ahead 0``: every rank plans in line);
+* ``torch_dcp.context_parallel(..., plan=, device_plan=)`` shards the token ids, labels and
   document-local position ids to this rank's planned tokens, and runs every
   ``F.scaled_dot_product_attention`` of the model under the plan, forward and backward;
 * parameters are sharded with FSDP2 (``fully_shard``) over the same one-dimensional mesh:
@@ -25,6 +30,7 @@ The model code (``Attention.forward``) is plain PyTorch: it calls
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -419,8 +425,10 @@ def compare_precomputed(job: Job, emit) -> None:
         for mode in modes:
             job.build_model()
             dist.barrier()
-            if mode == "precomputed":
-                rows = job.run_dcp(pre, lambda r: None)
+            if mode == "precomputed":  # fresh tensors (a step shards its buffers in place), made before the round
+                fresh = [dataclasses.replace(pb, data=(*(t.clone() for t in pb.data[:3]), pb.data[3]), wait_seconds=0.0)
+                         for pb in pre]
+                rows = job.run_dcp(fresh, lambda r: None)
             else:
                 with job.loader(a.plan_ahead if mode == "loader" else 0) as loader:
                     rows = job.run_dcp(loader, lambda r: None)

@@ -3,10 +3,8 @@ processes, spread over the ranks and shared through the process group's Store.""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import functools
-import multiprocessing
 import os
 import signal
 import threading
@@ -19,7 +17,7 @@ import torch.nn.functional as F
 
 import torch_dcp
 from torch_dcp import BatchSpec, Causal
-from torch_dcp.data import PlannedBatch, PlanningConfig, PlanningError, PlanningLoader, PlanningTimeoutError
+from torch_dcp.data import PlannedBatch, PlanningConfig, PlanningError, PlanningLoader, PlanningTimeoutError, planning_pool
 from reference import random_qkv, reference_with_grads
 from spawn import run_ranks
 
@@ -69,10 +67,10 @@ def _warm(world: int) -> None:
     torch_dcp.plan(_batch(0), world, planner="dcp", block_size=16)
 
 
-def _pool(world: int, workers: int = 1) -> cf.ProcessPoolExecutor:
+def _pool(world: int, workers: int = 1):
     """A spawn pool whose workers have started and planned once (imports and Mt-KaHyPar's
     start-up paid: on 2 shared cores that takes seconds, longer than a fault test's timeout)."""
-    pool = cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    pool = planning_pool(workers)
     for f in [pool.submit(_warm, world) for _ in range(workers)]:
         f.result(timeout=120)
     return pool
@@ -200,7 +198,7 @@ def _fault(rank, world, mesh, plan_fn, bad_step, match):
         next(loader)
     t1 = time.monotonic()
     loader.close()
-    pool.shutdown(wait=False, cancel_futures=True)
+    pool.shutdown(cancel_futures=True)
     assert time.monotonic() - t1 < 6.0
 
 

@@ -20,6 +20,7 @@ the store holds at most ``lookahead + 1`` steps' records at any time.
 
 from __future__ import annotations
 
+import datetime
 import json
 import struct
 import time
@@ -105,13 +106,13 @@ class PlanStore:
             connection the process group or the caller uses.
         namespace: key prefix, the same on every rank of the group, unique per loader.
         rank, world_size: this rank and the size of the DCP group.
-        poll: the longest pause between two checks of a wait, seconds.
+        poll: the longest pause between two checks while waiting for a step to be gone, seconds.
 
     Attributes:
         op_seconds: seconds spent in the store operations that move plans (set, get, add,
             delete), this rank, so far.
-        poll_seconds: seconds spent in the ``check`` calls of waits (not the pauses between
-            them), this rank, so far.
+        poll_seconds: seconds spent in ``check`` calls (before a wait, and while waiting for
+            room to publish; not the pauses between them), this rank, so far.
     """
 
     def __init__(self, store: Any, namespace: str, rank: int, world_size: int, poll: float = 0.01):
@@ -159,19 +160,25 @@ class PlanStore:
 
     def wait(self, step: int, digest: str, deadline: float, stopped: Callable[[], bool]) -> bool:
         """Block until the step's record is in the store; False when ``deadline``
-        (``time.monotonic()``) passed or ``stopped()`` first. Polls with ``check`` (1 ms
-        doubling to ``poll`` seconds between checks): no server-side waits, so no wait ever
-        holds a store connection, and ``stopped()`` is seen within ``poll`` seconds.
+        (``time.monotonic()``) passed or ``stopped()`` was set before the wait began. One
+        ``check``, then one blocking ``Store.wait`` for the rest of the time (on this object's
+        own connection, the GIL released): a waiting rank costs no polling.
 
         Raises:
-            RuntimeError: the store failed, e.g. its server is gone.
+            RuntimeError: the store failed (other than by the wait timing out), e.g. its
+                server is gone.
         """
-        pause = 0.001
-        while not self.present(step, digest):
-            if time.monotonic() >= deadline or stopped():
+        if self.present(step, digest):
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0 or stopped():
+            return False
+        try:
+            self.store.wait([self.key(step, digest)], datetime.timedelta(seconds=left))
+        except RuntimeError as err:  # DistStoreError (TCPStore, HashStore) or RuntimeError (FileStore)
+            if "timeout" in str(err).lower() or "timed out" in str(err).lower():
                 return False
-            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            pause = min(self.poll, pause * 2)
+            raise
         return True
 
     def read(self, step: int, digest: str) -> bytes:

@@ -32,6 +32,7 @@ import hashlib
 import itertools
 import json
 import multiprocessing
+import os
 import queue
 import threading
 import time
@@ -158,13 +159,28 @@ def _warm_up(config: PlanningConfig) -> None:
         pass
 
 
+def _watch_parent(parent: int) -> None:
+    """In a worker: leave when the process that started it is gone (a rank killed without
+    shutting its pool down would otherwise leave its workers blocked on their task queue, whose
+    write end they hold themselves, forever)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="torch_dcp-parent-watch", daemon=True).start()
+
+
 def planning_pool(workers: int = 1, config: PlanningConfig | None = None) -> cf.ProcessPoolExecutor:
     """A pool of ``workers`` planning processes, started with "spawn" (the parent has threads
     and torch: forking it is unsafe); with ``config``, each worker makes one tiny plan first
-    (imports and the partitioner's start-up paid before step 0; not waited for). Share it
-    between loaders with ``PlanningLoader(..., pool=)``; shut it down yourself.
+    (imports and the partitioner's start-up paid before step 0; not waited for). A worker
+    leaves by itself within 0.5 s when its parent process is gone. Share the pool between
+    loaders with ``PlanningLoader(..., pool=)``; shut it down yourself.
     """
-    pool = cf.ProcessPoolExecutor(max_workers=int(workers), mp_context=multiprocessing.get_context("spawn"))
+    pool = cf.ProcessPoolExecutor(max_workers=int(workers), mp_context=multiprocessing.get_context("spawn"),
+                                  initializer=_watch_parent, initargs=(os.getpid(),))
     if config is not None:
         for _ in range(int(workers)):
             pool.submit(_warm_up, config)
@@ -580,8 +596,8 @@ class PlanningLoader(Generic[T]):
             self._queue.put(None)
             limit = 0.0 if self._failed is not None else (min(self.timeout, 30.0) if drain is None else float(drain))
             self._thread.join(timeout=limit)
-            self._stop.set()
-            self._thread.join(timeout=5.0)
+            self._stop.set()  # a thread still blocked in a store wait (daemon) leaves when it ends
+            self._thread.join(timeout=0.5)
         for st in self._steps.values():
             if st.job is not None:
                 st.job.cancel()
