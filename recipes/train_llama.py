@@ -3,14 +3,19 @@
     torchrun --standalone --nproc-per-node 4 recipes/train_llama.py            # DCP (default)
     torchrun --standalone --nproc-per-node 4 recipes/train_llama.py --cp-impl torch   # PyTorch's CP
     python recipes/train_llama.py --cp-impl none                                # one process, no parallelism
+    torchrun --standalone --nproc-per-node 4 recipes/train_llama.py --compare-precomputed 4   # loader vs precomputed plans
 
 What happens every step:
 
 * real documents (the Python standard library's sources, byte-level tokens; or ``--data``)
   are packed into one global batch of ``--tokens-per-step`` tokens, documents capped at
   ``--max-doc-len``: many short documents and a few long ones;
-* every rank builds the same ``BatchSpec`` (document lengths + mask), and
-  ``torch_dcp.context_parallel`` plans the step, shards the token ids, labels and
+* every rank builds the same ``BatchSpec`` (document lengths + mask); a
+  :class:`torch_dcp.data.PlanningLoader` plans it ``--plan-ahead`` steps ahead in worker
+  processes (step ``i`` on rank ``i mod W``'s workers, shared through the process group's
+  Store; every rank builds its device plan in the background), so the loop receives the step
+  with its plan ready (``--plan-ahead 0``: every rank plans in line);
+* ``torch_dcp.context_parallel(..., plan=, device_plan=)`` shards the token ids, labels and
   document-local position ids to this rank's planned tokens, and runs every
   ``F.scaled_dot_product_attention`` of the model under the plan, forward and backward;
 * parameters are sharded with FSDP2 (``fully_shard``) over the same one-dimensional mesh:
@@ -25,6 +30,8 @@ The model code (``Attention.forward``) is plain PyTorch: it calls
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import os
 import time
@@ -38,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torch_dcp
-from torch_dcp.data import byte_tokenize, load_documents, pack_batches
+from torch_dcp.data import PlanningConfig, PlanningLoader, byte_tokenize, load_documents, pack_batches, planning_pool
 
 MASKS = {
     "causal": lambda: torch_dcp.Causal(),
@@ -221,7 +228,7 @@ def torch_ring_comm_bytes(total_tokens: int, world: int, a: ModelArgs, elem: int
 
 
 # ---------------------------------------------------------------------- main
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None, help="folder of text files or JSONL with a 'text' field (default: Python stdlib sources)")
     p.add_argument("--steps", type=int, default=30)
@@ -232,6 +239,20 @@ def parse() -> argparse.Namespace:
     p.add_argument("--mask", choices=sorted(MASKS), default="causal")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--divisions", type=int, default=2)
+    p.add_argument("--plan-ahead", type=int, default=2,
+                   help="steps planned ahead by the PlanningLoader's worker processes, spread over the ranks "
+                        "(0: every rank plans every step in line)")
+    p.add_argument("--plan-workers", type=int, default=1, help="planning worker processes per rank")
+    p.add_argument("--plan-timeout", type=float, default=600.0, help="seconds any wait for a plan may block")
+    p.add_argument("--ring-stats", action=argparse.BooleanOptionalAction, default=None,
+                   help="log the ring plan's figures of every batch beside the planner's (default: on with "
+                        "--plan-ahead > 0, where the planning worker computes them off the critical path; off in line)")
+    p.add_argument("--compare-precomputed", type=int, default=0, metavar="ROUNDS",
+                   help="benchmark: ROUNDS rounds of --steps steps per mode of --compare-modes, alternating, each from the "
+                        "same initial weights and batches; prints the mean step time per mode and the ratios")
+    p.add_argument("--compare-modes", default="loader,precomputed",
+                   help="modes for --compare-precomputed: loader (--plan-ahead steps ahead), precomputed (every "
+                        "plan and device plan made before training), inline (planned in line on every rank)")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
@@ -240,7 +261,206 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", default=None, help="also write one JSON line per step to this file (rank 0)")
-    return p.parse_args()
+    args = p.parse_args(argv)
+    if args.plan_ahead < 0 or args.plan_workers < 1:
+        p.error("--plan-ahead must be >= 0 and --plan-workers >= 1")
+    if args.ring_stats is None:
+        args.ring_stats = args.plan_ahead > 0
+    return args
+
+
+class Job:
+    """What every step shares: the model, its optimizer, the mesh, the batches."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, rank: int, world: int, distributed: bool):
+        self.args, self.device, self.rank, self.world, self.distributed = args, device, rank, world, distributed
+        # the planning workers start first (spawn + imports take seconds), while the rest is set up
+        ahead = args.cp_impl == "torch_dcp" and (args.plan_ahead > 0 or args.compare_precomputed)
+        self.pool = planning_pool(args.plan_workers, self.planning_config()) if ahead else None
+        self.margs = ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
+                               ffn_hidden=args.ffn_hidden)
+        self.mesh = None
+        if distributed:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dcp",))
+        self.build_model()
+        self.docs = [byte_tokenize(t) for t in load_documents(args.data)]
+
+    def build_model(self) -> None:
+        """The same initial weights on every rank (and in every benchmark round), a fresh optimizer."""
+        torch.manual_seed(self.args.seed)
+        self.model = Transformer(self.margs).to(self.device)
+        if self.distributed:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in self.model.layers:
+                fully_shard(layer, mesh=self.mesh)
+            fully_shard(self.model, mesh=self.mesh)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.args.lr, weight_decay=0.0)
+
+    def batches(self):
+        """The run's global batches (lists of documents), ``--steps`` of them."""
+        a = self.args
+        return itertools.islice(pack_batches(self.docs, a.tokens_per_step, a.max_doc_len, seed=a.seed), a.steps)
+
+    def to_batch(self, docs: list[np.ndarray]) -> tuple[torch_dcp.BatchSpec, tuple]:
+        """A global batch's BatchSpec and tensors (tokens, labels, positions, lengths)."""
+        tokens, labels, positions, lens = global_batch(docs, self.device)
+        m = self.margs
+        spec = torch_dcp.BatchSpec(lens, MASKS[self.args.mask](), n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+                                   head_dim=m.head_dim, dtype="float32")
+        return spec, (tokens, labels, positions, lens)
+
+    def planning_config(self) -> PlanningConfig:
+        a = self.args
+        return PlanningConfig(self.world, planner=a.planner, block_size=a.block_size, divisions=a.divisions,
+                              compare=("ring",) if a.ring_stats else ())
+
+    def loader(self, lookahead: int) -> PlanningLoader:
+        a = self.args
+        return PlanningLoader(self.batches(), self.planning_config(), batch_of=self.to_batch, lookahead=lookahead,
+                              workers=a.plan_workers, rank=self.rank, world_size=self.world, timeout=a.plan_timeout,
+                              device=self.device, pool=self.pool)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def step(self, tokens, labels, positions, ctx, attn_mask=None) -> tuple[float, float]:
+        """Forward, backward and optimizer step; returns (global mean loss, grad norm)."""
+        n_tokens = int((labels != -100).sum())  # identical on every rank: the global batch
+        with ctx:
+            logits = self.model(tokens, positions, attn_mask)
+            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+            loss = loss_sum / n_tokens
+            # FSDP2 averages gradients over the mesh; each rank's loss already is its share of
+            # the global mean, so scale by the world size to get the sum of the shares
+            (loss * self.world).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        total = loss.detach().clone()
+        if self.distributed:
+            dist.all_reduce(total)
+        return total.item(), float(grad_norm)
+
+    def run_dcp(self, planned, emit) -> list[dict]:
+        """Train on :class:`PlannedBatch` items (from a loader or precomputed); one row per step."""
+        rows = []
+        it = iter(planned)
+        while True:
+            t0 = time.perf_counter()
+            pb = next(it, None)
+            if pb is None:
+                return rows
+            tokens, labels, positions, lens = pb.data
+            s = pb.stats
+            row = {"step": pb.step, "plan_ms": round(1000 * pb.plan_seconds, 2),
+                   "plan_wait_ms": round(1000 * pb.wait_seconds, 2), "store_ms": round(1000 * pb.store_seconds, 3),
+                   "poll_ms": round(1000 * pb.poll_seconds, 3),
+                   "comm_bytes": s["comm_bytes"] * self.margs.n_layers,
+                   "compute_imbalance": round(s["compute_imbalance"], 3)}
+            ring = pb.compare.get("ring")
+            if ring and "comm_bytes" in ring:
+                row.update(ring_comm_bytes=ring["comm_bytes"] * self.margs.n_layers,
+                           ring_compute_imbalance=round(ring["compute_imbalance"], 3))
+            ctx = torch_dcp.context_parallel(self.mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1],
+                                             no_restore_buffers={tokens, labels, positions}, plan=pb.plan,
+                                             device_plan=pb.device_plan)
+            loss, grad_norm = self.step(tokens, labels, positions, ctx)
+            rows.append(self._finish(row, loss, grad_norm, lens, t0, emit))
+
+    def run_other(self, emit) -> list[dict]:
+        """PyTorch's context parallelism (--cp-impl torch) or one process without (none)."""
+        rows = []
+        for step, docs in enumerate(self.batches()):
+            t0 = time.perf_counter()
+            spec, (tokens, labels, positions, lens) = self.to_batch(docs)
+            row: dict = {"step": step}
+            attn_mask = None
+            if self.args.cp_impl == "torch":
+                from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
+
+                pad = (-tokens.shape[1]) % (2 * self.world)
+                tokens, labels, positions = (F.pad(t, (0, pad), value=v)
+                                             for t, v in ((tokens, 0), (labels, -100), (positions, 0)))
+                row.update(comm_bytes=torch_ring_comm_bytes(tokens.shape[1], self.world, self.margs, 4)
+                           * self.margs.n_layers, padded=pad)
+                ctx = torch_context_parallel(self.mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1],
+                                             no_restore_buffers={tokens, labels, positions})
+            else:
+                attn_mask = dense_doc_mask(spec, self.device)
+                ctx = nullcontext()
+            loss, grad_norm = self.step(tokens, labels, positions, ctx, attn_mask)
+            rows.append(self._finish(row, loss, grad_norm, lens, t0, emit))
+        return rows
+
+    @staticmethod
+    def _finish(row: dict, loss: float, grad_norm: float, lens: list[int], t0: float, emit) -> dict:
+        dt = time.perf_counter() - t0
+        row.update(loss=round(loss, 6), grad_norm=round(grad_norm, 6), docs=len(lens), longest=max(lens),
+                   tokens_per_s=round(sum(lens) / dt, 1), step_s=round(dt, 4))
+        emit(row)
+        return row
+
+
+def compare_precomputed(job: Job, emit) -> None:
+    """``--compare-precomputed``: the same steps from the same initial weights in every mode of
+    ``--compare-modes``, modes alternating round by round; rank 0 prints each mode's mean step time
+    (all steps, and without each round's first step) and its ratio to ``precomputed``."""
+    a = job.args
+    modes = [m.strip() for m in a.compare_modes.split(",") if m.strip()]
+    unknown = set(modes) - {"loader", "precomputed", "inline"}
+    if unknown:
+        raise SystemExit(f"--compare-modes: unknown modes {sorted(unknown)}")
+    t0 = time.perf_counter()
+    with job.loader(0) as inline:  # every plan and device plan made before training
+        pre = list(inline)
+    pre_s = time.perf_counter() - t0
+    times: dict[str, list[list[float]]] = {m: [] for m in modes}
+    extra: dict[str, list[dict]] = {m: [] for m in modes}
+    for _ in range(a.compare_precomputed):
+        for mode in modes:
+            job.build_model()
+            dist.barrier()
+            if mode == "precomputed":  # fresh tensors (a step shards its buffers in place), made before the round
+                fresh = [dataclasses.replace(pb, data=(*(t.clone() for t in pb.data[:3]), pb.data[3]), wait_seconds=0.0)
+                         for pb in pre]
+                rows = job.run_dcp(fresh, lambda r: None)
+            else:
+                with job.loader(a.plan_ahead if mode == "loader" else 0) as loader:
+                    rows = job.run_dcp(loader, lambda r: None)
+            times[mode].append([r["step_s"] for r in rows])
+            extra[mode] += rows
+    if job.rank != 0:
+        return
+    mean = lambda xs: sum(xs) / max(1, len(xs))  # noqa: E731
+    base_all = mean([t for ts in times.get("precomputed", []) for t in ts])
+    base_steady = mean([t for ts in times.get("precomputed", []) for t in ts[1:]])
+    out = {"ranks": job.world, "steps": a.steps, "rounds": a.compare_precomputed, "planner": a.planner,
+           "plan_ahead": a.plan_ahead, "plan_workers": a.plan_workers,
+           "inline_plan_ms_per_step": round(1000 * mean([pb.plan_seconds for pb in pre]), 2),
+           "precompute_s": round(pre_s, 2)}
+    for mode in modes:
+        all_ = [t for ts in times[mode] for t in ts]
+        steady = [t for ts in times[mode] for t in ts[1:]]
+        rows = extra[mode]
+        res = {"mean_step_s": round(mean(all_), 4), "mean_step_s_after_first": round(mean(steady), 4),
+               "plan_wait_ms": round(mean([r["plan_wait_ms"] for r in rows]), 3),
+               "store_ms": round(mean([r["store_ms"] for r in rows]), 3),
+               "poll_ms": round(mean([r["poll_ms"] for r in rows]), 3)}
+        if base_all:
+            res["ratio_to_precomputed"] = round(mean(all_) / base_all, 4)
+            res["ratio_to_precomputed_after_first"] = round(mean(steady) / base_steady, 4)
+        res["store_fraction_of_step"] = round(res["store_ms"] / 1000 / mean(all_), 6)
+        out[mode] = res
+    emit(out)
+    print("compare: " + ", ".join(f"{m} {out[m]['mean_step_s']:.4f} s/step"
+                                  + (f" ({out[m]['ratio_to_precomputed']:.4f}x precomputed)" if base_all else "")
+                                  for m in modes)
+          + f"; in-line planning {out['inline_plan_ms_per_step']} ms/step", flush=True)
 
 
 def main() -> None:
@@ -256,106 +476,59 @@ def main() -> None:
         raise SystemExit("--cp-impl none runs in one process (no parallelism)")
     if args.cp_impl == "torch" and args.mask != "causal":
         raise SystemExit("--cp-impl torch supports only --mask causal (over the whole packed sequence)")
+    if args.compare_precomputed and (args.cp_impl != "torch_dcp" or not distributed):
+        raise SystemExit("--compare-precomputed runs --cp-impl torch_dcp under torchrun")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-
-    margs = ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
-                      ffn_hidden=args.ffn_hidden)
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = Transformer(margs).to(device)
-    mesh = None
-    if distributed:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dcp",))
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        if args.cp_impl == "torch":
-            register_torch_cp_cpu_handlers()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-
-    docs = [byte_tokenize(t) for t in load_documents(args.data)]
-    batches = pack_batches(docs, args.tokens_per_step, args.max_doc_len, seed=args.seed)
-    n_params = sum(p.numel() for p in model.parameters())
+    job = Job(args, device, rank, world, distributed)
+    if distributed and args.cp_impl == "torch":
+        register_torch_cp_cpu_handlers()
+    n_params = sum(p.numel() for p in job.model.parameters())
     if rank == 0:
+        plans = (f"plans {args.plan_ahead} steps ahead ({args.plan_workers} worker(s) per rank)" if args.plan_ahead
+                 else "plans in line")
         print(f"torch_dcp train_llama: {world} rank(s) on {device.type}, cp-impl={args.cp_impl}, "
               f"planner={args.planner}, mask={args.mask}, {n_params / 1e6:.2f}M parameters, "
-              f"{len(docs)} documents, {args.tokens_per_step} tokens/step", flush=True)
+              f"{len(job.docs)} documents, {args.tokens_per_step} tokens/step"
+              + (f", {plans}" if args.cp_impl == "torch_dcp" else ""), flush=True)
         if args.cp_impl == "torch":
             print("note: PyTorch's context_parallel sees one causal sequence: it attends across document "
                   f"boundaries and pads to a multiple of 2 x {world} tokens (more work than DCP, different loss)",
                   flush=True)
     log = open(args.log_json, "w") if (args.log_json and rank == 0) else None
-    summary = []
-    t_start = time.perf_counter()
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        tokens, labels, positions, lens = global_batch(next(batches), device)
-        batch = torch_dcp.BatchSpec(lens, MASKS[args.mask](), n_heads=margs.n_heads, n_kv_heads=margs.n_kv_heads,
-                                    head_dim=margs.head_dim, dtype="float32")
-        n_tokens = int((labels != -100).sum())  # identical on every rank: the global batch
-        row = {"step": step}
-        attn_mask = None
-        if args.cp_impl == "torch_dcp":
-            plan = torch_dcp.plan(batch, world, planner=args.planner, block_size=args.block_size,
-                                  divisions=args.divisions)
-            ring = torch_dcp.plan(batch, world, planner="ring", divisions=args.divisions).stats()
-            stats = plan.stats()
-            row.update(plan_ms=round(1000 * stats["plan_seconds"], 2),
-                       comm_bytes=stats["comm_bytes"] * margs.n_layers,
-                       compute_imbalance=round(stats["compute_imbalance"], 3),
-                       ring_comm_bytes=ring["comm_bytes"] * margs.n_layers,
-                       ring_compute_imbalance=round(ring["compute_imbalance"], 3))
-            ctx = torch_dcp.context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1],
-                                             no_restore_buffers={tokens, labels, positions}, plan=plan)
-        elif args.cp_impl == "torch":
-            from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
 
-            pad = (-tokens.shape[1]) % (2 * world)
-            tokens, labels, positions = (F.pad(t, (0, pad), value=v) for t, v in ((tokens, 0), (labels, -100), (positions, 0)))
-            row.update(comm_bytes=torch_ring_comm_bytes(tokens.shape[1], world, margs, 4) * margs.n_layers, padded=pad)
-            ctx = torch_context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1],
-                                         no_restore_buffers={tokens, labels, positions})
-        else:
-            attn_mask = dense_doc_mask(batch, device)
-            ctx = nullcontext()
-        with ctx:
-            logits = model(tokens, positions, attn_mask)
-            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
-            loss = loss_sum / n_tokens
-            # FSDP2 averages gradients over the mesh; each rank's loss already is its share of
-            # the global mean, so scale by the world size to get the sum of the shares
-            (loss * world).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        total = loss.detach().clone()
-        if distributed:
-            dist.all_reduce(total)
-        dt = time.perf_counter() - t0
-        row.update(loss=round(total.item(), 6), grad_norm=round(float(grad_norm), 6), docs=len(lens),
-                   longest=max(lens), tokens_per_s=round(sum(lens) / dt, 1), step_s=round(dt, 3))
-        summary.append(row)
+    def emit(row: dict) -> None:
         if rank == 0:
             print(json.dumps(row), flush=True)
             if log:
                 log.write(json.dumps(row) + "\n")
                 log.flush()
-    if rank == 0:
-        first, last = summary[0]["loss"], summary[-1]["loss"]
-        wall = time.perf_counter() - t_start
-        line = (f"summary: {len(summary)} steps in {wall:.1f} s, loss {first:.3f} -> {last:.3f}, "
-                f"{sum(r['tokens_per_s'] for r in summary) / len(summary):.0f} tokens/s")
-        ring_total = sum(r.get("ring_comm_bytes", 0) for r in summary)
-        if ring_total:
-            saved = 1 - sum(r["comm_bytes"] for r in summary) / ring_total
-            line += f", {args.planner} moved {saved:.0%} fewer attention bytes than ring"
-        print(line, flush=True)
-        if log:
-            log.close()
+
+    if args.compare_precomputed:
+        compare_precomputed(job, emit)
+    else:
+        t_start = time.perf_counter()
+        if args.cp_impl == "torch_dcp":
+            with job.loader(args.plan_ahead) as loader:
+                summary = job.run_dcp(loader, emit)
+        else:
+            summary = job.run_other(emit)
+        if rank == 0 and summary:
+            first, last = summary[0]["loss"], summary[-1]["loss"]
+            wall = time.perf_counter() - t_start
+            line = (f"summary: {len(summary)} steps in {wall:.1f} s, loss {first:.3f} -> {last:.3f}, "
+                    f"{sum(r['tokens_per_s'] for r in summary) / len(summary):.0f} tokens/s")
+            if args.cp_impl == "torch_dcp":
+                line += (f", planning {sum(r['plan_ms'] for r in summary) / len(summary):.1f} ms/step, loop waited "
+                         f"{sum(r['plan_wait_ms'] for r in summary) / len(summary):.1f} ms/step for plans")
+            ring_total = sum(r.get("ring_comm_bytes", 0) for r in summary)
+            if ring_total:
+                saved = 1 - sum(r["comm_bytes"] for r in summary) / ring_total
+                line += f", {args.planner} moved {saved:.0%} fewer attention bytes than ring"
+            print(line, flush=True)
+    job.close()
+    if log:
+        log.close()
     if distributed:
         dist.destroy_process_group()
 

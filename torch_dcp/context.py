@@ -33,7 +33,8 @@ from .attention_op import as_dtensor, bind_args, like, local
 from .batch import BatchSpec
 from .executor import RankExecutor, TorchDistributedTransport
 from .executor.transport import TransferError, TransferTimeoutError, as_timedelta, is_timeout
-from .executor.kernels import DivisionKernel
+from .executor.device_plan import DevicePlan
+from .executor.kernels import DivisionKernel, get_kernel
 from .plan import Plan
 from .topology import Topology
 
@@ -117,6 +118,7 @@ def context_parallel(
     topology: Topology | None = None,
     kernel: str | DivisionKernel | None = None,
     timeout: "float | datetime.timedelta" = 600.0,
+    device_plan: DevicePlan | None = None,
 ) -> Iterator[DCPContext]:
     """Run the body's ``F.scaled_dot_product_attention`` calls with dynamic context parallelism.
 
@@ -132,7 +134,8 @@ def context_parallel(
         batch: the step's :class:`BatchSpec` (planned on entry with ``planner``,
             ``block_size``, ``divisions``, ``topology``, as :func:`torch_dcp.plan` does;
             ``divisions=None``: ``min(4, tiles)``), or
-        plan: a precomputed :class:`Plan` (give exactly one of ``batch`` and ``plan``).
+        plan: a precomputed :class:`Plan` (give exactly one of ``batch`` and ``plan``; a
+            ``device_plan`` alone gives its plan).
         topology: ranks per node and links, for planning (default: all ranks on one node).
         kernel: the executor's attention kernel (default ``"auto"``).
         timeout: the longest any wait inside the context blocks (seconds or a ``timedelta``;
@@ -140,6 +143,10 @@ def context_parallel(
             waiting rank raises :class:`~torch_dcp.executor.TransferTimeoutError` naming the
             pass, the phase and the ranks that did not answer (at the plan check: "the plan
             check at entry").
+        device_plan: this rank's :class:`~torch_dcp.executor.DevicePlan` of ``plan``, built
+            (and uploaded) ahead, e.g. by :class:`torch_dcp.data.PlanningLoader`; entry then
+            does not build it. Its kernel is the executor's (``kernel``, if given, must name
+            the same one). The plan check across ranks at entry still runs.
 
     Inside, the model calls ``F.scaled_dot_product_attention(q, k, v, is_causal=...)`` with
     ``q: [1, H, S_local, D]`` and ``k, v: [1, H_kv, S_local, D]`` (``enable_gqa=True``) or
@@ -156,7 +163,8 @@ def context_parallel(
             divisions out of bounds (see :func:`torch_dcp.plan`), buffers and seq dims
             of different lengths, a buffer whose sequence length is not the batch's, a
             ``no_restore_buffers`` entry that is not a buffer, a plan for another world size,
-            a mesh that is not one-dimensional); inside the body, an SDPA call that
+            a mesh that is not one-dimensional, a ``device_plan`` for another plan, rank or
+            kernel); inside the body, an SDPA call that
             contradicts the plan (an ``attn_mask``, dropout, ``is_causal`` against the mask,
             a sequence length that is not this rank's, another dtype, head count or head_dim
             than the BatchSpec's, DTensor inputs; see :func:`_check_call`), raised on every
@@ -175,8 +183,18 @@ def context_parallel(
     if _pytorch_cp_active():
         raise RuntimeError("torch_dcp.context_parallel: a PyTorch context_parallel context (or other SDPA DTensor "
                            "handlers) is active; exit it first")
+    if device_plan is not None and plan is None and batch is None:
+        plan = device_plan.plan
     if (batch is None) == (plan is None):
         raise ValueError("torch_dcp.context_parallel: give exactly one of batch= and plan=")
+    if device_plan is not None:
+        if device_plan.plan is not plan:
+            raise ValueError("torch_dcp.context_parallel: device_plan was built for another plan (pass its own plan, "
+                             "device_plan.plan)")
+        if kernel is not None and kernel != "auto" and get_kernel(kernel).name != device_plan.kernel.name:
+            raise ValueError(f"torch_dcp.context_parallel: kernel={kernel!r}, but device_plan was built for the "
+                             f"{device_plan.kernel.name!r} kernel")
+        kernel = device_plan.kernel
     buffers = list(buffers or [])
     seq_dims = list(buffer_seq_dims or [])
     if len(buffers) != len(seq_dims):
@@ -203,8 +221,11 @@ def context_parallel(
             raise ValueError(f"torch_dcp.context_parallel: buffer {i} has sequence length {b.shape[d]}, "
                              f"the batch has {total} tokens")
 
-    executor = RankExecutor(plan, rank, TorchDistributedTransport(group, device=device, timeout=wait_limit), kernel=kernel)
-    executor.prepare(device)  # the device plan is built and uploaded here, not inside the first SDPA call
+    if device_plan is not None and device_plan.rank != rank:
+        raise ValueError(f"torch_dcp.context_parallel: device_plan is rank {device_plan.rank}'s, this is rank {rank}")
+    executor = RankExecutor(plan, rank, TorchDistributedTransport(group, device=device, timeout=wait_limit), kernel=kernel,
+                            device_plan=device_plan)
+    executor.prepare(device)  # the device plan is built (unless given) and uploaded here, not in the first SDPA call
     ctx = DCPContext(mesh, plan, executor)
     idx = torch.from_numpy(plan.token_indices(rank)).to(device)
     originals = [None if any(b is x for x in no_restore) else b.clone() for b in buffers]

@@ -2,8 +2,8 @@
 ``paper`` (:mod:`~torch_dcp.benchmarks.planners`, :mod:`~torch_dcp.benchmarks.sweeps`), ``balance``
 (:mod:`~torch_dcp.benchmarks.balance`),
 ``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`), ``kernels reduce|table|division|plan``
-(:mod:`~torch_dcp.benchmarks.kernels`), ``ops`` (:mod:`~torch_dcp.benchmarks.ops`) and ``step``
-(:mod:`~torch_dcp.benchmarks.step`)."""
+(:mod:`~torch_dcp.benchmarks.kernels`), ``ops`` (:mod:`~torch_dcp.benchmarks.ops`), ``step``
+(:mod:`~torch_dcp.benchmarks.step`) and ``loader`` (:mod:`~torch_dcp.benchmarks.loader`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import argparse
 import json
 
 from ..topology import TOPOLOGY_PRESETS, Topology
-from . import balance, common, kernels, ops, pictures, planners, step, sweeps
+from . import balance, common, kernels, loader, ops, pictures, planners, step, sweeps
 from .common import MASKS
 
 __all__ = ["main", "parser"]
@@ -137,6 +137,10 @@ def parser() -> argparse.ArgumentParser:
                         description=step.__doc__, formatter_class=raw)
     step.add_arguments(st)
     st.set_defaults(run=lambda a: step.run(a) and 0)
+    lo = sub.add_parser("loader", help="steps/s the planning loader sustains (all ranks simulated here) vs the rate "
+                        "a training job needs", description=loader.__doc__, formatter_class=raw)
+    loader.add_arguments(lo)
+    lo.set_defaults(run=lambda a: loader.run(a) and 0)
     return p
 
 

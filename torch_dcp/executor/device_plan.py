@@ -286,14 +286,21 @@ class DevicePlan:
         self.host = torch.from_numpy(host)
         self.nbytes = int(host.nbytes)
         self.build_seconds = time.perf_counter() - t0
+        self._uploads: dict[torch.device, UploadedPlan] = {}
 
     def pass_plan(self, backward: bool) -> PassPlan:
         return self.backward if backward else self.forward
 
     def upload(self, device: torch.device | str) -> "UploadedPlan":
         """Copy the buffer to ``device`` (one copy; pinned and non-blocking on CUDA) and bind
-        every step's indices and kernel metadata to views of it."""
+        every step's indices and kernel metadata to views of it. Done once per device: a later
+        call (e.g. the executor's :meth:`~torch_dcp.executor.RankExecutor.prepare` after a
+        data loader uploaded the plan ahead) returns the same :class:`UploadedPlan`."""
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device in self._uploads:
+            return self._uploads[device]
         src = self.host
         if device.type == "cuda":
             src = src.pin_memory()
@@ -303,7 +310,8 @@ class DevicePlan:
             nb = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
             tdt = torch.from_numpy(np.zeros(0, dt)).dtype
             views[name] = buf[off:off + nb].view(tdt).view(shape)
-        return UploadedPlan(self, device, views)
+        self._uploads[device] = up = UploadedPlan(self, device, views)
+        return up
 
 
 class UploadedPlan:

@@ -10,10 +10,18 @@ torchtitan's extension point is a config registry module: ``--module M --config 
   and ``llama3_8b`` configs (every torchtitan key still applies) turned into
   :class:`DCPTrainer.Config` with a ``dcp: DCPConfig`` section (``--dcp.planner``,
   ``--dcp.block-size``, ``--dcp.divisions``, ``--dcp.kernel``, ``--dcp.check-plan``,
-  ``--dcp.timeout``);
-* :class:`DCPTrainer`, torchtitan's ``Trainer`` with two hooks overridden:
+  ``--dcp.timeout``, ``--dcp.plan-ahead``, ``--dcp.plan-workers``);
+* :class:`DCPTrainer`, torchtitan's ``Trainer`` with three hooks overridden:
 
-  - ``post_dataloading_process`` (once per microbatch): all-gathers the microbatch's rows
+  - ``batch_generator``: with ``--dcp.plan-ahead N > 0`` (default 2) torchtitan's microbatches
+    go through a :class:`torch_dcp.data.PlanningLoader`: each is gathered over the DCP mesh
+    when the loader reads it, ``N`` ahead, and planned by rank ``i mod W``'s worker processes
+    (shared through the process group's store), so the hook below finds its plan and device
+    plan ready; the checkpoint's dataloader state is the one before the first microbatch not
+    yet trained on;
+
+  - ``post_dataloading_process`` (once per microbatch; with ``--dcp.plan-ahead 0`` it does
+    the gathering and planning itself, in line): all-gathers the microbatch's rows
     over the DCP mesh (torchtitan's data-parallel ``batch`` mesh: DCP unifies data and context
     parallelism in that one dimension), finds the documents of every row (a document starts
     where the loader's position id is 0, else after an EOS token, as torchtitan's
@@ -56,7 +64,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 import torch_dcp
-from torch_dcp.data import packed_document_lengths
+from torch_dcp.data import PlanningConfig, PlanningLoader, packed_document_lengths
 from torch_dcp.executor.kernels import KERNEL_NAMES
 from torch_dcp.planners import PLANNERS
 
@@ -86,15 +94,25 @@ class DCPConfig:
     """Validate every plan (every tile once, inputs present, sends matched) before running it."""
 
     timeout: float = 600.0
-    """Seconds any wait of the DCP step may block (the plan check and every transfer)."""
+    """Seconds any wait of the DCP step may block (the plan check, every transfer, a plan made ahead)."""
+
+    plan_ahead: int = 2
+    """Microbatches planned ahead by planning worker processes, spread over the ranks and shared through the
+    process group's store (torch_dcp.data.PlanningLoader); 0 plans every microbatch in line on every rank."""
+
+    plan_workers: int = 1
+    """Planning worker processes per rank (with plan_ahead > 0)."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad key."""
         if self.planner not in PLANNERS:
             raise ValueError(f"--dcp.planner: unknown planner {self.planner!r}; choose one of {sorted(PLANNERS)}")
-        for key, value in (("block-size", self.block_size), ("divisions", self.divisions)):
+        for key, value in (("block-size", self.block_size), ("divisions", self.divisions),
+                           ("plan-workers", self.plan_workers)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"--dcp.{key} must be a positive integer, got {value!r}")
+        if isinstance(self.plan_ahead, bool) or not isinstance(self.plan_ahead, int) or self.plan_ahead < 0:
+            raise ValueError(f"--dcp.plan-ahead must be an integer >= 0, got {self.plan_ahead!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"--dcp.kernel: unknown kernel {self.kernel!r}; choose one of {list(KERNELS)}")
         if not self.timeout > 0:
@@ -174,25 +192,60 @@ class DCPTrainer(Trainer):
         param = config.training.mixed_precision_param
         self._dcp_dtype = "bfloat16" if "bfloat16" in (param, config.training.dtype) else "float32"
         self._dcp_plan: torch_dcp.Plan | None = None
+        self._dcp_device_plan = None
+        self._dcp_loader: PlanningLoader | None = None
         logger.info(f"torch_dcp: {self.dcp_mesh.size()} rank(s) on the data-parallel mesh, "
                     f"{self.dcp_topology.n_nodes} node(s); planner={config.dcp.planner} "
                     f"block_size={config.dcp.block_size} divisions={config.dcp.divisions} "
                     f"kernel={config.dcp.kernel} attention dtype={self._dcp_dtype}")
 
     # ------------------------------------------------------------------ the per-step plan
-    def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
-        """Gather the microbatch's rows over the DCP mesh, plan, keep this rank's tokens; then
-        torchtitan's own hook on them (inputs, labels, positions ``[1, S_local]``)."""
-        extra = sorted(set(input_dict) - {"input", "positions"})
+    def batch_generator(self, data_iterable):
+        """torchtitan's batch generator; with ``--dcp.plan-ahead N > 0`` its microbatches go
+        through a :class:`~torch_dcp.data.PlanningLoader`: each is gathered over the DCP mesh
+        when the loader reads it (``N`` microbatches ahead, in this thread, so every rank
+        gathers at the same points), planned by rank ``i mod W``'s worker processes and shared
+        through the process group's store; the microbatch reaches
+        :meth:`post_dataloading_process` with its plan and device plan ready. The checkpointed
+        dataloader state is the state before the first microbatch not yet trained on."""
+        from torchtitan.components.dataloader import DataloaderExhaustedError
+
+        base = Trainer.batch_generator(self, data_iterable)
+        cfg = self.config.dcp
+        if cfg.plan_ahead == 0:
+            yield from base
+            return
+        group = self.dcp_mesh.get_group()
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        source = _GatheredSource(self, base)
+        config = PlanningConfig(self.dcp_topology, planner=cfg.planner, block_size=cfg.block_size,
+                                divisions=cfg.divisions, validate=cfg.check_plan, compare=("ring",))
+        loader = PlanningLoader(source, config, lookahead=cfg.plan_ahead, workers=cfg.plan_workers, rank=rank,
+                                world_size=world, timeout=cfg.timeout, device=self.device, kernel=cfg.kernel)
+        states = getattr(getattr(self, "checkpointer", None), "states", None)
+        if isinstance(states, dict) and states.get("dataloader") is self.dataloader:
+            states["dataloader"] = _LoaderState(self.dataloader, loader)
+        self._dcp_loader = loader
+        with loader:
+            for pb in loader:
+                input_dict, labels = pb.data[0]
+                yield {**input_dict, _PLANNED: pb}, labels
+        raise DataloaderExhaustedError()
+
+    def _dcp_gather(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
+        """All-gather a microbatch's rows over the DCP mesh and find its documents: the packed
+        global batch's :class:`~torch_dcp.BatchSpec` and its tensors (tokens, labels,
+        positions: ``[rows * world, L]``)."""
+        extra = sorted(set(input_dict) - {"input", "positions", _PLANNED})
         if extra:
             raise ValueError(f"torch_dcp: the dataloader gives inputs {extra} besides 'input' and 'positions', which "
                              "torch_dcp cannot shard by token")
         tokens = input_dict["input"]
         positions = input_dict.get("positions")
         rows = [tokens, labels] + ([positions] if positions is not None else [])
-        local = torch.stack([r.to(tokens.device, torch.int64) for r in rows])  # [2 or 3, rows, L]
+        local = torch.stack([r.to(self.device, torch.int64) for r in rows])  # [2 or 3, rows, L]
         group = self.dcp_mesh.get_group()
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        world = dist.get_world_size(group)
         parts = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(parts, local, group=group)
         glob = torch.cat(parts, dim=1)  # [2 or 3, world * rows, L], rank-major
@@ -202,25 +255,47 @@ class DCPTrainer(Trainer):
                                        g_tokens.cpu().numpy(), getattr(self.tokenizer, "eos_id", None))
         if g_positions is None:  # what the model uses without positions: 0..L-1 in every row
             g_positions = torch.arange(g_tokens.shape[1], device=g_tokens.device).expand_as(g_tokens)
-        cfg = self.config.dcp
         h, h_kv, d = self._dcp_heads
         batch = torch_dcp.BatchSpec(lens, torch_dcp.Causal(), n_heads=h, n_kv_heads=h_kv, head_dim=d,
                                     dtype=self._dcp_dtype)
-        plan = torch_dcp.plan(batch, self.dcp_topology, planner=cfg.planner, block_size=cfg.block_size,
-                              divisions=cfg.divisions)
-        if cfg.check_plan:
-            plan.validate()
+        return batch, (g_tokens, g_labels, g_positions)
+
+    def post_dataloading_process(self, input_dict: dict[str, torch.Tensor], labels: torch.Tensor):
+        """Keep this rank's tokens, labels and positions of the microbatch's plan (made ahead by
+        the loader, or here: gather the rows over the DCP mesh and plan in line); then
+        torchtitan's own hook on them (inputs, labels, positions ``[1, S_local]``)."""
+        planned = input_dict.pop(_PLANNED, None) if isinstance(input_dict, dict) else None
+        cfg = self.config.dcp
+        rank = dist.get_rank(self.dcp_mesh.get_group())
+        if planned is not None:
+            batch, plan = planned.batch, planned.plan
+            g_tokens, g_labels, g_positions = planned.data[1]
+            self._dcp_device_plan = planned.device_plan
+            stats, ring = planned.stats, planned.compare.get("ring")
+        else:
+            batch, (g_tokens, g_labels, g_positions) = self._dcp_gather(input_dict, labels)
+            plan = torch_dcp.plan(batch, self.dcp_topology, planner=cfg.planner, block_size=cfg.block_size,
+                                  divisions=cfg.divisions)
+            if cfg.check_plan:
+                plan.validate()
+            self._dcp_device_plan = None
+            stats, ring = None, None
         idx = torch.from_numpy(plan.token_indices(rank)).to(g_tokens.device)
         self._dcp_plan = plan
         if rank == 0 and self.metrics_processor.should_log(self.step):
-            self._log_plan(plan, batch)
+            self._log_plan(plan, batch, stats, ring)
+        tokens = input_dict["input"]
         sharded = {"input": g_tokens.flatten()[idx][None].to(tokens.dtype),
                    "positions": g_positions.flatten()[idx][None]}
         return super().post_dataloading_process(sharded, g_labels.flatten()[idx][None].to(labels.dtype))
 
-    def _log_plan(self, plan: torch_dcp.Plan, batch: torch_dcp.BatchSpec) -> None:
-        s = plan.stats()
-        ring = torch_dcp.plan(batch, self.dcp_topology, planner="ring", divisions=self.config.dcp.divisions).stats()
+    def _log_plan(self, plan: torch_dcp.Plan, batch: torch_dcp.BatchSpec, s: dict | None = None,
+                  ring: dict | None = None) -> None:
+        """Rank 0's log line of a plan (``s``, ``ring``: its stats and the ring plan's, when the
+        planning worker computed them; else computed here)."""
+        s = s if s is not None else plan.stats()
+        if not ring or "comm_bytes" not in ring:
+            ring = torch_dcp.plan(batch, self.dcp_topology, planner="ring", divisions=self.config.dcp.divisions).stats()
         n = self._dcp_layers
         mib = 1024 * 1024
         saved = 1 - s["comm_bytes"] / ring["comm_bytes"] if ring["comm_bytes"] else 0.0
@@ -235,8 +310,54 @@ class DCPTrainer(Trainer):
         if plan is None:
             raise RuntimeError("torch_dcp: forward-backward without a plan (post_dataloading_process did not run)")
         cfg = self.config.dcp
-        with torch_dcp.context_parallel(self.dcp_mesh, plan=plan, kernel=cfg.kernel, timeout=cfg.timeout):
+        dp, self._dcp_device_plan = self._dcp_device_plan, None
+        with torch_dcp.context_parallel(self.dcp_mesh, plan=plan, kernel=cfg.kernel, timeout=cfg.timeout,
+                                        device_plan=dp):
             return Trainer._forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs)
+
+
+_PLANNED = "_torch_dcp_planned"  # the input_dict key carrying a PlannedBatch from batch_generator to the hook
+
+
+class _GatheredSource:
+    """The loader's source: torchtitan's microbatches, each gathered over the DCP mesh, as
+    ``(BatchSpec, ((input_dict, labels), (tokens, labels, positions)))``; its state is the
+    dataloader's (so the loader saves the state before the first microbatch not trained on)."""
+
+    def __init__(self, trainer: "DCPTrainer", base: Any):
+        self.trainer, self.base = trainer, base
+
+    def __iter__(self):
+        from torchtitan.components.dataloader import DataloaderExhaustedError
+
+        while True:
+            try:
+                input_dict, labels = next(self.base)
+            except (StopIteration, DataloaderExhaustedError):
+                return
+            batch, glob = self.trainer._dcp_gather(input_dict, labels)
+            yield batch, ((input_dict, labels), glob)
+
+    def state_dict(self) -> Any:
+        return self.trainer.dataloader.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.trainer.dataloader.load_state_dict(state)
+
+
+class _LoaderState:
+    """Stands for the dataloader in torchtitan's checkpoint while microbatches are read ahead:
+    saves the dataloader's state as of the first microbatch not yet trained on."""
+
+    def __init__(self, dataloader: Any, loader: PlanningLoader):
+        self.dataloader, self.loader = dataloader, loader
+
+    def state_dict(self) -> Any:
+        state = self.loader.state_dict()["source"]
+        return state if state is not None else self.dataloader.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.dataloader.load_state_dict(state)
 
 
 class DCPSelectiveAC(SelectiveAC):
