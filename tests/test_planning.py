@@ -219,10 +219,12 @@ def test_a_plan_that_fails_validation_raises_on_every_rank(world, tmp_path):
 def _silent_rank(rank, world, mesh):
     """Rank 1 never iterates (it never publishes step 1): rank 0 gets a PlanningTimeoutError
     naming step 1 and rank 1 within the timeout."""
-    loader = PlanningLoader(_source(), _config(world), timeout=3.0, warmup=False)
+    pool = _pool(world)  # warm before the timed part: spawning and imports are not the fault under test
+    loader = PlanningLoader(_source(), _config(world), timeout=3.0, pool=pool)
     if rank == 1:
         time.sleep(5.0)
         loader.close()
+        pool.shutdown()
         return
     assert next(loader).step == 0
     t0 = time.monotonic()
@@ -231,6 +233,7 @@ def _silent_rank(rank, world, mesh):
     assert err.value.step == 1 and err.value.planning_rank == 1
     assert time.monotonic() - t0 < 3.0 + 2.0
     loader.close()
+    pool.shutdown(cancel_futures=True)
 
 
 def test_a_rank_that_never_publishes_gives_a_timeout_naming_step_and_rank(tmp_path):
