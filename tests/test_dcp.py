@@ -204,8 +204,10 @@ def test_dcp_is_never_slower_than_ring_or_megatron_on_the_simulator(lens, mask, 
     plan.validate()
     t = simulate(plan, cm).makespan_s
     labels = [label for label, _ in plan.candidates]
-    assert t == pytest.approx(min(s for _, s in plan.candidates), rel=1e-12)
-    assert labels[0] == "dcp" and plan.planner in labels
+    if plan.candidates:  # none when dcp's own plan is the only candidate
+        simulated = [s for _, s in plan.candidates if s == s]  # NaN: not simulated, its floor was above a faster one
+        assert t == pytest.approx(min(simulated), rel=1e-12)
+        assert labels[0] == "dcp" and plan.planner in labels
     balanced = torch_dcp.plan(batch, topo, planner="dcp", block_size=256, objective="bytes")
     assert t <= simulate(balanced, cm).makespan_s * (1 + 1e-12)  # the bytes objective's plan is a candidate
     for rival in ("ring", "megatron"):

@@ -12,7 +12,7 @@ from torch_dcp import BatchSpec, Causal, Full, Plan, Ranges, Topology, Workload
 from torch_dcp.cost import A100, H100, CostModel, KernelTable
 from torch_dcp.planners import Placement
 from torch_dcp.schedule import assign_divisions
-from torch_dcp.simulate import simulate
+from torch_dcp.simulate import compute_floor_seconds, floor_seconds, link_floor_seconds, simulate
 from torch_dcp.workload import Buf, item_token_bytes
 
 B = 64
@@ -119,6 +119,13 @@ def test_simulation_bounds(planner):
     for p in (res.forward, res.backward):
         assert np.all(p.idle_s >= -1e-15) and np.all(p.busy_s > 0)
         assert np.allclose(p.finish_s, p.busy_s + p.exposed_comm_s)
+    # the floors torch_dcp.plan uses to skip candidates are below every simulated run
+    for cm in (CostModel.a100(), CostModel.h100()):
+        sim = simulate(plan, cm)
+        busy = sim.forward.busy_s + sim.backward.busy_s
+        assert compute_floor_seconds(plan, cm) <= busy.max() * (1 + 1e-12)
+        assert link_floor_seconds(plan) <= sim.makespan_s * (1 + 1e-12)
+        assert 0 < floor_seconds(plan, cm) <= sim.makespan_s * (1 + 1e-12)
 
 
 @pytest.mark.parametrize("nics", [1, 2])

@@ -55,8 +55,9 @@ def plan(
     Returns:
         The :class:`Plan`; ``plan.plan_seconds`` holds the planning time (placement,
         divisions and, where candidates are timed, their simulation); ``plan.candidates``
-        the ``(planner label, simulated seconds)`` of every candidate timed (empty when the
-        planner offers one).
+        the ``(planner label, simulated seconds)`` of every candidate (NaN for one not
+        simulated because its floor, :func:`torch_dcp.simulate.floor_seconds`, lies above a
+        faster candidate's time; empty when the planner offers one).
 
     Raises:
         ValueError: unknown planner, a bad topology, a block size that is not an integer in
@@ -82,11 +83,18 @@ def plan(
     timed: list[tuple[str, float]] = []
     if len(plans) > 1:
         from .cost import CostModel
-        from .simulate import simulate
+        from .simulate import floor_seconds, simulate
 
         cm = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model or "a100")
-        timed = [(p.planner, simulate(p, cm).makespan_s) for p in plans]
-        chosen = plans[min(range(len(plans)), key=lambda i: (timed[i][1], i))]
+        chosen, best = plans[0], float("inf")
+        for p in plans:  # a candidate whose floor is above the best simulated time cannot win
+            if floor_seconds(p, cm) >= best:
+                timed.append((p.planner, float("nan")))
+                continue
+            t = simulate(p, cm).makespan_s
+            timed.append((p.planner, t))
+            if t < best:
+                chosen, best = p, t
     else:
         chosen = plans[0]
     chosen.plan_seconds = time.perf_counter() - t0

@@ -33,7 +33,8 @@ from .plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLau
 from .planners.base import Routing
 from .workload import Buf, item_token_bytes
 
-__all__ = ["simulate", "SimResult", "PassResult", "ring_step_seconds"]
+__all__ = ["simulate", "SimResult", "PassResult", "ring_step_seconds", "floor_seconds", "compute_floor_seconds",
+           "link_floor_seconds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +256,44 @@ class _Pass:
             raise RuntimeError(f"simulation deadlock: ranks {sorted(self.blocked)} wait for messages never sent")
         makespan = float(self.clock.max()) if w else 0.0
         return PassResult(makespan, self.busy, self.exposed, makespan - self.clock, self.clock.copy(), self.events)
+
+
+def link_floor_seconds(plan: Plan) -> float:
+    """The busiest link's busy time of ``plan``, forward + backward (seconds): every transfer
+    occupies the sender's outgoing and the receiver's incoming NVLink port (inside a node) or
+    rail (between nodes) for ``bytes / bandwidth``; the floor is the largest total over ports
+    and rails. No schedule of the plan is shorter (the simulator runs one transfer at a time
+    per port and rail)."""
+    topo = plan.topology
+    src, dst, nbytes, _ = plan.transfers()
+    w = plan.world_size
+    inter = topo.node_of(src) != topo.node_of(dst)
+    busy = [0.0]
+    for ends in (src, dst):
+        intra = np.bincount(ends[~inter], weights=nbytes[~inter], minlength=w) / topo.intra_bandwidth
+        rail = topo.node_of(ends[inter]) * topo.rails_per_node + topo.rail_of(ends[inter])
+        rails = np.bincount(rail, weights=nbytes[inter], minlength=topo.n_nodes * topo.rails_per_node)
+        busy += [float(intra.max(initial=0.0)), float((rails / topo.rail_bandwidth).max(initial=0.0))]
+    return max(busy)
+
+
+def compute_floor_seconds(plan: Plan, cost_model: CostModel | None = None) -> float:
+    """The busiest rank's attention FLOPs at the cost model's best throughput, forward +
+    backward (seconds): a lower bound of its kernel time."""
+    cm = cost_model or CostModel.a100()
+    b = plan.batch
+    table = cm.table_for(b.head_dim, b.dtype)
+    peak_f = max(max(table.fwd_full), max(table.fwd_causal)) * 1e12
+    peak_b = max(max(table.bwd_full), max(table.bwd_causal)) * 1e12
+    pl = plan.placement
+    return float((pl.rank_flops() / peak_f + pl.rank_flops(backward=True) / peak_b).max())
+
+
+def floor_seconds(plan: Plan, cost_model: CostModel | None = None) -> float:
+    """``max(compute_floor_seconds, link_floor_seconds)``: no simulated run of ``plan`` is
+    shorter, so a candidate whose floor is above another's simulated time need not be
+    simulated (:func:`torch_dcp.plan`)."""
+    return max(compute_floor_seconds(plan, cost_model), link_floor_seconds(plan))
 
 
 def ring_step_seconds(plan: Plan, cost_model: CostModel | None = None) -> float:

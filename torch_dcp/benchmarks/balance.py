@@ -22,34 +22,13 @@ from __future__ import annotations
 import json
 import sys
 
-import numpy as np
-
 from ..api import plan as make_plan
 from ..cost import CostModel
-from ..plan import Plan
-from ..simulate import simulate
+from ..simulate import link_floor_seconds, simulate
 from ..topology import Topology
 from .common import MASKS, bench_batch, paper_batches, paper_sources, progress
 
-__all__ = ["bench_balance", "link_floor_seconds"]
-
-
-def link_floor_seconds(plan: Plan) -> float:
-    """The busiest link's busy time of ``plan``, forward + backward (seconds): every transfer
-    occupies the sender's outgoing and the receiver's incoming port (NVLink inside a node) or
-    rail (between nodes) for ``bytes / bandwidth``; the floor is the largest total over
-    ports and rails."""
-    topo = plan.topology
-    src, dst, nbytes, _ = plan.transfers()
-    w = plan.world_size
-    inter = topo.node_of(src) != topo.node_of(dst)
-    busy = []
-    for ends, kind in ((src, 0), (dst, 1)):
-        intra = np.bincount(ends[~inter], weights=nbytes[~inter], minlength=w) / topo.intra_bandwidth
-        rail = topo.node_of(ends[inter]) * topo.rails_per_node + topo.rail_of(ends[inter])
-        rails = np.bincount(rail, weights=nbytes[inter], minlength=topo.n_nodes * topo.rails_per_node)
-        busy += [intra.max(initial=0.0), (rails / topo.rail_bandwidth).max(initial=0.0)]
-    return float(max(busy))
+__all__ = ["bench_balance"]
 
 
 def bench_balance(topology: Topology, cost: CostModel | str = "a100", masks: tuple[str, ...] = ("causal", "lambda"),
