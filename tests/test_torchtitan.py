@@ -37,6 +37,7 @@ BAD_CONFIGS = {  # torchtitan arguments -> what the start-up error must name
     "pp": (["--parallelism.pipeline_parallel_degree", "2"], "--parallelism.pipeline_parallel_degree"),
     "cp": (["--parallelism.context_parallel_degree", "2"], "--parallelism.context_parallel_degree"),
     "kernel": (["--dcp.kernel", "fast"], "--dcp.kernel"),
+    "objective": (["--dcp.objective", "speed"], "--dcp.objective"),
 }
 
 
@@ -155,11 +156,13 @@ def _check_parity(res: dict, steps: int) -> tuple[float, float]:
 
 
 def test_dcp_matches_no_cp_on_2_ranks_and_bad_configs_fail_at_start(tmp_path):
-    """dp2 (FSDP over 2 ranks), 3 steps, planner dcp with 64-token blocks; and every deliberately
-    wrong config stops at start-up with a message naming its key."""
+    """dp2 (FSDP over 2 ranks), 3 steps, planner dcp with 64-token blocks and its bytes objective
+    (compute within 1.1 of the mean: documents are split; the time objective may keep these tiny
+    batches whole, which the simulator finds faster); and every deliberately wrong config stops
+    at start-up with a message naming its key."""
     res = _train(tmp_path, world=2, steps=3, seq_len=512, local_batch=2,
                  dcp_args=["--dcp.planner", "dcp", "--dcp.block-size", "64", "--dcp.divisions", "2",
-                           "--dcp.check-plan"], parallel_args=[], bad=BAD_CONFIGS)
+                           "--dcp.objective", "bytes", "--dcp.check-plan"], parallel_args=[], bad=BAD_CONFIGS)
     loss_rel, grad_diff = _check_parity(res, 3)
     print(f"2 ranks: loss rel diff {loss_rel:.2e}, step-1 grad max abs diff {grad_diff:.2e}")
     for name, (_, key) in BAD_CONFIGS.items():

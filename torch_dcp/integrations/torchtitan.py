@@ -87,6 +87,10 @@ class DCPConfig:
     divisions: int = 4
     """Divisions per rank, to overlap communication with compute."""
 
+    objective: str = "time"
+    """dcp only: time (candidates timed on the simulator, compute balance may loosen to 2x where links are the
+    bottleneck) or bytes (compute within 1.1 of the mean, fewest bytes moved)."""
+
     kernel: str = "auto"
     """Attention kernel of the executor: auto, flex, varlen, sdpa or reference."""
 
@@ -103,6 +107,10 @@ class DCPConfig:
     plan_workers: int = 1
     """Planning worker processes per rank (with plan_ahead > 0)."""
 
+    def planner_options(self) -> dict:
+        """Options of the planner beyond block size and divisions (dcp's objective)."""
+        return {"objective": self.objective} if self.planner == "dcp" else {}
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad key."""
         if self.planner not in PLANNERS:
@@ -113,6 +121,8 @@ class DCPConfig:
                 raise ValueError(f"--dcp.{key} must be a positive integer, got {value!r}")
         if isinstance(self.plan_ahead, bool) or not isinstance(self.plan_ahead, int) or self.plan_ahead < 0:
             raise ValueError(f"--dcp.plan-ahead must be an integer >= 0, got {self.plan_ahead!r}")
+        if self.objective not in ("time", "bytes"):
+            raise ValueError(f"--dcp.objective must be time or bytes, got {self.objective!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"--dcp.kernel: unknown kernel {self.kernel!r}; choose one of {list(KERNELS)}")
         if not self.timeout > 0:
@@ -219,7 +229,8 @@ class DCPTrainer(Trainer):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         source = _GatheredSource(self, base)
         config = PlanningConfig(self.dcp_topology, planner=cfg.planner, block_size=cfg.block_size,
-                                divisions=cfg.divisions, validate=cfg.check_plan, compare=("ring",))
+                                divisions=cfg.divisions, options=cfg.planner_options(), validate=cfg.check_plan,
+                                compare=("ring",))
         loader = PlanningLoader(source, config, lookahead=cfg.plan_ahead, workers=cfg.plan_workers, rank=rank,
                                 world_size=world, timeout=cfg.timeout, device=self.device, kernel=cfg.kernel)
         states = getattr(getattr(self, "checkpointer", None), "states", None)
@@ -275,7 +286,7 @@ class DCPTrainer(Trainer):
         else:
             batch, (g_tokens, g_labels, g_positions) = self._dcp_gather(input_dict, labels)
             plan = torch_dcp.plan(batch, self.dcp_topology, planner=cfg.planner, block_size=cfg.block_size,
-                                  divisions=cfg.divisions)
+                                  divisions=cfg.divisions, **cfg.planner_options())
             if cfg.check_plan:
                 plan.validate()
             self._dcp_device_plan = None
