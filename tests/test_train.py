@@ -25,11 +25,14 @@ def _run(args: list[str], log: Path, nproc: int | None) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("mask", ["causal", "lambda"])
-def test_dcp_fsdp_matches_single_process(mask, tmp_path):
+@pytest.mark.parametrize("mask,planning", [("causal", []), ("lambda", ["--plan-ahead", "0", "--ring-stats"])],
+                         ids=["causal-loader", "lambda-inline"])
+def test_dcp_fsdp_matches_single_process(mask, planning, tmp_path):
+    """The main job on 4 gloo ranks matches one process with a dense mask: causal with plans
+    made ahead by the planning loader (the default), lambda with plans made in line."""
     common = ["--steps", "3", "--tokens-per-step", "3000", "--max-doc-len", "1500", "--mask", mask,
               "--block-size", "128"]
-    dcp = _run(common + ["--cp-impl", "torch_dcp"], tmp_path / "dcp.jsonl", nproc=4)
+    dcp = _run(common + ["--cp-impl", "torch_dcp"] + planning, tmp_path / "dcp.jsonl", nproc=4)
     ref = _run(common + ["--cp-impl", "none"], tmp_path / "ref.jsonl", nproc=None)
     assert len(dcp) == len(ref) == 3
     for a, b in zip(dcp, ref):
