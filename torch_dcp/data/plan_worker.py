@@ -107,14 +107,19 @@ def plan_batch(batch: BatchSpec | dict, config: PlanningConfig) -> tuple[Plan, d
     return plan, {"plan_seconds": plan.plan_seconds, "stats": plan.stats(), "compare": compare}
 
 
+def failure_cause(err: Exception) -> str:
+    """The cause, in words, of an exception raised by :func:`plan_batch`."""
+    if isinstance(err, PlanError):
+        return f"the plan failed validation: {err}"
+    return f"the planner raised {type(err).__name__}: {err}"
+
+
 def _worker_job(batch: dict, config: PlanningConfig) -> tuple[str, Any]:
     """What runs in a worker process: ``("plan", record bytes)`` or ``("error", cause)``."""
     try:
         plan, header = plan_batch(batch, config)
-    except PlanError as err:
-        return "error", f"the plan failed validation: {err}"
     except Exception as err:
-        return "error", f"the planner raised {type(err).__name__}: {err}"
+        return "error", failure_cause(err)
     return "plan", encode_plan(plan.to_bytes(), header)
 
 

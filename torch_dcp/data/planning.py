@@ -43,7 +43,7 @@ from ..executor.device_plan import DevicePlan
 from ..executor.kernels import DivisionKernel, get_kernel
 from ..plan import Plan, PlanError
 from .plan_store import PlanningError, PlanningTimeoutError, PlanStore, decode_record, encode_error
-from .plan_worker import PlanningConfig, _worker_job, plan_batch, planning_pool
+from .plan_worker import PlanningConfig, _worker_job, failure_cause, plan_batch, planning_pool
 
 __all__ = ["PlanningConfig", "PlannedBatch", "PlanningLoader", "PlanningError", "PlanningTimeoutError", "plan_batch",
            "planning_pool"]
@@ -312,10 +312,8 @@ class PlanningLoader(Generic[T]):
         t0 = time.perf_counter()
         try:
             plan, header = plan_batch(batch, self.config)
-        except PlanError as err:
-            self._failed = PlanningError(step, self.rank, f"the plan failed validation: {err}")
         except Exception as err:
-            self._failed = PlanningError(step, self.rank, f"the planner raised {type(err).__name__}: {err}")
+            self._failed = PlanningError(step, self.rank, failure_cause(err))
         if self._failed is not None:
             raise self._failed
         dp, build = self._device_plan(plan)

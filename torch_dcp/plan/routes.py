@@ -140,12 +140,8 @@ def node_routes(plan: "Plan") -> dict[str, np.ndarray]:
     sel = np.nonzero(remote)[0]
     if len(sel):
         nb = max(plan.workload.n_blocks, 1)
-        key = (node[sel] * 2 + fk[sel]) * nb + fb[sel]
-        order = sel[np.lexsort((fr[sel], fd[sel], key))]  # by group, then division, then rank
-        k = (node[order] * 2 + fk[order]) * nb + fb[order]
-        first = np.ones(len(order), bool)
-        first[1:] = k[1:] != k[:-1]
-        group = np.cumsum(first) - 1
+        key = (node * 2 + fk) * nb + fb
+        order, first, group = _groups(key, sel, (fr[sel], fd[sel]))  # first division, then rank, leads
         size = np.bincount(group)
         gate = order[first]  # the gateway row of every group
         dedup = size[group] > 1
@@ -158,6 +154,17 @@ def node_routes(plan: "Plan") -> dict[str, np.ndarray]:
     return t
 
 
+def _groups(key: np.ndarray, rows: np.ndarray, order_by: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """``rows`` grouped by ``key[rows]``, inside each group sorted by ``order_by`` (arrays over
+    ``rows``, last one first, as ``np.lexsort``): ``(order, first, group)`` -- the sorted rows,
+    whether each leads its group, and its group's index."""
+    order = rows[np.lexsort((*order_by, key[rows]))]
+    k = key[order]
+    first = np.ones(len(order), bool)
+    first[1:] = k[1:] != k[:-1]
+    return order, first, np.cumsum(first) - 1
+
+
 def _reduce_in_node(plan: "Plan", t: dict[str, np.ndarray], side: str) -> None:
     """Reroute ``side``'s direct inter-node returns through one reducer per (node, block) (see
     :func:`node_routes`), in place."""
@@ -168,12 +175,7 @@ def _reduce_in_node(plan: "Plan", t: dict[str, np.ndarray], side: str) -> None:
     sel = np.nonzero(node != topo.node_of(rt))[0]
     if len(sel):
         nb = max(plan.workload.n_blocks, 1)
-        key = node[sel] * nb + rb[sel]
-        order = sel[np.lexsort((rr[sel], -rd[sel], key))]  # by group, latest division first, then rank
-        k = node[order] * nb + rb[order]
-        first = np.ones(len(order), bool)
-        first[1:] = k[1:] != k[:-1]
-        group = np.cumsum(first) - 1
+        order, first, group = _groups(node * nb + rb, sel, (rr[sel], -rd[sel]))  # latest division, then rank, leads
         gate = order[first]  # the reducer of every group
         members = order[~first]
         reducer = gate[group[~first]]

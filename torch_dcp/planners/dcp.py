@@ -337,10 +337,10 @@ def dcp_candidates(
     from .fcp import plan_fcp
     from .greedy import plan_greedy
 
-    placed = {"megatron": plan_megatron(batch, topology)}
+    megatron = plan_megatron(batch, topology)  # a block layout to start from, and a rival
     candidates = partitions + [plan_greedy(batch, topology, block_size).block_rank,
                                plan_fcp(batch, topology, block_size).block_rank, _zigzag(wl, w),
-                               _on_blocks(placed["megatron"], wl)]
+                               _on_blocks(megatron, wl)]
     # looser compute bounds for the time objective, loosest first: each rebalancing continues
     # from the previous one
     looser = []
@@ -376,7 +376,7 @@ def dcp_candidates(
     out = [Placement(wl, w, p[blocks], p[tiles], planner="dcp", routing=routing) for p in chosen]
     if objective == "time":
         for name in rivals:
-            rival = placed[name] if name in placed else _RIVALS[name](batch, topology)
+            rival = megatron if name == "megatron" else _RIVALS[name](batch, topology)
             tokens = rival.rank_tokens()
             if tokens.max() <= (1.0 + eps_memory) * tokens.mean():
                 out.append(dataclasses.replace(rival, planner=f"dcp:{name}"))
