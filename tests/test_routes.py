@@ -134,3 +134,27 @@ def test_simulated_ring_is_the_formula_on_two_nodes(mask):
     formula = ring_step_seconds(plan)
     sim = simulate(plan).makespan_s
     assert formula <= sim <= 1.10 * formula, (sim, formula)
+
+
+def test_node_routes_spread_gateways_and_reducers_over_rails():
+    """Routing.NODE picks each block's gateway and reducer among the node's ranks that need it
+    so that rails and NVLink ports carry even loads: with every rank of a node needing every
+    block of the other node (one full-mask document, all-gather layout), each rail carries
+    about the same bytes in and out (the first rank of every group would carry them all)."""
+    from torch_dcp.api import _divide
+
+    batch = _batch([4096], Full())
+    topo = Topology(n_nodes=2, ranks_per_node=4, nics_per_node=4)
+    ag = torch_dcp.plan(batch, topo, planner="allgather", block_size=128, divisions=2)
+    plan = _divide(dataclasses.replace(ag.placement, routing=Routing.NODE), topo, 2)
+    plan.validate()
+    t = plan.tables
+    assert (t["fetch_src"] != plan.placement.block_rank[t["fetch_block"]]).any()  # relays
+    assert (t["ret_kv_dst"] != plan.placement.block_rank[t["ret_kv_block"]]).any()  # pre-reductions
+    src, dst, nbytes, _ = plan.transfers()
+    inter = topo.node_of(src) != topo.node_of(dst)
+    for ends in (src, dst):  # one rail per rank
+        rail = np.bincount(ends[inter], weights=nbytes[inter], minlength=topo.world_size)
+        assert rail.max() <= 1.2 * rail.mean()
+    # the plan is exact
+    assert plan.stats()["inter_node_bytes"] == pytest.approx(nbytes[inter].sum())

@@ -28,10 +28,12 @@ class Routing(enum.Enum):
       before passing them on, and the last one sends the sums home.
     * ``NODE``: like ``DIRECT``, but every block and every partial result crosses into or out
       of a node at most once: of the ranks of a node that fetch a block from another node,
-      the first (its gateway) fetches it from the home one division earlier than any of them
-      needs it (before division 0: in an opening phase), and the others get it from the
-      gateway over NVLink; partial results of one block that several ranks of a node return
-      to another node are added on one of them (the last to finish) and sent home once.
+      one (its gateway) fetches it from the home one division earlier than any of them needs
+      it (before division 0: in an opening phase), and the others get it from the gateway
+      over NVLink; partial results of one block that several ranks of a node return to
+      another node are added on one of them (a reducer, among the last to finish) and sent
+      home once. Gateways and reducers are chosen to even out the load of rails and NVLink
+      ports.
     """
 
     DIRECT = "direct"
