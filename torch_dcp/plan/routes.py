@@ -190,6 +190,8 @@ class _LinkLoads:
             "fetch": np.array([itb[(False, Buf.Q)] + itb[(True, Buf.Q)], itb[(False, Buf.KV)] + itb[(True, Buf.KV)]]),
             "q": itb[(False, Buf.OPART)] + itb[(True, Buf.DQ)], "kv": itb[(True, Buf.DKV)]}
         n_rails = topo.n_nodes * topo.rails_per_node
+        ranks = np.arange(plan.world_size)
+        self.rail_id = topo.node_of(ranks) * topo.rails_per_node + topo.rail_of(ranks)  # global rail of each rank
         self.rail = {"in": np.zeros(n_rails), "out": np.zeros(n_rails)}
         self.port = {"in": np.zeros(plan.world_size), "out": np.zeros(plan.world_size)}
 
@@ -199,15 +201,12 @@ class _LinkLoads:
     def return_bytes(self, side: str, block: Any) -> Any:
         return self.blen[block] * self.per_token[side]
 
-    def _rail_of(self, rank: np.ndarray) -> np.ndarray:
-        return self.topo.node_of(rank) * self.topo.rails_per_node + self.topo.rail_of(rank)
-
     def add(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
         """Charge transfers ``src -> dst`` of ``nbytes`` to their links."""
         src, dst, nbytes = (np.atleast_1d(np.asarray(a)) for a in (src, dst, nbytes))
         inter = self.topo.node_of(src) != self.topo.node_of(dst)
         for way, ends in (("out", src), ("in", dst)):
-            np.add.at(self.rail[way], self._rail_of(ends[inter]), nbytes[inter] / self.topo.rail_bandwidth)
+            np.add.at(self.rail[way], self.rail_id[ends[inter]], nbytes[inter] / self.topo.rail_bandwidth)
             np.add.at(self.port[way], ends[~inter], nbytes[~inter] / self.topo.intra_bandwidth)
 
     def charge_fixed(self, t: dict[str, np.ndarray], jobs: list, fetch_bytes: np.ndarray) -> None:
@@ -219,7 +218,7 @@ class _LinkLoads:
         for rows in multi["fetch"]:
             keep[rows] = False
             b = fetch_bytes[rows[0]]
-            self.rail["out"][self._rail_of(t["fetch_src"][rows[0]])] += b / self.topo.rail_bandwidth
+            self.rail["out"][self.rail_id[t["fetch_src"][rows[0]]]] += b / self.topo.rail_bandwidth
             self.port["in"][t["fetch_rank"][rows]] += b / self.topo.intra_bandwidth
         self.add(t["fetch_src"][keep], t["fetch_rank"][keep], fetch_bytes[keep])
         for side in _SIDES:
@@ -228,12 +227,12 @@ class _LinkLoads:
             for rows in multi[side]:
                 keep[rows] = False
                 b = self.return_bytes(side, rb[rows[0]])
-                self.rail["in"][self._rail_of(rt[rows[0]])] += b / self.topo.rail_bandwidth
+                self.rail["in"][self.rail_id[rt[rows[0]]]] += b / self.topo.rail_bandwidth
                 self.port["out"][rr[rows]] += b / self.topo.intra_bandwidth
             self.add(rr[keep], rt[keep], self.return_bytes(side, rb[keep]))
 
     def _pick(self, ranks: np.ndarray, nbytes: float, rail_way: str, port_way: str, allowed: np.ndarray) -> int:
-        rails = self._rail_of(ranks)
+        rails = self.rail_id[ranks]
         hop = nbytes / self.topo.intra_bandwidth
         cost = np.maximum(self.rail[rail_way][rails] + nbytes / self.topo.rail_bandwidth,
                           self.port[port_way][ranks] + hop * (len(ranks) - 1))
