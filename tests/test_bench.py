@@ -73,6 +73,11 @@ def test_balance_floors_bound_the_simulated_time():
     # the balanced plan is one of the time objective's candidates, timed on the same model
     assert rows[0]["time"]["ms"] <= rows[0]["bytes"]["ms"] * (1 + 1e-12)
     assert "time objective at least as fast as the balanced plan on" in out.getvalue()
+    # where the time goes: the last rank's waits, split around its kernels, fit in the pass times
+    t = rows[0]["time"]
+    waits = [t[f"exposed_{k}_ms"] for k in ("start", "middle", "end")]
+    assert min(waits) >= 0 and 0 < sum(waits) < t["ms"]
+    assert "waits before first kernel / between / after last kernel" in out.getvalue()
 
 
 def test_scaled_batch_and_errors(tmp_path, capsys):
