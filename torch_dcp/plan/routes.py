@@ -132,11 +132,11 @@ def node_routes(plan: "Plan") -> dict[str, np.ndarray]:
       its own last division, or one division later when another rank of its node finishes in
       the same division (after the last division: the plan's closing return phase, ``2T + 1``).
 
-    Gateways and reducers are chosen to spread the load over links (greedily, largest first: :class:`_LinkLoads`): a
-    gateway's rail carries the block into the node and its NVLink port out carries the relays;
-    a reducer's NVLink port in carries the partials and its rail the sum. Choosing the first
-    rank every time puts most of a node's traffic on one rail (3.3x the mean rail bytes on the
-    paper's corpus batch on DGX H100).
+    Gateways and reducers are chosen to spread the load over links (greedily, largest group
+    first; see :class:`_LinkLoads`): a gateway's rail carries the block into the node and its
+    NVLink port out the relays; a reducer's NVLink port in carries the partials and its rail
+    the sum. Choosing the first rank every time puts most of a node's traffic on one rail
+    (3.3x the mean rail bytes on the paper's corpus batch on DGX H100).
     """
     t = direct_routes(plan)
     topo = plan.topology
@@ -147,17 +147,19 @@ def node_routes(plan: "Plan") -> dict[str, np.ndarray]:
     node = topo.node_of(fr)
     remote = np.nonzero(node != topo.node_of(src))[0]
     fetch_bytes = loads.fetch_bytes(fk, fb)
-    order, first, _ = _groups((node * 2 + fk) * nb + fb, remote, (fr[remote], fd[remote]))  # first needed first
-    jobs = [("fetch", rows) for rows in np.split(order, np.nonzero(first)[0][1:]) if len(rows)]
+    # groups with a choice: two or more ranks of a node fetching one (kind, block) from another node
+    jobs = [("fetch", rows) for rows in _groups((node * 2 + fk) * nb + fb, remote, (fr[remote], fd[remote]))]
     ret = {side: (t[f"ret_{side}_div"].copy(), t[f"ret_{side}_dst"].copy()) for side in _SIDES}
     for side in _SIDES:
         rr, rb = t[f"ret_{side}_rank"], t[f"ret_{side}_block"]
         rd, rt = ret[side]
         out = np.nonzero(topo.node_of(rr) != topo.node_of(rt))[0]
-        order, first, _ = _groups(topo.node_of(rr) * nb + rb, out, (rr[out], -rd[out]))  # last to finish first
-        jobs += [(side, rows) for rows in np.split(order, np.nonzero(first)[0][1:]) if len(rows)]
+        jobs += [(side, rows) for rows in _groups(topo.node_of(rr) * nb + rb, out, (rr[out], -rd[out]))]
     loads.charge_fixed(t, jobs, fetch_bytes)
-    for kind, rows in _balance_order(jobs, t, loads, fetch_bytes):
+    size = [fetch_bytes[rows[0]] if k == "fetch" else loads.return_bytes(k, t[f"ret_{k}_block"][rows[0]])
+            for k, rows in jobs]
+    for i in np.argsort(-np.asarray(size, float), kind="stable"):  # largest first, while links are open
+        kind, rows = jobs[i]
         if kind == "fetch":
             g = loads.pick_gateway(fr[rows], fetch_bytes[rows[0]])
             gate = rows[g]
@@ -211,9 +213,9 @@ class _LinkLoads:
 
     def charge_fixed(self, t: dict[str, np.ndarray], jobs: list, fetch_bytes: np.ndarray) -> None:
         """Charge every transfer whose links do not depend on the choices: routes outside the
-        groups with a choice (``jobs`` of two or more members), each group's hop from or to the
-        block's home, and the NVLink hops of all its members (the chosen one's is refunded)."""
-        multi = {kind: [rows for k, rows in jobs if k == kind and len(rows) > 1] for kind in ("fetch", *_SIDES)}
+        groups with a choice (``jobs``), each group's hop from or to the block's home, and the
+        NVLink hops of all its members (the chosen one's is refunded)."""
+        multi = {kind: [rows for k, rows in jobs if k == kind] for kind in ("fetch", *_SIDES)}
         keep = np.ones(len(t["fetch_rank"]), bool)
         for rows in multi["fetch"]:
             keep[rows] = False
@@ -252,24 +254,13 @@ class _LinkLoads:
         return self._pick(ranks, nbytes, "out", "in", allowed)
 
 
-def _balance_order(jobs: list, t: dict[str, np.ndarray], loads: _LinkLoads, fetch_bytes: np.ndarray) -> list:
-    """The groups with a choice (two or more members), largest first (a greedy list schedule:
-    big items placed while the links are still open); ties keep their order."""
-    multi = [(k, rows) for k, rows in jobs if len(rows) > 1]
-    size = [fetch_bytes[rows[0]] if k == "fetch" else loads.return_bytes(k, t[f"ret_{k}_block"][rows[0]])
-            for k, rows in multi]
-    return [multi[i] for i in np.argsort(-np.asarray(size, float), kind="stable")]
-
-
-def _groups(key: np.ndarray, rows: np.ndarray, order_by: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
-    """``rows`` grouped by ``key[rows]``, inside each group sorted by ``order_by`` (arrays over
-    ``rows``, last one first, as ``np.lexsort``): ``(order, first, group)`` -- the sorted rows,
-    whether each leads its group, and its group's index."""
+def _groups(key: np.ndarray, rows: np.ndarray, order_by: tuple[np.ndarray, ...]) -> list[np.ndarray]:
+    """``rows`` grouped by ``key[rows]``, each group sorted by ``order_by`` (arrays over
+    ``rows``, last one first, as ``np.lexsort``); only groups of two or more rows."""
     order = rows[np.lexsort((*order_by, key[rows]))]
     k = key[order]
-    first = np.ones(len(order), bool)
-    first[1:] = k[1:] != k[:-1]
-    return order, first, np.cumsum(first) - 1
+    starts = np.nonzero(np.concatenate(([True], k[1:] != k[:-1])))[0] if len(order) else np.zeros(0, np.int64)
+    return [g for g in np.split(order, starts[1:]) if len(g) > 1]
 
 
 #: routing -> ``fn(plan) -> tables``: the one table of route builders.
