@@ -209,3 +209,13 @@ def test_tables_per_head_dim_and_dtype(tmp_path):
     assert CostModel.load("h100") == CostModel.h100()
     with pytest.raises(ValueError, match="JSON table files"):
         CostModel.load("b200")
+
+
+def test_link_seconds_charge_ports_inside_a_node_and_rails_between_nodes():
+    topo = Topology(n_nodes=2, ranks_per_node=4, nics_per_node=2, intra_bandwidth=100.0, inter_bandwidth=20.0)
+    # ranks 0 -> 1 inside node 0; 1 -> 5 and 3 -> 7 between nodes (rails: ranks 0-1 rail 0, 2-3 rail 1)
+    s = topo.link_seconds(np.array([0, 1, 3]), np.array([1, 5, 7]), np.array([50.0, 10.0, 30.0]))
+    assert s[("port", "out")].tolist() == [0.5] + [0.0] * 7 and s[("port", "in")][1] == 0.5
+    assert topo.rail_bandwidth == 10.0 and topo.rail_index(7) == 3
+    assert s[("rail", "out")].tolist() == [1.0, 3.0, 0.0, 0.0]
+    assert s[("rail", "in")].tolist() == [0.0, 0.0, 1.0, 3.0]

@@ -264,17 +264,8 @@ def link_floor_seconds(plan: Plan) -> float:
     rail (between nodes) for ``bytes / bandwidth``; the floor is the largest total over ports
     and rails. No schedule of the plan is shorter (the simulator runs one transfer at a time
     per port and rail)."""
-    topo = plan.topology
     src, dst, nbytes, _ = plan.transfers()
-    w = plan.world_size
-    inter = topo.node_of(src) != topo.node_of(dst)
-    busy = [0.0]
-    for ends in (src, dst):
-        intra = np.bincount(ends[~inter], weights=nbytes[~inter], minlength=w) / topo.intra_bandwidth
-        rail = topo.node_of(ends[inter]) * topo.rails_per_node + topo.rail_of(ends[inter])
-        rails = np.bincount(rail, weights=nbytes[inter], minlength=topo.n_nodes * topo.rails_per_node)
-        busy += [float(intra.max(initial=0.0)), float((rails / topo.rail_bandwidth).max(initial=0.0))]
-    return max(busy)
+    return max([0.0] + [float(v.max(initial=0.0)) for v in plan.topology.link_seconds(src, dst, nbytes).values()])
 
 
 def compute_floor_seconds(plan: Plan, cost_model: CostModel | None = None) -> float:

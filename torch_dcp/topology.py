@@ -80,6 +80,26 @@ class Topology:
         rail = local * self.rails_per_node // self.ranks_per_node
         return int(rail) if isinstance(rank, (int, np.integer)) else rail
 
+    def rail_index(self, rank: Any) -> Any:
+        """Rail of ``rank`` numbered over the cluster, ``node * rails_per_node + rail_of(rank)``."""
+        return self.node_of(rank) * self.rails_per_node + self.rail_of(rank)
+
+    def link_seconds(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> dict[tuple[str, str], np.ndarray]:
+        """Seconds every link is busy carrying the transfers ``src[i] -> dst[i]`` of
+        ``nbytes[i]`` bytes: inside a node the sender's NVLink port out and the receiver's port
+        in (``intra_bandwidth``), between nodes the sender's rail out and the receiver's rail
+        in (``rail_bandwidth``). Keys ``("port", "out" | "in")``: float64 ``[world_size]``;
+        ``("rail", "out" | "in")``: float64 ``[n_nodes * rails_per_node]`` by :meth:`rail_index`."""
+        src, dst, nbytes = (np.atleast_1d(np.asarray(a)) for a in (src, dst, nbytes))
+        inter = self.node_of(src) != self.node_of(dst)
+        out = {}
+        for way, ends in (("out", src), ("in", dst)):
+            out[("port", way)] = np.bincount(ends[~inter], weights=nbytes[~inter],
+                                             minlength=self.world_size) / self.intra_bandwidth
+            out[("rail", way)] = np.bincount(self.rail_index(ends[inter]), weights=nbytes[inter],
+                                             minlength=self.n_nodes * self.rails_per_node) / self.rail_bandwidth
+        return out
+
     @classmethod
     def preset(cls, name: str, n_nodes: int = 4) -> "Topology":
         """A named cluster of ``n_nodes`` nodes (:data:`TOPOLOGY_PRESETS`).

@@ -192,8 +192,7 @@ class _LinkLoads:
             "fetch": np.array([itb[(False, Buf.Q)] + itb[(True, Buf.Q)], itb[(False, Buf.KV)] + itb[(True, Buf.KV)]]),
             "q": itb[(False, Buf.OPART)] + itb[(True, Buf.DQ)], "kv": itb[(True, Buf.DKV)]}
         n_rails = topo.n_nodes * topo.rails_per_node
-        ranks = np.arange(plan.world_size)
-        self.rail_id = topo.node_of(ranks) * topo.rails_per_node + topo.rail_of(ranks)  # global rail of each rank
+        self.rail_id = topo.rail_index(np.arange(plan.world_size))
         self.rail = {"in": np.zeros(n_rails), "out": np.zeros(n_rails)}
         self.port = {"in": np.zeros(plan.world_size), "out": np.zeros(plan.world_size)}
 
@@ -205,11 +204,8 @@ class _LinkLoads:
 
     def add(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
         """Charge transfers ``src -> dst`` of ``nbytes`` to their links."""
-        src, dst, nbytes = (np.atleast_1d(np.asarray(a)) for a in (src, dst, nbytes))
-        inter = self.topo.node_of(src) != self.topo.node_of(dst)
-        for way, ends in (("out", src), ("in", dst)):
-            np.add.at(self.rail[way], self.rail_id[ends[inter]], nbytes[inter] / self.topo.rail_bandwidth)
-            np.add.at(self.port[way], ends[~inter], nbytes[~inter] / self.topo.intra_bandwidth)
+        for (link, way), seconds in self.topo.link_seconds(src, dst, nbytes).items():
+            (self.rail if link == "rail" else self.port)[way] += seconds
 
     def charge_fixed(self, t: dict[str, np.ndarray], jobs: list, fetch_bytes: np.ndarray) -> None:
         """Charge every transfer whose links do not depend on the choices: routes outside the
