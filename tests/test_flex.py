@@ -1,7 +1,8 @@
 """FlexKernel (division-level FlexAttention), the merge benchmark, timed emulation and the
 kernel benchmarks.
 
-On CPU FlexAttention runs forward only (eager); FlexKernel's CPU backward uses its dense
+On CPU FlexAttention runs eagerly: the forward, and flex's backward op with ``recompute=False``
+(PyTorch's dense implementations); FlexKernel's default CPU backward recomputes through its dense
 stand-in with the same block mask and mask_mod (see torch_dcp/executor/flex.py). The tests
 marked ``cuda`` run the compiled kernel, forward and backward, and skip without CUDA.
 """
@@ -68,15 +69,16 @@ def test_flex_default_block_size_and_forward_only():
     _check(plan, batch, "flex", backward=False)  # one 128-row flex tile per division, forward = real flex
 
 
-def test_flex_backward_inside_the_attention_op():
+@pytest.mark.parametrize("recompute", [True, False])
+def test_flex_backward_inside_the_attention_op(recompute):
     # the op's backward runs with autograd's dispatch keys excluded; flex's recomputation must
-    # still record its graph (this failed the main job on CUDA)
+    # still record its graph (this failed the main job on CUDA), and flex's backward op must run
     from torch_dcp.attention_op import use_executor
     from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor
 
     batch = BatchSpec([5, 11], torch_dcp.Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype="float32")
     plan = torch_dcp.plan(batch, 1, planner="greedy", block_size=4, divisions=2)
-    ex = RankExecutor(plan, 0, InProcessTransport(Mailbox(), 0), kernel=FlexKernel(block_size=4))
+    ex = RankExecutor(plan, 0, InProcessTransport(Mailbox(), 0), kernel=FlexKernel(block_size=4, recompute=recompute))
     q, k, v, go = random_qkv(batch, torch.float32)
     ref = reference_with_grads(batch, q, k, v, go)
     idx = torch.from_numpy(plan.token_indices(0))
@@ -171,6 +173,35 @@ def test_cpu_backward_stand_in_matches_flex_forward():
             assert (l1[fin] - l2[fin]).abs().max() < 1e-12
 
 
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_flex_backward_without_recompute_exact(mask_name):
+    # flex's backward op with the final LSE, nothing recomputed (the CUDA default; on CPU the
+    # recomputing backward is the default, exact in every case above)
+    import torch_dcp.executor.flex as flex_mod
+
+    heads = "gqa8/2-d32" if len(mask_name) % 2 else "mha4-d32"
+    batch = _batch(mask_name, heads)
+    plan = torch_dcp.plan(batch, 3, planner="dcp", block_size=BLOCK, divisions=3)
+    _check(plan, batch, FlexKernel(block_size=8, recompute=False))
+    assert flex_mod._DIRECT_BACKWARD.get("cpu") is True  # the op ran: no fallback
+
+
+def test_flex_backward_falls_back_once_when_the_op_fails(monkeypatch):
+    import torch_dcp.executor.flex as flex_mod
+
+    def broken(*args, **kwargs):
+        raise TypeError("flex_attention_backward() takes 13 positional arguments")
+
+    monkeypatch.setattr(flex_mod, "_flex_backward_op", broken)
+    monkeypatch.setattr(flex_mod, "_DIRECT_BACKWARD", {})
+    batch = _batch("causal", "mha4-d32")
+    plan = torch_dcp.plan(batch, 2, planner="greedy", block_size=BLOCK, divisions=2)
+    with pytest.warns(RuntimeWarning, match="backward op failed on cpu .*TypeError.*recomputes") as rec:
+        _check(plan, batch, FlexKernel(block_size=8, recompute=False))
+    assert len([w for w in rec if issubclass(w.category, RuntimeWarning)]) == 1  # once per device type
+    assert flex_mod._DIRECT_BACKWARD == {"cpu": False}
+
+
 def test_flex_float32_and_bfloat16_inputs_on_cpu():
     for dtype, tol in (("float32", 1e-5), ("bfloat16", 3e-2)):
         batch = _batch("causal", "gqa8/2-d32", dtype=dtype)
@@ -247,6 +278,11 @@ def test_division_and_plan_benchmarks_run_small():
     assert res["useful_pairs"] == 96 * 97 // 2 + 40 * 41 // 2
     assert res["division_fwd_s"] > 0 and res["dense_fwd_s"] > 0 and res["fwd_ratio"] > 0
     assert res["dense_bwd_s"] != res["dense_bwd_s"]  # no flex backward on CPU: reported as NaN
+    rec = bench_division([96, 40], block=32, heads=2, kv_heads=1, head_dim=16, kernel="flex", device="cpu", repeat=1,
+                         flex_recompute=True)
+    assert rec["useful_pairs"] == res["useful_pairs"] and rec["division_bwd_s"] > 0
+    with pytest.raises(ValueError, match="flex_recompute needs kernel='flex'"):
+        bench_division([96], block=32, kernel="sdpa", device="cpu", flex_recompute=True)
     out = bench_plan("greedy", tokens=1024, nodes=1, ranks_per_node=2, block=128, cost="a100", device="cpu")
     assert out["world_size"] == 2 and len(out["fwd_measured_s"]) == 2
     assert all(x > 0 for x in out["fwd_measured_s"] + out["bwd_predicted_s"])
@@ -267,6 +303,9 @@ def test_flex_cuda_compiled_bf16(mask_name):
     for a, b in zip(got, ref):
         assert a.dtype == torch.bfloat16 and a.is_cuda
         assert (a.cpu().double() - b).abs().max().item() <= 3e-2 * max(1.0, b.abs().max().item())
+    import torch_dcp.executor.flex as flex_mod
+
+    assert flex_mod._DIRECT_BACKWARD.get("cuda") is True  # flex's backward op, compiled: nothing recomputed
 
 
 @cuda

@@ -202,7 +202,7 @@ def _fault(rank, world, mesh, plan_fn, bad_step, match):
     assert time.monotonic() - t1 < 6.0
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 2 ranks cover the path
 def test_a_planning_worker_killed_mid_plan_raises_on_every_rank(world, tmp_path):
     t0 = time.monotonic()
     run_ranks(functools.partial(_fault, plan_fn=_killing_plan, bad_step=KILL_STEP, match=r"died \(BrokenProcessPool"),
@@ -210,7 +210,7 @@ def test_a_planning_worker_killed_mid_plan_raises_on_every_rank(world, tmp_path)
     print(f"{time.monotonic() - t0:.1f} s")
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 2 ranks cover the path
 def test_a_plan_that_fails_validation_raises_on_every_rank(world, tmp_path):
     run_ranks(functools.partial(_fault, plan_fn=_invalid_plan, bad_step=INVALID_STEP, match="failed validation"),
               world, tmp_path, timeout=90)

@@ -116,6 +116,8 @@ def parser() -> argparse.ArgumentParser:
     dv.add_argument("--kernel", default="auto")
     dv.add_argument("--device", default="auto")
     dv.add_argument("--repeat", type=int, default=3)
+    dv.add_argument("--flex-recompute", action="store_true", help="with --kernel flex: recompute each division's "
+                    "forward in the backward (default: flex's backward op with the final LSE)")
     dv.set_defaults(run=_division)
     pl = ksub.add_parser("plan", help="measured per-rank compute of a plan vs the simulator's prediction")
     pl.add_argument("--planner", default="dcp")
@@ -236,7 +238,8 @@ def _division(a) -> int:
     dev = common.pick_device(a.device)
     docs = a.docs or ([16384, 16384] if dev.type == "cuda" else [1024, 512])
     block = a.block or (1024 if dev.type == "cuda" else 128)
-    res = kernels.bench_division(docs, block, 8, 2, a.head_dim, a.dtype, a.kernel, str(dev), a.repeat)
+    res = kernels.bench_division(docs, block, 8, 2, a.head_dim, a.dtype, a.kernel, str(dev), a.repeat,
+                                 a.flex_recompute)
     print(json.dumps({k: round(v, 6) for k, v in res.items()}))
     print(f"division of {len(docs)} causal documents {docs} in blocks of {block} "
           f"({res['useful_pairs'] ** 0.5:.0f}^2 useful pairs) on {common.device_name(dev)}, kernel "

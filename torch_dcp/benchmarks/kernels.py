@@ -268,20 +268,31 @@ def _timed_attention(plan, dtype: str, kernel: str, device: torch.device, repeat
 
 def bench_division(doc_lens: list[int], block: int = 1024, heads: int = 8, kv_heads: int = 2, head_dim: int = 128,
                    dtype: str | None = None, kernel: str = "auto", device: str | None = None,
-                   repeat: int = 3) -> dict[str, float]:
+                   repeat: int = 3, flex_recompute: bool = False) -> dict[str, float]:
     """One division with every tile of causal documents ``doc_lens`` cut into ``block``-token
     blocks (one rank, ``divisions=1``), through the executor's kernel, against the faster of
     one dense FlexAttention call over the contiguous documents (document-causal mask) and one
     varlen flash call (CUDA, 16-bit), per direction.
 
+    ``flex_recompute`` (with ``kernel="flex"``): the backward recomputes the division's forward
+    (``FlexKernel(recompute=True)``), to compare with flex's backward op.
+
     Returns:
         seconds and TFLOP/s (useful FLOPs only) of both, forward and backward, and the ratios
         ``fwd_ratio = division TFLOP/s / dense TFLOP/s`` (likewise ``bwd_ratio``; NaN where
         the dense call cannot run backward, i.e. FlexAttention on CPU).
+
+    Raises:
+        ValueError: ``flex_recompute`` with a kernel other than ``"flex"``.
     """
     import torch_dcp
+    from torch_dcp.executor.flex import FlexKernel
     from torch_dcp.masks import Causal
 
+    if flex_recompute:
+        if kernel != "flex":
+            raise ValueError(f"flex_recompute needs kernel='flex', got kernel={kernel!r}")
+        kernel = FlexKernel(recompute=True)
     dev = pick_device(device)
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
     batch = torch_dcp.BatchSpec(doc_lens, Causal(), n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,

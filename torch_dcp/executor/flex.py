@@ -27,26 +27,36 @@ arXiv 2412.05496):
 The forward returns the partial output and its natural-log LSE (``-inf`` and output 0 for rows
 that see no key).
 
-Backward (exact gradients of the *global* attention): the partial forward is recomputed with
-autograd and back-propagated with ``grad_out = c * dO`` and ``grad_lse = c * (rowsum(dO * O_p)
-- delta)``, ``c = exp(LSE_p - LSE)``, where ``LSE`` is the final LSE and ``delta = rowsum(dO * O)``
-of the final output (``rowsum(grad_out * O_p) - c * delta`` in practice, with ``grad_out`` as
-rounded to the input dtype). Then ``dS = P_p * c * (dO V^T - delta)``: the FlashAttention-2
-backward (Dao, 2023, Algorithm 2) with the global softmax ``P = c * P_p``.
+Backward (exact gradients of the *global* attention), without recomputing the forward: flex's
+own backward (the ``flex_attention_backward`` higher-order op, compiled on CUDA to its Triton
+kernel) is called with the final LSE and ``O' = dO * delta / |dO|^2`` in place of the output
+(:func:`~torch_dcp.executor.kernels.out_with_delta`; ``delta = rowsum(dO * O)`` of the final
+output, which never travels): its softmax ``exp(S - LSE)`` is then the global one restricted to the
+division's pairs and its ``rowsum(dO * O')`` the global ``delta``, so ``dS = P * (dO V^T - delta)``
+is the FlashAttention-2 backward (Dao, 2023, Algorithm 2) of the global attention, as ring
+attention calls it per step. The LSE gradient absorbs the rounding of ``O'`` to the input dtype.
+That op is internal to PyTorch: if its first call on a device type fails (another torch version),
+the kernel warns once and falls back to the recomputing backward below (``recompute=True``; the
+default on CPU).
+
+Recomputing backward: the partial forward is recomputed with autograd and back-propagated with
+``grad_out = c * dO`` and ``grad_lse = c * (rowsum(dO * O_p) - delta)``, ``c = exp(LSE_p -
+LSE)``, where ``LSE`` is the final LSE (``rowsum(grad_out * O_p) - c * delta`` in practice, with
+``grad_out`` as rounded to the input dtype); on CPU, where FlexAttention's autograd has no
+backward, through a dense differentiable stand-in that applies exactly the same block mask (full
+/ partial tiles) and ``mask_mod``.
 
 Devices:
 
 * CUDA: ``torch.compile(flex_attention)`` (compiled once per process, dynamic shapes after the
   first recompile), inputs in their own dtype (bf16 stays bf16; partials are cast to the
-  accumulation dtype for the merge). Backward through flex's own (compiled) backward with
-  the LSE gradient.
+  accumulation dtype for the merge); the backward op compiled the same way.
 * CPU: eager ``flex_attention`` for the forward (PyTorch's unfused implementation: it
   materialises the ``[H, N_q, N_k]`` scores); inputs are cast to the accumulation dtype.
-  FlexAttention has no backward on CPU (``NotImplementedError`` as of torch 2.13), and the
-  compiled CPU kernel returns no LSE, so the CPU backward recomputes the partial forward with
-  a dense differentiable stand-in that applies exactly the same block mask (full / partial
-  tiles) and ``mask_mod``, then uses the same exact backward. It is meant for tests; use the
-  ``"sdpa"`` kernel for CPU runs.
+  The backward recomputes by default: FlexAttention's autograd has no CPU backward, and the
+  backward op's eager dense implementation (exact too, ``recompute=False``) is slower than the
+  stand-in (the flex tests take about 1.4x as long with it). Meant for tests; use the ``"sdpa"``
+  kernel for CPU runs.
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ import torch
 
 from ..masks import BlockwiseCausal, Causal, Full, Lambda
 from .division import Division
-from .kernels import KernelLayout
+from .kernels import KernelLayout, out_with_delta
 
 __all__ = ["FlexKernel", "flex_available"]
 
@@ -77,9 +87,18 @@ try:  # torch >= 2.9: return_aux=AuxRequest(lse=True); older: return_lse=True
 except ImportError:  # pragma: no cover
     AuxRequest = None
 
+try:  # flex's backward as a higher-order op (internal to PyTorch; see the module docstring)
+    from torch._higher_order_ops.flex_attention import flex_attention_backward as _flex_backward_op
+    from torch.nn.attention.flex_attention import _apply_kernel_options, _identity
+except ImportError:  # pragma: no cover
+    _flex_backward_op = None
+
 _USE_AUX = (flex_attention is not None and AuxRequest is not None
             and "return_aux" in inspect.signature(flex_attention).parameters)
 _COMPILED: dict[str, Callable] = {}
+#: per device type, whether the backward op ran there (absent: not tried yet in this process)
+_DIRECT_BACKWARD: dict[str, bool] = {}
+_LN2 = math.log(2.0)
 
 
 def flex_available() -> bool:
@@ -91,6 +110,20 @@ def _compiled_flex() -> Callable:
     if "flex" not in _COMPILED:
         _COMPILED["flex"] = torch.compile(flex_attention)
     return _COMPILED["flex"]
+
+
+def _backward_op(q, k, v, out, lse2, grad_out, grad_lse2, block_mask, scale):
+    """flex's backward op with the identity score_mod (LSE and its gradient in base 2, as the
+    forward op returns it)."""
+    options = _apply_kernel_options(q, k, v, True, None)
+    return _flex_backward_op(q, k, v, out, lse2, grad_out, grad_lse2, _identity, None, block_mask.as_tuple(),
+                             scale, options, (), ())[:3]
+
+
+def _compiled_backward_op() -> Callable:
+    if "backward" not in _COMPILED:
+        _COMPILED["backward"] = torch.compile(_backward_op)
+    return _COMPILED["backward"]
 
 
 @contextlib.contextmanager
@@ -290,6 +323,9 @@ class FlexKernel:
         block_size: flex tile size in rows (``BLOCK_SIZE`` of the ``BlockMask``; default 128).
         compile: use ``torch.compile(flex_attention)``; default: on CUDA only (the compiled CPU
             kernel returns no LSE).
+        recompute: recompute each division's forward in the backward instead of calling flex's
+            backward op with the final LSE (see the module docstring); default: on CPU only,
+            where PyTorch's dense implementation of that op is the slower of the two.
 
     Raises:
         RuntimeError: this torch has no FlexAttention.
@@ -298,13 +334,14 @@ class FlexKernel:
 
     name = "flex"
 
-    def __init__(self, block_size: int = 128, compile: bool | None = None):
+    def __init__(self, block_size: int = 128, compile: bool | None = None, recompute: bool | None = None):
         if flex_attention is None:
             raise RuntimeError("FlexKernel needs torch.nn.attention.flex_attention (torch >= 2.5)")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = int(block_size)
         self.compile = compile
+        self.recompute = recompute
 
     # ------------------------------------------------------------------ host side
     def prepare(self, div: Division) -> KernelLayout:
@@ -389,6 +426,42 @@ class FlexKernel:
     def backward(self, q, k, v, do, lse, delta, meta: _FlexMeta, scale, acc_dtype):
         """``(dq [n_q, H, D], dk [n_k, H_kv, D], dv [n_k, H_kv, D])`` of the division's pairs,
         given the final LSE and ``delta = rowsum(dO * O)`` (packed like ``q``)."""
+        dev = q.device.type
+        recompute = self.recompute if self.recompute is not None else dev == "cpu"
+        if recompute or _flex_backward_op is None or not _DIRECT_BACKWARD.get(dev, True):
+            return self._backward_recompute(q, k, v, do, lse, delta, meta, scale, acc_dtype)
+        if dev in _DIRECT_BACKWARD:
+            return self._backward_direct(q, k, v, do, lse, delta, meta, scale, acc_dtype)
+        try:  # first call on this device type: the op is internal to PyTorch and may differ
+            grads = self._backward_direct(q, k, v, do, lse, delta, meta, scale, acc_dtype)
+        except Exception as e:  # noqa: BLE001 - any failure of the internal op: fall back, say why
+            _DIRECT_BACKWARD[dev] = False
+            warnings.warn(f"FlexKernel: flex's backward op failed on {dev} ({type(e).__name__}: {e}); the backward "
+                          "recomputes each division's forward instead", RuntimeWarning, stacklevel=2)
+            return self._backward_recompute(q, k, v, do, lse, delta, meta, scale, acc_dtype)
+        _DIRECT_BACKWARD[dev] = True
+        return grads
+
+    def _backward_direct(self, q, k, v, do, lse, delta, meta: _FlexMeta, scale, acc_dtype):
+        """flex's backward op with the final LSE and ``O' = dO * delta / |dO|^2`` (module docstring)."""
+        acc = acc_dtype
+        dt = self._in_dtype(q, acc)
+        stat = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
+        q4, k4, v4, do4 = (self._heads_first(t, dt) for t in (q, k, v, do))
+        o4 = self._heads_first(out_with_delta(do, delta, acc, dt), dt)
+        lse4 = lse.to(stat).transpose(0, 1).unsqueeze(0)  # [1, H, N_q_pad]
+        lse4 = torch.where(torch.isfinite(lse4), lse4, torch.zeros_like(lse4))  # rows that see nothing: P = 0
+        # the op forms delta as rowsum(dO * O'); its LSE gradient removes what rounding O' added
+        glse = (do4.to(acc) * o4.to(acc)).sum(-1) - delta.to(acc).transpose(0, 1).unsqueeze(0)
+        fn = _compiled_backward_op() if self._compiled(q4.device) else _backward_op
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*flex_attention.*")
+            dq, dk, dv = fn(q4, k4, v4, o4, lse4 / _LN2, do4, (glse * _LN2).to(stat), meta.block_mask, scale)
+        return (dq[0, :, :meta.n_q].transpose(0, 1).to(acc), dk[0, :, :meta.n_k].transpose(0, 1).to(acc),
+                dv[0, :, :meta.n_k].transpose(0, 1).to(acc))
+
+    def _backward_recompute(self, q, k, v, do, lse, delta, meta: _FlexMeta, scale, acc_dtype):
+        """Recompute the division's forward with autograd and back-propagate (module docstring)."""
         acc = acc_dtype
         dt = self._in_dtype(q, acc)
         q4, k4, v4 = (self._heads_first(t, dt) for t in (q, k, v))
