@@ -231,3 +231,12 @@ def test_candidates_are_timed_only_for_the_time_objective():
         torch_dcp.plan(batch, topo, planner="dcp", rivals=("fcp",))
     with pytest.raises(ValueError, match="shortlist"):
         torch_dcp.plan(batch, topo, planner="dcp", shortlist=0)
+    # by default every placement the planner tried is timed: never slower than the best few
+    # by estimate, whose candidates are among them
+    few = torch_dcp.plan(batch, topo, planner="dcp", block_size=256, cost_model="h100", shortlist=1)
+    assert len(plan.candidates) > len(few.candidates)
+    from torch_dcp.cost import CostModel
+    from torch_dcp.simulate import simulate
+
+    cm = CostModel.h100()
+    assert simulate(plan, cm).makespan_s <= simulate(few, cm).makespan_s * (1 + 1e-12)

@@ -46,7 +46,7 @@ def plan(
             placement's number of tiles; 1 when it has none), or ``None`` (default) for
             ``min(4, n_tiles)`` (at least 1), so that tiny batches plan too.
         cost_model: for planners that offer several candidates (``"dcp"`` with its default
-            time objective: its shortlist, ring attention's and Megatron's plans, see
+            time objective: its placements, ring attention's and Megatron's plans, see
             :func:`~torch_dcp.planners.dcp.dcp_candidates`), the :class:`~torch_dcp.cost.CostModel`
             (or ``"a100"``, ``"h100"``, JSON table paths) whose simulated forward + backward
             time picks the fastest (:func:`torch_dcp.simulate.simulate`); default ``"a100"``.
