@@ -234,7 +234,9 @@ class _LinkLoads:
         hop = nbytes / self.topo.intra_bandwidth
         cost = np.maximum(self.rail[rail_way][rails] + nbytes / self.topo.rail_bandwidth,
                           self.port[port_way][ranks] + hop * (len(ranks) - 1))
-        g = int(np.argmin(np.where(allowed, cost, np.inf)))  # ties: the earliest in the group's order
+        # ties (to the picosecond, whatever order the loads were summed in): the earliest in the
+        # group's order
+        g = int(np.argmin(np.where(allowed, np.round(cost, 12), np.inf)))
         self.rail[rail_way][rails[g]] += nbytes / self.topo.rail_bandwidth
         self.port[port_way][ranks[g]] += hop * (len(ranks) - 1)
         self.port["in" if port_way == "out" else "out"][ranks[g]] -= hop  # its own hop was charged as a member's
