@@ -150,7 +150,8 @@ def _same_plans(rank, world, mesh, workers):
         assert [pb.plan.digest() for pb in inline] == ref
 
 
-@pytest.mark.parametrize("world,workers", [(2, 3), (4, 1)])
+# 4 ranks with one worker each: the main job's default, run by tests/test_train.py (causal-loader)
+@pytest.mark.parametrize("world,workers", [(2, 3), pytest.param(4, 1, marks=pytest.mark.slow)])
 def test_plans_through_the_loader_equal_plans_made_in_line(world, workers, tmp_path):
     t0 = time.monotonic()
     run_ranks(functools.partial(_same_plans, workers=workers), world, tmp_path, timeout=120)
