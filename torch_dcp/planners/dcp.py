@@ -38,9 +38,10 @@ memory bound), and :func:`torch_dcp.plan` simulates every candidate on the cost 
 those whose compute or link floor is above the fastest so far) and keeps the fastest, so a dcp
 plan is never slower than ring attention's on the simulator that reports results. The estimate
 alone is a poor judge of the pipeline (it sees neither the phases nor the relays): on the
-paper's microbenchmark batches, timing every candidate instead of the three best by estimate is
-up to 37 % faster (DGX H100, long-tail causal at scale 0.5) and 13-14 % on A100 causal batches,
-for about twice the planning time (1.3-3.6 s per 32-rank plan on one core).
+paper's microbenchmark batches, timing every candidate instead of the three best by estimate
+cuts the simulated time by up to 43 % (DGX H100, long-tail causal at scale 0.5: 1.79 to
+1.02 ms; up to 14 % on the A100 cluster), for about twice the planning time (median 1.3 s on
+the A100 batches, 2.2 s on DGX H100, at most 7.6 s per 32-rank plan, ``benchmarks paper``).
 
 Solver: Mt-KaHyPar (deterministic preset, one thread, fixed seed): the same batch and seed
 give the same placement, hence the same ``Plan.digest()``.
