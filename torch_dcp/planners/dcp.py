@@ -22,7 +22,9 @@ that add the least traffic (inter-node bytes counted double) until every rank is
 The node level runs with ``eps_inter`` and, as a second candidate, with ``eps_intra`` (a loose
 node level can leave more compute for the rebalancing pass to move than it saved); the block
 layouts of the greedy, FCP and Megatron planners and of a zig-zag split go through the same
-rebalancing as fallback candidates. With ``objective="bytes"`` the candidate with the least
+rebalancing as fallback candidates (with the time objective, greedy layouts at eight looser
+compute bounds, 1.2-2.0, too: keeping more documents whole is often fastest where links are
+the bottleneck, and which bound wins varies from batch to batch). With ``objective="bytes"`` the candidate with the least
 ``comm_bytes`` wins. With ``objective="time"`` (default) each candidate is also rebalanced to
 looser compute bounds (up to ``max_compute_imbalance``) and the one with the least estimated
 attention time wins (:func:`estimate_seconds`: the busiest rank's compute or link time,
@@ -64,6 +66,9 @@ from .ring import plan_ring
 _RIVALS = {"ring": plan_ring, "megatron": plan_megatron}
 
 __all__ = ["plan_dcp", "dcp_candidates", "DCPHypergraph", "estimate_seconds"]
+
+#: compute bounds (max/mean - 1) of the extra greedy layouts the time objective starts from
+_GREEDY_BOUNDS = (0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
 
 _WEIGHT_SCALE = 1 << 20
 
@@ -338,21 +343,29 @@ def dcp_candidates(
             break
     tiles = np.arange(nt)
     blocks = nt + np.arange(nb)
-    # candidates: the partitioner's, and the block layouts of the greedy planner and of a
-    # zig-zag split (ring attention's layout on these blocks) as fallbacks the partitioner
-    # must beat; each is rebalanced, the one moving the fewest bytes wins
+    # candidates: the partitioner's, and the block layouts of the greedy, FCP and Megatron
+    # planners and of a zig-zag split (ring attention's layout on these blocks) as fallbacks
+    # the partitioner must beat; each is rebalanced
     from .fcp import plan_fcp
     from .greedy import plan_greedy
 
-    megatron = plan_megatron(batch, topology)  # a block layout to start from, and a rival
-    candidates = partitions + [plan_greedy(batch, topology, block_size).block_rank,
-                               plan_fcp(batch, topology, block_size).block_rank, _zigzag(wl, w),
-                               _on_blocks(megatron, wl)]
     # looser compute bounds for the time objective, loosest first: each rebalancing continues
     # from the previous one
     looser = []
     if objective == "time":
         looser = sorted({b for b in (max_compute_imbalance - 1.0, 0.5, 0.25) if b > eps_compute}, reverse=True)
+    megatron = plan_megatron(batch, topology)  # a block layout to start from, and a rival
+    candidates = partitions + [plan_greedy(batch, topology, block_size).block_rank,
+                               plan_fcp(batch, topology, block_size).block_rank, _zigzag(wl, w),
+                               _on_blocks(megatron, wl)]
+    # with the time objective, greedy layouts at looser compute bounds too: they keep more
+    # documents whole, often the fastest plans where links are the bottleneck (the estimate
+    # alone does not see it), and which bound wins varies from batch to batch
+    for bound in _GREEDY_BOUNDS if objective == "time" else ():
+        if eps_compute < bound <= max_compute_imbalance - 1.0:
+            layout = plan_greedy(batch, topology, block_size, eps_compute=bound).block_rank
+            if not any(np.array_equal(layout, c) for c in candidates):
+                candidates.append(layout)
     tried: list[tuple[tuple, int, np.ndarray]] = []
     balanced: list[tuple[tuple, int, np.ndarray]] = []  # the tight compute bound: the bytes objective's field
     for cand in candidates:
