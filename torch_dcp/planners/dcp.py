@@ -11,9 +11,10 @@ Hypergraph:
   return, Q/dO/LSE/delta fetch, dQ return; key/value net: K, V fetch twice, dK/dV return).
 
 With these weights the connectivity-minus-one objective ``sum_e w_e (lambda_e - 1)`` is exactly
-the ``comm_bytes`` of the resulting plan. The partitioner works on a coarsened model -- every tile joins its query block (so key/value
-blocks are what travels, the cheap side under GQA), a block weighs its share of memory plus
-its query row's share of compute, and the key/value nets carry the traffic -- two-level:
+the ``comm_bytes`` of the resulting plan. The partitioner works on a coarsened model -- every
+tile joins its query block (so key/value blocks are what travels, the cheap side under GQA), a
+block weighs its share of memory plus its query row's share of compute, and the key/value nets
+carry the traffic -- two-level:
 nodes first (tolerance ``eps_inter``), then ranks inside each node (``eps_intra``), so the
 first level minimises inter-node bytes. Mt-KaHyPar takes one weight per vertex, so a
 rebalancing pass on the full hypergraph then moves the blocks (memory) and tiles (compute)
@@ -24,26 +25,27 @@ node level can leave more compute for the rebalancing pass to move than it saved
 layouts of the greedy, FCP and Megatron planners and of a zig-zag split go through the same
 rebalancing as fallback candidates (with the time objective, greedy layouts at eight looser
 compute bounds, 1.2-2.0, too: keeping more documents whole is often fastest where links are
-the bottleneck, and which bound wins varies from batch to batch). With ``objective="bytes"`` the candidate with the least
-``comm_bytes`` wins. With ``objective="time"`` (default) each candidate is also rebalanced to
-looser compute bounds (up to ``max_compute_imbalance``) and the one with the least estimated
-attention time wins (:func:`estimate_seconds`: the busiest rank's compute or link time,
-whichever is longer): where the network is the bottleneck, spreading a document's compute
-perfectly evenly costs more in transfers than it saves. Memory (token) balance is kept at
-``1 + eps_memory`` either way: the token-level layers of a training step depend on it.
+the bottleneck, and which bound wins varies from batch to batch). With ``objective="bytes"``
+the candidate with the least ``comm_bytes`` wins. With ``objective="time"`` (default) each
+candidate is also rebalanced to looser compute bounds (up to ``max_compute_imbalance``): where
+the network is the bottleneck, spreading a document's compute perfectly evenly costs more in
+transfers than it saves. Memory (token) balance is kept at ``1 + eps_memory`` either way: the
+token-level layers of a training step depend on it.
 
-The estimate only orders; the simulator decides. :func:`dcp_candidates` returns every
-distinct placement it tried (or the ``shortlist`` best), best estimate first, and the
+The estimate (:func:`estimate_seconds`: the busiest rank's compute or link time, whichever is
+longer) only orders; the simulator decides. :func:`dcp_candidates` returns every distinct
+placement it tried (or the ``shortlist`` best by estimate), best estimate first, and the
 compute-balanced one with the fewest bytes (the ``"bytes"`` objective's choice), followed by
 ring attention's and Megatron's own plans (``rivals``, when their resident tokens meet the same
 memory bound), and :func:`torch_dcp.plan` simulates every candidate on the cost model (skipping
 those whose compute or link floor is above the fastest so far) and keeps the fastest, so a dcp
 plan is never slower than ring attention's on the simulator that reports results. The estimate
-alone is a poor judge of the pipeline (it sees neither the phases nor the relays): on the
-paper's microbenchmark batches, timing every candidate instead of the three best by estimate
-cuts the simulated time by up to 43 % (DGX H100, long-tail causal at scale 0.5: 1.79 to
-1.02 ms; up to 14 % on the A100 cluster), for about twice the planning time (median 1.3 s on
-the A100 batches, 2.2 s on DGX H100, at most 7.6 s per 32-rank plan, ``benchmarks paper``).
+sees neither the phases nor the relays, and ranks the fastest plans low: on the paper's
+microbenchmark batches (``python -m torch_dcp.benchmarks paper``), timing every candidate,
+the extra greedy layouts among them, instead of the three best by estimate cuts dcp's
+simulated time by up to 52 % (A100 cluster, long-tail causal at scale 0.5: 3.75 to 1.93 ms;
+DGX H100, the same batch: 1.79 to 0.75 ms), for 3-5x the planning time (median 2.7 s per
+32-rank plan on the A100 batches, 4.5 s on DGX H100, two runs sharing 2 CPU cores).
 
 Solver: Mt-KaHyPar (deterministic preset, one thread, fixed seed): the same batch and seed
 give the same placement, hence the same ``Plan.digest()``.
@@ -349,11 +351,6 @@ def dcp_candidates(
     from .fcp import plan_fcp
     from .greedy import plan_greedy
 
-    # looser compute bounds for the time objective, loosest first: each rebalancing continues
-    # from the previous one
-    looser = []
-    if objective == "time":
-        looser = sorted({b for b in (max_compute_imbalance - 1.0, 0.5, 0.25) if b > eps_compute}, reverse=True)
     megatron = plan_megatron(batch, topology)  # a block layout to start from, and a rival
     candidates = partitions + [plan_greedy(batch, topology, block_size).block_rank,
                                plan_fcp(batch, topology, block_size).block_rank, _zigzag(wl, w),
@@ -366,6 +363,11 @@ def dcp_candidates(
             layout = plan_greedy(batch, topology, block_size, eps_compute=bound).block_rank
             if not any(np.array_equal(layout, c) for c in candidates):
                 candidates.append(layout)
+    # looser compute bounds for the time objective, loosest first: each rebalancing continues
+    # from the previous one
+    looser = []
+    if objective == "time":
+        looser = sorted({b for b in (max_compute_imbalance - 1.0, 0.5, 0.25) if b > eps_compute}, reverse=True)
     tried: list[tuple[tuple, int, np.ndarray]] = []
     balanced: list[tuple[tuple, int, np.ndarray]] = []  # the tight compute bound: the bytes objective's field
     for cand in candidates:
