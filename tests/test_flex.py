@@ -186,6 +186,21 @@ def test_flex_backward_without_recompute_exact(mask_name):
     assert flex_mod._DIRECT_BACKWARD.get("cpu") is True  # the op ran: no fallback
 
 
+def test_flex_backward_op_traces_under_torch_compile(monkeypatch):
+    # the CUDA path compiles the forward and the backward op; inductor has no CPU lowering of
+    # flex's backward, so dynamo and AOTAutograd trace both here (backend "aot_eager"): the call,
+    # its score-mod graphs and block mask go through torch.compile as they do on CUDA
+    import torch_dcp.executor.flex as flex_mod
+
+    monkeypatch.setattr(flex_mod, "_DIRECT_BACKWARD", {})
+    monkeypatch.setitem(flex_mod._COMPILED, "flex", torch.compile(flex_mod.flex_attention, backend="aot_eager"))
+    monkeypatch.setitem(flex_mod._COMPILED, "backward", torch.compile(flex_mod._backward_op, backend="aot_eager"))
+    batch = _batch("lambda", "gqa8/2-d32")
+    plan = torch_dcp.plan(batch, 2, planner="greedy", block_size=BLOCK, divisions=1)
+    _check(plan, batch, FlexKernel(block_size=8, compile=True, recompute=False))
+    assert flex_mod._DIRECT_BACKWARD.get("cpu") is True  # the compiled op ran: no fallback
+
+
 def test_flex_backward_falls_back_once_when_the_op_fails(monkeypatch):
     import torch_dcp.executor.flex as flex_mod
 

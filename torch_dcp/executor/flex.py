@@ -35,9 +35,11 @@ output, which never travels): its softmax ``exp(S - LSE)`` is then the global on
 division's pairs and its ``rowsum(dO * O')`` the global ``delta``, so ``dS = P * (dO V^T - delta)``
 is the FlashAttention-2 backward (Dao, 2023, Algorithm 2) of the global attention, as ring
 attention calls it per step. The LSE gradient absorbs the rounding of ``O'`` to the input dtype.
-That op is internal to PyTorch: if its first call on a device type fails (another torch version),
-the kernel warns once and falls back to the recomputing backward below (``recompute=True``; the
-default on CPU).
+The op takes the identity ``score_mod``'s forward and joint graphs, built once per device and
+dtype as flex's own autograd builds them (torch 2.11 requires both; tested with 2.11 and 2.13,
+eager and traced by ``torch.compile``). That op is internal to PyTorch: if its first call on a
+device type fails (another torch version), the kernel warns once and falls back to the
+recomputing backward below (``recompute=True``; the default on CPU).
 
 Recomputing backward: the partial forward is recomputed with autograd and back-propagated with
 ``grad_out = c * dO`` and ``grad_lse = c * (rowsum(dO * O_p) - delta)``, ``c = exp(LSE_p -
@@ -88,6 +90,7 @@ except ImportError:  # pragma: no cover
     AuxRequest = None
 
 try:  # flex's backward as a higher-order op (internal to PyTorch; see the module docstring)
+    from torch._higher_order_ops.flex_attention import create_fw_bw_graph as _create_fw_bw_graph
     from torch._higher_order_ops.flex_attention import flex_attention_backward as _flex_backward_op
     from torch.nn.attention.flex_attention import _apply_kernel_options, _identity
 except ImportError:  # pragma: no cover
@@ -96,6 +99,7 @@ except ImportError:  # pragma: no cover
 _USE_AUX = (flex_attention is not None and AuxRequest is not None
             and "return_aux" in inspect.signature(flex_attention).parameters)
 _COMPILED: dict[str, Callable] = {}
+_SCORE_GRAPHS: dict[tuple[str, torch.dtype], tuple[Callable, Callable]] = {}
 #: per device type, whether the backward op ran there (absent: not tried yet in this process)
 _DIRECT_BACKWARD: dict[str, bool] = {}
 _LN2 = math.log(2.0)
@@ -112,11 +116,24 @@ def _compiled_flex() -> Callable:
     return _COMPILED["flex"]
 
 
-def _backward_op(q, k, v, out, lse2, grad_out, grad_lse2, block_mask, scale):
-    """flex's backward op with the identity score_mod (LSE and its gradient in base 2, as the
-    forward op returns it)."""
+def _score_graphs(q: torch.Tensor) -> tuple[Callable, Callable]:
+    """``(forward graph, joint graph)`` of the identity ``score_mod`` for ``q``'s device and
+    dtype, as flex's own autograd builds them (torch 2.11 needs both; later versions build the
+    joint graph when given None). Built once per (device type, dtype)."""
+    key = (q.device.type, q.dtype)
+    if key not in _SCORE_GRAPHS:
+        with torch.device(q.device):
+            example = (q.new_zeros((), requires_grad=True),
+                       *(q.new_zeros((), dtype=torch.int) for _ in range(4)))
+            _SCORE_GRAPHS[key] = _create_fw_bw_graph(_identity, example, ())
+    return _SCORE_GRAPHS[key]
+
+
+def _backward_op(q, k, v, out, lse2, grad_out, grad_lse2, block_mask, scale, fw_graph, joint_graph):
+    """flex's backward op with the identity score_mod (its graphs from :func:`_score_graphs`; LSE
+    and its gradient in base 2, as the forward op returns it)."""
     options = _apply_kernel_options(q, k, v, True, None)
-    return _flex_backward_op(q, k, v, out, lse2, grad_out, grad_lse2, _identity, None, block_mask.as_tuple(),
+    return _flex_backward_op(q, k, v, out, lse2, grad_out, grad_lse2, fw_graph, joint_graph, block_mask.as_tuple(),
                              scale, options, (), ())[:3]
 
 
@@ -456,7 +473,8 @@ class FlexKernel:
         fn = _compiled_backward_op() if self._compiled(q4.device) else _backward_op
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*flex_attention.*")
-            dq, dk, dv = fn(q4, k4, v4, o4, lse4 / _LN2, do4, (glse * _LN2).to(stat), meta.block_mask, scale)
+            dq, dk, dv = fn(q4, k4, v4, o4, lse4 / _LN2, do4, (glse * _LN2).to(stat), meta.block_mask, scale,
+                            *_score_graphs(q4))
         return (dq[0, :, :meta.n_q].transpose(0, 1).to(acc), dk[0, :, :meta.n_k].transpose(0, 1).to(acc),
                 dv[0, :, :meta.n_k].transpose(0, 1).to(acc))
 
