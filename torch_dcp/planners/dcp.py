@@ -39,7 +39,9 @@ compute-balanced one with the fewest bytes (the ``"bytes"`` objective's choice),
 ring attention's and Megatron's own plans (``rivals``, when their resident tokens meet the same
 memory bound), and :func:`torch_dcp.plan` simulates every candidate on the cost model (skipping
 those whose compute or link floor is above the fastest so far) and keeps the fastest, so a dcp
-plan is never slower than ring attention's on the simulator that reports results. The estimate
+plan is never slower than ring attention's on the simulator that reports results (the fastest
+placement is then also timed with a local tail, :func:`torch_dcp.schedule.assign_divisions`,
+kept where faster). The estimate
 sees neither the phases nor the relays, and ranks the fastest plans low: on the paper's
 microbenchmark batches (``python -m torch_dcp.benchmarks paper``), timing every candidate,
 the extra greedy layouts among them, instead of the three best by estimate cuts dcp's
