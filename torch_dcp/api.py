@@ -93,20 +93,20 @@ def plan(
 
         cm = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model or "a100")
         chosen, best = plans[0], float("inf")
-        for p in plans:  # a candidate whose floor is above the best simulated time cannot win
-            if floor_seconds(p, cm) >= best:
-                timed.append((p.planner, float("nan")))
-                continue
-            t = simulate(p, cm).makespan_s
-            timed.append((p.planner, t))
+
+        def consider(p: Plan, label: str) -> None:
+            nonlocal chosen, best
+            # a candidate whose floor is above the best simulated time cannot win
+            t = simulate(p, cm).makespan_s if floor_seconds(p, cm) < best else float("nan")
+            timed.append((label, t))
             if t < best:
                 chosen, best = p, t
+
+        for p in plans:
+            consider(p, p.planner)
         if divisions >= 3 and chosen.placement.routing is not Routing.RING:
-            tail = _divide(chosen.placement, topology, int(divisions), local_tail=LOCAL_TAIL)
-            t = simulate(tail, cm).makespan_s if floor_seconds(tail, cm) < best else float("nan")
-            timed.append((f"{chosen.planner} (local tail)", t))
-            if t < best:
-                chosen, best = tail, t
+            consider(_divide(chosen.placement, topology, int(divisions), local_tail=LOCAL_TAIL),
+                     f"{chosen.planner} (local tail)")
     else:
         chosen = plans[0]
     chosen.plan_seconds = time.perf_counter() - t0

@@ -110,14 +110,17 @@ def _local_tail(placement: Placement, tiles: np.ndarray, divisions: int, topolog
         return out
     order = local[np.argsort(rank[local], kind="stable")]
     flops = (wl.tile_flops_fwd + wl.tile_flops_bwd)[tiles[order]]
-    r = rank[order]
-    cum = np.cumsum(flops)
-    start = np.searchsorted(r, r, side="left")
-    before = np.concatenate(([0.0], cum))[start]  # FLOPs of the rank's earlier local tiles
-    total = np.bincount(r, weights=flops, minlength=placement.world_size)[r]
-    done = cum - flops - before  # the rank's local FLOPs before this tile
+    done, total = _rank_prefix(rank[order], flops, placement.world_size)
     out[order[done >= (1.0 - fraction) * total - 1e-9 * total]] = divisions - 1
     return out
+
+
+def _rank_prefix(r: np.ndarray, weights: np.ndarray, world_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """For items sorted by rank ``r``: ``(weight of the rank's earlier items, the rank's total
+    weight)`` of every item."""
+    cum = np.cumsum(weights)
+    before = np.concatenate(([0.0], cum))[np.searchsorted(r, r, side="left")]
+    return cum - weights - before, np.bincount(r, weights=weights, minlength=world_size)[r]
 
 
 def _divisions(placement: Placement, tiles: np.ndarray, divisions: int, topology: Topology | None,
@@ -160,12 +163,8 @@ def _divisions(placement: Placement, tiles: np.ndarray, divisions: int, topology
         return charge
 
     new_bytes = first_use_bytes(kv_key, kv_bytes) + first_use_bytes(q_key, q_bytes)
-    rank_start = np.searchsorted(r, r, side="left")
-    cum = np.cumsum(new_bytes)
-    before = np.concatenate(([0.0], cum))[rank_start]
-    cum_rank = cum - before  # inclusive cumulative bytes within the rank
-    total = np.bincount(r, weights=new_bytes, minlength=placement.world_size)[r]
-    frac = np.where(total > 0, (cum_rank - new_bytes) / np.where(total > 0, total, 1), 0.0)
+    done, total = _rank_prefix(r, new_bytes, placement.world_size)
+    frac = np.where(total > 0, done / np.where(total > 0, total, 1), 0.0)
     bounds = np.cumsum(division_shares(divisions))[:-1]  # where divisions 2 .. T-1 start
     div = 1 + np.searchsorted(bounds, frac + 1e-9, side="right")
     out[remote] = np.clip(div, 1, divisions - 1)
