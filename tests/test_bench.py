@@ -68,6 +68,8 @@ def test_balance_floors_bound_the_simulated_time():
         r = rows[0][obj]
         assert r["ms"] >= max(r["compute_floor_ms"], r["link_floor_ms"]) * (1 - 1e-9)
         assert r["ideal_ms"] <= r["compute_floor_ms"] * (1 + 1e-9)
+        # the per-pass floor: at least the whole-step floors, at most the simulated time
+        assert max(r["compute_floor_ms"], r["link_floor_ms"]) * (1 - 1e-9) <= r["pass_floor_ms"] <= r["ms"] * (1 + 1e-9)
     assert rows[0]["bytes"]["link_floor_ms"] > 0  # 2 nodes, compute within 1.1: the long documents cross
     assert rows[0]["bytes"]["compute_imbalance"] <= 1.1 + 1e-9
     # the balanced plan is one of the time objective's candidates, timed on the same model
@@ -81,6 +83,7 @@ def test_balance_floors_bound_the_simulated_time():
         if t["link_floor_ms"] > 0:
             assert sum(waits) > 0
     assert "waits before first kernel / between / after last kernel" in out.getvalue()
+    assert "time objective: pass floor / ideal" in out.getvalue()
 
 
 def test_scaled_batch_and_errors(tmp_path, capsys):

@@ -126,6 +126,12 @@ def test_simulation_bounds(planner):
         assert compute_floor_seconds(plan, cm) <= busy.max() * (1 + 1e-12)
         assert link_floor_seconds(plan) <= sim.makespan_s * (1 + 1e-12)
         assert 0 < floor_seconds(plan, cm) <= sim.makespan_s * (1 + 1e-12)
+        # per pass: each pass is bound by its own busiest rank and link
+        for backward, ps in ((False, sim.forward), (True, sim.backward)):
+            assert compute_floor_seconds(plan, cm, backward) <= ps.busy_s.max() * (1 + 1e-12)
+            assert link_floor_seconds(plan, backward) <= ps.makespan_s * (1 + 1e-12)
+        assert link_floor_seconds(plan, False) + link_floor_seconds(plan, True) >= link_floor_seconds(plan) * (1 - 1e-12)
+        assert floor_seconds(plan, cm) >= max(compute_floor_seconds(plan, cm), link_floor_seconds(plan)) * (1 - 1e-12)
 
 
 @pytest.mark.parametrize("nics", [1, 2])

@@ -258,33 +258,51 @@ class _Pass:
         return PassResult(makespan, self.busy, self.exposed, makespan - self.clock, self.clock.copy(), self.events)
 
 
-def link_floor_seconds(plan: Plan) -> float:
-    """The busiest link's busy time of ``plan``, forward + backward (seconds): every transfer
-    occupies the sender's outgoing and the receiver's incoming NVLink port (inside a node) or
-    rail (between nodes) for ``bytes / bandwidth``; the floor is the largest total over ports
-    and rails. No schedule of the plan is shorter (the simulator runs one transfer at a time
-    per port and rail)."""
-    src, dst, nbytes, _ = plan.transfers()
+def link_floor_seconds(plan: Plan, backward: bool | None = None) -> float:
+    """The busiest link's busy time of ``plan`` (seconds): every transfer occupies the
+    sender's outgoing and the receiver's incoming NVLink port (inside a node) or rail (between
+    nodes) for ``bytes / bandwidth``; the floor is the largest total over ports and rails. No
+    schedule of the plan is shorter (the simulator runs one transfer at a time per port and
+    rail).
+
+    Args:
+        backward: ``None`` (default): both passes' transfers together; ``False`` / ``True``:
+            the forward's or the backward's only.
+    """
+    src, dst, nbytes, forward = plan.transfers()
+    if backward is not None:
+        keep = forward != backward
+        src, dst, nbytes = src[keep], dst[keep], nbytes[keep]
     return max([0.0] + [float(v.max(initial=0.0)) for v in plan.topology.link_seconds(src, dst, nbytes).values()])
 
 
-def compute_floor_seconds(plan: Plan, cost_model: CostModel | None = None) -> float:
-    """The busiest rank's attention FLOPs at the cost model's best throughput, forward +
-    backward (seconds): a lower bound of its kernel time."""
+def compute_floor_seconds(plan: Plan, cost_model: CostModel | None = None, backward: bool | None = None) -> float:
+    """The busiest rank's attention FLOPs at the cost model's best throughput (seconds): a
+    lower bound of its kernel time.
+
+    Args:
+        backward: ``None`` (default): forward + backward; ``False`` / ``True``: one pass.
+    """
     cm = cost_model or CostModel.a100()
     b = plan.batch
     table = cm.table_for(b.head_dim, b.dtype)
-    peak_f = max(max(table.fwd_full), max(table.fwd_causal)) * 1e12
-    peak_b = max(max(table.bwd_full), max(table.bwd_causal)) * 1e12
     pl = plan.placement
-    return float((pl.rank_flops() / peak_f + pl.rank_flops(backward=True) / peak_b).max())
+    seconds = np.zeros(plan.world_size)
+    if backward is not True:
+        seconds += pl.rank_flops() / (max(max(table.fwd_full), max(table.fwd_causal)) * 1e12)
+    if backward is not False:
+        seconds += pl.rank_flops(backward=True) / (max(max(table.bwd_full), max(table.bwd_causal)) * 1e12)
+    return float(seconds.max())
 
 
 def floor_seconds(plan: Plan, cost_model: CostModel | None = None) -> float:
-    """``max(compute_floor_seconds, link_floor_seconds)``: no simulated run of ``plan`` is
-    shorter, so a candidate whose floor is above another's simulated time need not be
-    simulated (:func:`torch_dcp.plan`)."""
-    return max(compute_floor_seconds(plan, cost_model), link_floor_seconds(plan))
+    """``max(compute floor, link floor)`` of each pass, forward + backward: no simulated run
+    of ``plan`` is shorter (the simulator runs the passes one after the other), so a candidate
+    whose floor is above another's simulated time need not be simulated
+    (:func:`torch_dcp.plan`). At least ``max(compute_floor_seconds, link_floor_seconds)``: a
+    pass bound by its links and another by its compute add up."""
+    return sum(max(compute_floor_seconds(plan, cost_model, backward), link_floor_seconds(plan, backward))
+               for backward in (False, True))
 
 
 def ring_step_seconds(plan: Plan, cost_model: CostModel | None = None) -> float:
