@@ -6,7 +6,7 @@ On the paper's microbenchmark batches (4 nodes x 8 ranks, 131,072 tokens), dcp p
 batch twice: with its default ``objective="time"`` (compute balance may loosen up to 2x where
 links are the bottleneck; candidates timed on the simulator) and with ``objective="bytes"``
 (compute held within 1.1 of the mean, fewest bytes). For both plans it prints the simulated
-forward + backward time and two floors no schedule of that plan can beat:
+forward + backward time and three floors no schedule of that plan can beat:
 
 * ``compute floor``: the busiest rank's kernel time (the plan's own compute balance);
 * ``link floor``: the busiest link's bytes over its bandwidth (a rank's NVLink port in or out,
@@ -21,9 +21,10 @@ balance cannot pay on these links: that is the trade the time objective makes.
 
 A second table says where the time objective's plan loses against ``ideal``: the busiest
 rank's compute (its imbalance), its pass floor (what imbalance and links leave; the rest, up to
-the simulated time, is lost by the schedule), and the waits of the rank that finishes each pass last, split
-into those before its first kernel (the first fetch), between kernels, and after its last
-kernel (partial results still travelling), forward + backward.
+the simulated time, is lost by the schedule), and the waits of the rank that finishes each pass
+last, split into those before its first kernel (the first fetch), between kernels, and after
+its last kernel (partial results still travelling), forward + backward. Two closing lines give
+the range of ``pass floor / ideal`` and ``simulated / pass floor`` over the batches.
 """
 
 from __future__ import annotations
