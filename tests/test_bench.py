@@ -86,6 +86,25 @@ def test_balance_floors_bound_the_simulated_time():
     assert "time objective: pass floor / ideal" in out.getvalue()
 
 
+def test_readiness_models_bound_by_the_pass_floor():
+    """The readiness benchmark: dcp's plan in divisions, static kernels and per tile, every
+    model at or above the plan's floor, the division run at or above its pass floor."""
+    from torch_dcp.benchmarks.readiness import KERNELS, bench_readiness
+
+    out = io.StringIO()
+    rows = bench_readiness(TOPO, "h100", masks=("causal", "lambda"), scales=(1.0,), block_sizes=(512,), out=out,
+                           sources=SOURCES, total=TOTAL)
+    assert [r["mask"] for r in rows] == ["causal", "lambda"]
+    for r in rows:
+        for key in ("divisions_ms", "static_ms", "per_tile_ms"):
+            assert r[key] >= r["floor_ms"] * (1 - 1e-9)
+        assert r["floor_ms"] * (1 - 1e-9) <= r["pass_floor_ms"] <= r["divisions_ms"] * (1 + 1e-9)
+        assert r["pass_floor_ms"] >= r["ideal_ms"] * (1 - 1e-9)
+        assert r["kernels"] in KERNELS
+    text = out.getvalue()
+    assert "causal: ratio to ideal with divisions" in text and "sparse masks: ratio to ideal" in text
+
+
 def test_scaled_batch_and_errors(tmp_path, capsys):
     assert scaled_batch([100, 300, 50], 2.0, 700) == [200, 500]
     assert sum(scaled_batch([7] * 100, 0.5, 200)) == 200
@@ -101,6 +120,9 @@ def test_scaled_batch_and_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["paper", "--longalign", str(tmp_path / "la.json"), "--batches", "longalign,bogus"])
     assert "bogus" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["readiness", "--masks", "causal,nope"])
+    assert "unknown mask 'nope'" in capsys.readouterr().err
 
 
 def test_cost_table_from_file(tmp_path):

@@ -118,6 +118,36 @@ class _Link:
         self.ends.insert(i, end)
 
 
+def _row_bytes(itb: dict, backward: bool) -> dict[Buf, int]:
+    """Bytes per token row of each buffer a pass copies or reduces: the rows transfers move."""
+    return {Buf.Q: itb[(backward, Buf.Q)], Buf.KV: itb[(backward, Buf.KV)], Buf.OPART: itb[(False, Buf.OPART)],
+            Buf.DQ: itb[(True, Buf.DQ)], Buf.DKV: itb[(True, Buf.DKV)]}
+
+
+def _memory_seconds(cm: CostModel, ins: BlockwiseCopy | BlockwiseReduction, blen: np.ndarray,
+                    row_bytes: dict[Buf, int]) -> float:
+    """Time of a copy (read + write of its rows) or a reduction (every source slot read, the
+    destination written)."""
+    if isinstance(ins, BlockwiseCopy):
+        return cm.memory_seconds(2.0 * blen[ins.blocks].sum() * row_bytes[ins.kind])
+    n_src = np.diff(ins.src_ptr)
+    return cm.memory_seconds(float(((n_src + 1) * blen[ins.dst_block]).sum()) * row_bytes[ins.src])
+
+
+def _transfer_links(topology, links: dict[tuple, _Link], src: int, dst: int) -> tuple[list[_Link], bool]:
+    """The links a transfer from ``src`` to ``dst`` occupies (created in ``links`` on first
+    use): the sender's rail out of its node and the receiver's rail into its node between
+    nodes, their NVLink/NVSwitch ports inside one; and whether it crosses nodes."""
+    ns, nd = topology.node_of(src), topology.node_of(dst)
+    inter = bool(ns != nd)
+    names = [("rail out", ns, topology.rail_of(src)), ("rail in", nd, topology.rail_of(dst))] if inter else \
+        [("out", src), ("in", dst)]
+    for name in names:
+        if name not in links:
+            links[name] = _Link()
+    return [links[name] for name in names], inter
+
+
 def _earliest_common_gap(links: list[_Link], ready: float, dur: float) -> float:
     """Earliest ``t >= ready`` at which every link is free for ``dur`` seconds."""
     t = ready
@@ -140,11 +170,7 @@ class _Pass:
         self.plan, self.cm, self.backward = plan, cm, backward
         self.itb = item_token_bytes(plan.batch)
         self.blen = plan.workload.block_len
-        # bytes per token row of each buffer, for copies and reductions: the same rows the
-        # transfers move
-        it = self.itb
-        self.row_bytes = {Buf.Q: it[(backward, Buf.Q)], Buf.KV: it[(backward, Buf.KV)],
-                          Buf.OPART: it[(False, Buf.OPART)], Buf.DQ: it[(True, Buf.DQ)], Buf.DKV: it[(True, Buf.DKV)]}
+        self.row_bytes = _row_bytes(self.itb, backward)
         w = plan.world_size
         self.pc = [0] * w
         self.clock = np.zeros(w)
@@ -170,7 +196,7 @@ class _Pass:
         heapq.heappush(self.heap, (self.clock[r], r))
 
     def on_copy(self, ins: BlockwiseCopy, r: int, t: float) -> None:
-        self._compute(r, t, "copy", self.cm.memory_seconds(2.0 * self.blen[ins.blocks].sum() * self.row_bytes[ins.kind]))
+        self._compute(r, t, "copy", _memory_seconds(self.cm, ins, self.blen, self.row_bytes))
 
     def on_attention(self, ins: BlockwiseAttention, r: int, t: float) -> None:
         wl, b = self.plan.workload, self.plan.batch
@@ -181,26 +207,14 @@ class _Pass:
                                                                    causal, b.head_dim, b.dtype))
 
     def on_reduction(self, ins: BlockwiseReduction, r: int, t: float) -> None:
-        n_src = np.diff(ins.src_ptr)
-        rows = self.blen[ins.dst_block]
-        self._compute(r, t, "reduction", self.cm.memory_seconds(float(((n_src + 1) * rows).sum()) * self.row_bytes[ins.src]))
+        self._compute(r, t, "reduction", _memory_seconds(self.cm, ins, self.blen, self.row_bytes))
 
     # ------------------------------------------------------------------ communication
-    def _link(self, *name) -> _Link:
-        if name not in self.links:
-            self.links[name] = _Link()
-        return self.links[name]
-
     def _schedule(self, key: tuple[int, int, int]) -> None:
         topo = self.plan.topology
         s, r = self.launched[key]
         _, src, dst = key
-        ns, nd = topo.node_of(src), topo.node_of(dst)
-        inter = ns != nd
-        if inter:
-            used = [self._link("rail out", ns, topo.rail_of(src)), self._link("rail in", nd, topo.rail_of(dst))]
-        else:
-            used = [self._link("out", src), self._link("in", dst)]
+        used, inter = _transfer_links(topo, self.links, src, dst)
         dur = self.cm.transfer_seconds(self.nbytes.get(key, 0.0), topo, inter)
         start = _earliest_common_gap(used, max(s, r), dur)
         for lk in used:

@@ -1,6 +1,6 @@
 """The benchmarks' command line, ``python -m torch_dcp.benchmarks COMMAND ...``: ``planners``,
 ``paper`` (:mod:`~torch_dcp.benchmarks.planners`, :mod:`~torch_dcp.benchmarks.sweeps`), ``balance``
-(:mod:`~torch_dcp.benchmarks.balance`),
+(:mod:`~torch_dcp.benchmarks.balance`), ``readiness`` (:mod:`~torch_dcp.benchmarks.readiness`),
 ``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`), ``kernels reduce|table|division|plan``
 (:mod:`~torch_dcp.benchmarks.kernels`), ``ops`` (:mod:`~torch_dcp.benchmarks.ops`), ``step``
 (:mod:`~torch_dcp.benchmarks.step`) and ``loader`` (:mod:`~torch_dcp.benchmarks.loader`)."""
@@ -11,7 +11,7 @@ import argparse
 import json
 
 from ..topology import TOPOLOGY_PRESETS, Topology
-from . import balance, common, kernels, loader, ops, pictures, planners, step, sweeps
+from . import balance, common, kernels, loader, ops, pictures, planners, readiness, step, sweeps
 from .common import MASKS
 
 __all__ = ["main", "parser"]
@@ -70,6 +70,14 @@ def parser() -> argparse.ArgumentParser:
     bp.add_argument("--scales", default="0.5,1,2,4")
     bp.add_argument("--block-sizes", default="1024,2048")
     bp.set_defaults(run=_balance)
+    rp = sub.add_parser("readiness", help="dcp's plans run in divisions against dataflow (tiles as inputs arrive)",
+                        description=readiness.__doc__, formatter_class=raw)
+    rp.add_argument("--topology", choices=sorted(TOPOLOGY_PRESETS), default="a100")
+    rp.add_argument("--cost", default="a100", help="a100, h100 or JSON cost tables")
+    rp.add_argument("--masks", default=",".join(MASKS))
+    rp.add_argument("--scales", default="0.5,1,2,4")
+    rp.add_argument("--block-sizes", default="1024,2048")
+    rp.set_defaults(run=_readiness, error=rp.error)
     pp3 = sub.add_parser("pictures", help="placement map, traffic matrix and simulated timeline of one plan (PNG)",
                          description=pictures.__doc__, formatter_class=raw)
     pp3.add_argument("--out", default=".")
@@ -189,6 +197,16 @@ def _balance(args) -> int:
             args.error(f"unknown mask {m!r}; choose from {sorted(MASKS)}")
     balance.bench_balance(Topology.preset(args.topology), args.cost, tuple(args.masks.split(",")),
                           tuple(float(x) for x in args.scales.split(",")), tuple(_ints(args.block_sizes)))
+    return 0
+
+
+def _readiness(args) -> int:
+    masks = tuple(args.masks.split(","))
+    for m in masks:
+        if m not in MASKS:
+            args.error(f"unknown mask {m!r}; choose from {sorted(MASKS)}")
+    readiness.bench_readiness(Topology.preset(args.topology), args.cost, masks,
+                              tuple(float(x) for x in args.scales.split(",")), tuple(_ints(args.block_sizes)))
     return 0
 
 

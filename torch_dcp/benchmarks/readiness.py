@@ -1,0 +1,100 @@
+"""What dcp's division schedule costs: each plan simulated as it runs (``T`` divisions) and as
+dataflow (tiles started when their inputs are there, :mod:`torch_dcp.dataflow`)::
+
+    python -m torch_dcp.benchmarks readiness --topology a100 --cost a100
+
+For every paper batch (4 nodes x 8 ranks, 131,072 tokens) dcp's plan at the faster of the block
+sizes, with:
+
+* ``divisions``: :func:`torch_dcp.simulate.simulate`, the time dcp chooses and reports;
+* ``static kernels``: the same placement and routes with ``K`` launches per rank in a fixed
+  order, one wait per received block and relays sent on arrival (best of ``K`` = 4, 8, 16);
+* ``per tile``: every tile as soon as its inputs are there, at its division's throughput (a
+  bound for finer execution of this plan: it ignores the cost of small launches);
+* the pass floor (the larger of the busiest rank's kernel time in the division run and the
+  busiest link, per pass; the static kernels launch differently and may go below it) and
+  ``ideal`` (balanced compute, nothing exposed). The JSON lines add ``floor_ms``
+  (:func:`torch_dcp.simulate.floor_seconds`, at the kernels' best throughput), which no model
+  goes below.
+
+The gap between ``divisions`` and ``per tile`` is what the division schedule loses; the gap
+between ``per tile`` and ``ideal`` is the plan's own imbalance and links.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..api import plan as make_plan
+from ..cost import CostModel
+from ..dataflow import simulate_dataflow
+from ..simulate import floor_seconds, link_floor_seconds, simulate
+from ..topology import Topology
+from .common import MASKS, bench_batch, paper_batches, paper_sources, progress
+
+__all__ = ["bench_readiness"]
+
+KERNELS = (4, 8, 16)
+
+
+def bench_readiness(topology: Topology, cost: CostModel | str = "a100", masks: tuple[str, ...] = tuple(MASKS),
+                    scales: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0), block_sizes: tuple[int, ...] = (1024, 2048),
+                    divisions: int = 4, out=sys.stdout, total: int = 131072,
+                    sources: dict[str, list[int]] | None = None) -> list[dict]:
+    """dcp's plan of every paper batch under the three execution models; prints JSON lines and
+    a Markdown table; returns the rows (times in ms)."""
+    cm = cost if isinstance(cost, CostModel) else CostModel.load(cost)
+    sources = sources or paper_sources(total=total)
+    rows = []
+    bar = progress(len(scales) * len(sources) * len(masks) * len(block_sizes), "readiness")
+    for scale in scales:
+        for bname, lens in paper_batches(scale, total, sources=sources).items():
+            for mname in masks:
+                batch = bench_batch(lens, MASKS[mname])
+                best = None
+                for bs in block_sizes:
+                    plan = make_plan(batch, topology, planner="dcp", block_size=bs, divisions=divisions, cost_model=cm)
+                    sim = simulate(plan, cm)
+                    if best is None or sim.makespan_s < best[1].makespan_s:
+                        best = (plan, sim, bs)
+                    bar.update()
+                plan, sim, bs = best
+                static = {k: simulate_dataflow(plan, cm, kernels_per_rank=k).makespan_s for k in KERNELS}
+                k_best = min(static, key=static.get)
+                pass_floor = sum(max(float(ps.busy_s.max()), link_floor_seconds(plan, backward))
+                                 for backward, ps in ((False, sim.forward), (True, sim.backward)))
+                row = {"scale": scale, "batch": bname, "mask": mname, "block_size": bs,
+                       "divisions_ms": sim.makespan_s * 1e3, "static_ms": static[k_best] * 1e3, "kernels": k_best,
+                       "per_tile_ms": simulate_dataflow(plan, cm).makespan_s * 1e3,
+                       "pass_floor_ms": pass_floor * 1e3, "floor_ms": floor_seconds(plan, cm) * 1e3,
+                       "ideal_ms": sim.ideal_s * 1e3}
+                rows.append(row)
+                print(json.dumps(row, default=lambda v: round(v, 4)), file=out, flush=True)
+    bar.close()
+    _table(rows, out)
+    return rows
+
+
+def _table(rows: list[dict], out) -> None:
+    print("\n| scale | batch | mask | divisions ms | static kernels ms (K) | per tile ms | pass floor ms | ideal ms "
+          "| ratio to ideal: divisions / static / per tile |", file=out)
+    print("|---|---|---|---|---|---|---|---|---|", file=out)
+    for r in rows:
+        i = r["ideal_ms"]
+        print(f"| {r['scale']} | {r['batch']} | {r['mask']} | {r['divisions_ms']:.2f} | {r['static_ms']:.2f} "
+              f"({r['kernels']}) | {r['per_tile_ms']:.2f} | {r['pass_floor_ms']:.2f} | {i:.2f} | "
+              f"{r['divisions_ms'] / i:.2f} / {r['static_ms'] / i:.2f} / {r['per_tile_ms'] / i:.2f} |", file=out)
+    for label, keep in (("causal", lambda m: m == "causal"), ("sparse masks", lambda m: m != "causal")):
+        sel = [r for r in rows if keep(r["mask"])]
+        if not sel:
+            continue
+
+        def span(key: str) -> str:
+            v = [r[key] / r["ideal_ms"] for r in sel]
+            return f"{min(v):.2f}-{max(v):.2f}"
+
+        gain = [1 - r["static_ms"] / r["divisions_ms"] for r in sel]
+        print(f"{label}: ratio to ideal with divisions {span('divisions_ms')}, static kernels {span('static_ms')}, "
+              f"per tile {span('per_tile_ms')}; static kernels {min(gain):+.0%}..{max(gain):+.0%} "
+              f"time saved against divisions", file=out)
