@@ -209,10 +209,8 @@ class _DataflowPass:
         ready: list[list[tuple[int, int]]] = [[] for _ in range(w)]
         seq_of = [[] for _ in range(w)]  # static: each rank's launches in order
         if self.static:
-            for sel in self.launches:
+            for sel in self.launches:  # by (rank, launch index)
                 seq_of[int(tr[sel[0]])].append(sel)
-            for r in range(w):
-                seq_of[r].sort(key=lambda s: int(self.prio[s].min()))
         pos = [0] * w
         running = [False] * w
         busy = self.copy_s.copy()
