@@ -150,7 +150,7 @@ def test_exact_node_routes(nodes, rpn, mask_name):
     last division) give the dense reference's outputs and gradients."""
     import dataclasses
 
-    from torch_dcp.api import _divide
+    from torch_dcp.api import divide
     from torch_dcp.planners import Routing
 
     batch = _batch(mask_name, "gqa8/2-d32")
@@ -161,7 +161,7 @@ def test_exact_node_routes(nodes, rpn, mask_name):
     # division every gateway fetches in the opening phase and reducers send in the closing one
     greedy = dataclasses.replace(torch_dcp.plan(batch, topo, planner="greedy", block_size=BLOCK).placement,
                                  routing=Routing.NODE)
-    spread = {d: _divide(greedy, topo, d) for d in (3, 1)}
+    spread = {d: divide(greedy, topo, d) for d in (3, 1)}
     for plan in (dcp, *spread.values()):
         plan.validate()
         _check(plan, batch)

@@ -436,7 +436,7 @@ def test_local_tail_runs_local_work_last_and_stays_exact(mask):
     # remote tiles in divisions 1 .. T-2, each rank's local compute split between division 0
     # and a tail in T-1 of about the requested share; the plan validates and runs exactly
     from reference import reference_with_grads
-    from torch_dcp.api import _divide
+    from torch_dcp.api import divide
     from torch_dcp.schedule import assign_divisions
 
     batch = BatchSpec([300, 97, 211, 40, 160], mask, n_heads=4, n_kv_heads=2, head_dim=16, dtype="float64")
@@ -457,7 +457,7 @@ def test_local_tail_runs_local_work_last_and_stays_exact(mask):
     assert np.array_equal(assign_divisions(pl, 2, topo, local_tail=0.25), assign_divisions(pl, 2, topo))
     with pytest.raises(ValueError, match="local_tail"):
         assign_divisions(pl, 4, topo, local_tail=1.0)
-    plan = _divide(pl, topo, 4, local_tail=0.25)
+    plan = divide(pl, topo, 4, local_tail=0.25)
     assert np.array_equal(plan.tile_division, div)
     q, k, v, go = random_qkv(batch, torch.float64, 0)
     want = reference_with_grads(batch, q, k, v, go)

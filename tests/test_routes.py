@@ -141,12 +141,12 @@ def test_node_routes_spread_gateways_and_reducers_over_rails():
     so that rails and NVLink ports carry even loads: with every rank of a node needing every
     block of the other node (one full-mask document, all-gather layout), each rail carries
     about the same bytes in and out (the first rank of every group would carry them all)."""
-    from torch_dcp.api import _divide
+    from torch_dcp.api import divide
 
     batch = _batch([4096], Full())
     topo = Topology(n_nodes=2, ranks_per_node=4, nics_per_node=4)
     ag = torch_dcp.plan(batch, topo, planner="allgather", block_size=128, divisions=2)
-    plan = _divide(dataclasses.replace(ag.placement, routing=Routing.NODE), topo, 2)
+    plan = divide(dataclasses.replace(ag.placement, routing=Routing.NODE), topo, 2)
     plan.validate()
     t = plan.tables
     assert (t["fetch_src"] != plan.placement.block_rank[t["fetch_block"]]).any()  # relays

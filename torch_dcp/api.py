@@ -17,7 +17,7 @@ from .workload import check_block_size
 if TYPE_CHECKING:  # pragma: no cover
     from .cost import CostModel
 
-__all__ = ["plan", "DEFAULT_DIVISIONS"]
+__all__ = ["plan", "divide", "DEFAULT_DIVISIONS"]
 
 #: divisions per rank when ``divisions=None`` (the DCP paper's T = 4), fewer for batches with fewer tiles
 DEFAULT_DIVISIONS = 4
@@ -85,7 +85,7 @@ def plan(
     elif not 1 <= divisions <= bound:
         raise ValueError(f"divisions must lie in 1..{bound} (the number of tiles of the {planner} placement of this "
                          f"batch: {n_tiles}), got {divisions}")
-    plans = [_divide(p, topology, int(divisions)) for p in placements]
+    plans = [divide(p, topology, int(divisions)) for p in placements]
     timed: list[tuple[str, float]] = []
     if len(plans) > 1:
         from .cost import CostModel
@@ -105,7 +105,7 @@ def plan(
         for p in plans:
             consider(p, p.planner)
         if divisions >= 3 and chosen.placement.routing is not Routing.RING:
-            consider(_divide(chosen.placement, topology, int(divisions), local_tail=LOCAL_TAIL),
+            consider(divide(chosen.placement, topology, int(divisions), local_tail=LOCAL_TAIL),
                      f"{chosen.planner} (local tail)")
     else:
         chosen = plans[0]
@@ -114,9 +114,14 @@ def plan(
     return chosen
 
 
-def _divide(placement: Placement, topology: Topology, divisions: int, local_tail: float = 0.0) -> Plan:
+def divide(placement: Placement, topology: Topology, divisions: int, local_tail: float = 0.0) -> Plan:
     """The plan of ``placement`` with ``divisions`` per rank (ring attention: its own steps;
-    ``local_tail``: see :func:`~torch_dcp.schedule.assign_divisions`)."""
+    ``local_tail``: see :func:`~torch_dcp.schedule.assign_divisions`), as :func:`plan` builds
+    every candidate it times.
+
+    Raises:
+        ValueError: ``divisions`` is not a positive integer or ``local_tail`` lies outside ``[0, 1)``.
+    """
     if placement.routing is Routing.RING:  # ring attention's own steps, whatever divisions asks
         tile_division, n_div = placement.ring_steps()
     else:

@@ -77,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     rp.add_argument("--masks", default=",".join(MASKS))
     rp.add_argument("--scales", default="0.5,1,2,4")
     rp.add_argument("--block-sizes", default="1024,2048")
+    rp.add_argument("--all-candidates", action="store_true",
+                    help="also run every placement dcp considers and print the best ratio any reaches (slow)")
     rp.set_defaults(run=_readiness, error=rp.error)
     pp3 = sub.add_parser("pictures", help="placement map, traffic matrix and simulated timeline of one plan (PNG)",
                          description=pictures.__doc__, formatter_class=raw)
@@ -206,7 +208,8 @@ def _readiness(args) -> int:
         if m not in MASKS:
             args.error(f"unknown mask {m!r}; choose from {sorted(MASKS)}")
     readiness.bench_readiness(Topology.preset(args.topology), args.cost, masks,
-                              tuple(float(x) for x in args.scales.split(",")), tuple(_ints(args.block_sizes)))
+                              tuple(float(x) for x in args.scales.split(",")), tuple(_ints(args.block_sizes)),
+                              all_candidates=args.all_candidates)
     return 0
 
 

@@ -19,6 +19,16 @@ sizes, with:
 
 The gap between ``divisions`` and ``per tile`` is what the division schedule loses; the gap
 between ``per tile`` and ``ideal`` is the plan's own imbalance and links.
+
+With ``--all-candidates`` every placement dcp's time objective considers for the batch (its
+partitions and fallback layouts at every compute bound, ring attention's and Megatron's plans:
+:func:`torch_dcp.planners.dcp_candidates`, each divided as :func:`torch_dcp.plan` divides it)
+runs the three ways too, and a second table gives the best ratio to ideal (each candidate against
+its own ideal) any of them reaches in each model: whether a placement dcp passes over would meet a
+target under finer execution (slow: about 2.5 min per batch and block size on the paper
+batches)::
+
+    python -m torch_dcp.benchmarks readiness --topology a100 --cost a100 --masks causal --block-sizes 1024 --all-candidates
 """
 
 from __future__ import annotations
@@ -26,9 +36,11 @@ from __future__ import annotations
 import json
 import sys
 
+from ..api import divide
 from ..api import plan as make_plan
 from ..cost import CostModel
 from ..dataflow import simulate_dataflow
+from ..planners import dcp_candidates
 from ..simulate import floor_seconds, link_floor_seconds, simulate
 from ..topology import Topology
 from .common import MASKS, bench_batch, paper_batches, paper_sources, progress
@@ -41,9 +53,12 @@ KERNELS = (4, 8, 16)
 def bench_readiness(topology: Topology, cost: CostModel | str = "a100", masks: tuple[str, ...] = tuple(MASKS),
                     scales: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0), block_sizes: tuple[int, ...] = (1024, 2048),
                     divisions: int = 4, out=sys.stdout, total: int = 131072,
-                    sources: dict[str, list[int]] | None = None) -> list[dict]:
+                    sources: dict[str, list[int]] | None = None, all_candidates: bool = False) -> list[dict]:
     """dcp's plan of every paper batch under the three execution models; prints JSON lines and
-    a Markdown table; returns the rows (times in ms)."""
+    a Markdown table; returns the rows (times in ms). ``all_candidates``: each row also gets
+    ``candidates`` (how many were run) and ``best_divisions``, ``best_static``, ``best_per_tile``
+    (the lowest ratio to its own ideal of any candidate, over the block sizes, in each model),
+    printed as a second table."""
     cm = cost if isinstance(cost, CostModel) else CostModel.load(cost)
     sources = sources or paper_sources(total=total)
     rows = []
@@ -53,7 +68,11 @@ def bench_readiness(topology: Topology, cost: CostModel | str = "a100", masks: t
             for mname in masks:
                 batch = bench_batch(lens, MASKS[mname])
                 best = None
+                reach = {"candidates": 0, "best_divisions": float("inf"), "best_static": float("inf"),
+                         "best_per_tile": float("inf")}
                 for bs in block_sizes:
+                    if all_candidates:
+                        _reach(reach, batch, topology, cm, bs, divisions)
                     plan = make_plan(batch, topology, planner="dcp", block_size=bs, divisions=divisions, cost_model=cm)
                     sim = simulate(plan, cm)
                     if best is None or sim.makespan_s < best[1].makespan_s:
@@ -69,11 +88,37 @@ def bench_readiness(topology: Topology, cost: CostModel | str = "a100", masks: t
                        "per_tile_ms": simulate_dataflow(plan, cm).makespan_s * 1e3,
                        "pass_floor_ms": pass_floor * 1e3, "floor_ms": floor_seconds(plan, cm) * 1e3,
                        "ideal_ms": sim.ideal_s * 1e3}
+                if all_candidates:
+                    row.update(reach)
                 rows.append(row)
                 print(json.dumps(row, default=lambda v: round(v, 4)), file=out, flush=True)
     bar.close()
     _table(rows, out)
+    if all_candidates:
+        _reach_table(rows, out)
     return rows
+
+
+def _reach(acc: dict, batch, topology: Topology, cm: CostModel, block_size: int, divisions: int) -> None:
+    """Fold every dcp candidate placement of ``batch`` at ``block_size`` into ``acc``: the
+    count, and the lowest ratio to ideal in each execution model."""
+    for placement in dcp_candidates(batch, topology, block_size):
+        plan = divide(placement, topology, divisions)
+        sim = simulate(plan, cm)
+        static = min(simulate_dataflow(plan, cm, kernels_per_rank=k).makespan_s for k in KERNELS)
+        for key, seconds in (("best_divisions", sim.makespan_s), ("best_static", static),
+                             ("best_per_tile", simulate_dataflow(plan, cm).makespan_s)):
+            acc[key] = min(acc[key], seconds / sim.ideal_s)
+        acc["candidates"] += 1
+
+
+def _reach_table(rows: list[dict], out) -> None:
+    print("\nBest ratio to ideal over every placement dcp considers (each against its own ideal)\n", file=out)
+    print("| scale | batch | mask | candidates | divisions | static kernels | per tile |", file=out)
+    print("|---|---|---|---|---|---|---|", file=out)
+    for r in rows:
+        print(f"| {r['scale']} | {r['batch']} | {r['mask']} | {r['candidates']} | {r['best_divisions']:.2f} "
+              f"| {r['best_static']:.2f} | {r['best_per_tile']:.2f} |", file=out)
 
 
 def _table(rows: list[dict], out) -> None:
