@@ -25,7 +25,7 @@ partitions and fallback layouts at every compute bound, ring attention's and Meg
 :func:`torch_dcp.planners.dcp_candidates`, each divided as :func:`torch_dcp.plan` divides it)
 runs the three ways too, and a second table gives the best ratio to ideal (each candidate against
 its own ideal) any of them reaches in each model: whether a placement dcp passes over would meet a
-target under finer execution (slow: about 2.5 min per batch and block size on the paper
+target under finer execution (slow: 1-6 min per batch and block size on the paper
 batches)::
 
     python -m torch_dcp.benchmarks readiness --topology a100 --cost a100 --masks causal --block-sizes 1024 --all-candidates
