@@ -89,8 +89,8 @@ def test_balance_floors_bound_the_simulated_time():
 def test_readiness_models_bound_by_the_pass_floor():
     """The readiness benchmark: dcp's plan in divisions, static kernels and per tile, every
     model at or above the plan's floor, the division run at or above its pass floor; over every
-    candidate placement, no ratio below 1 in divisions or per tile, and the best in divisions at
-    most the chosen plan's (here one of the candidates: the local tail does not win)."""
+    candidate placement (and the chosen plan), no ratio below 1 in divisions or per tile, and
+    the best in divisions at most the chosen plan's."""
     from torch_dcp.benchmarks.readiness import KERNELS, bench_readiness
 
     out = io.StringIO()
@@ -169,3 +169,28 @@ def test_step_benchmark_small_cpu(capsys):
     assert res["targets"] == TARGETS
     text = "\n".join(lines)
     assert "n/a: flash varlen needs CUDA" in text and "busiest rank" in text and "max abs error" in text
+
+
+def test_routes_cut_inter_node_bytes_on_the_same_placement(capsys):
+    """Node routes against direct routes on one dcp placement: the same compute balance, fewer
+    (never more) bytes between nodes, and the CLI rejects what it cannot run."""
+    from torch_dcp.benchmarks.routes import bench_routes
+
+    out = io.StringIO()
+    rows = bench_routes(TOPO, "h100", batch="tail", mask="causal", scales=(1.0,), block_sizes=(512, 1024), out=out,
+                        sources=SOURCES, total=TOTAL)
+    assert [r["block_size"] for r in rows] == [512, 1024]
+    for r in rows:
+        assert r["node_compute_imbalance"] == pytest.approx(r["direct_compute_imbalance"])
+        assert 0 < r["node_inter_node_bytes"] <= r["direct_inter_node_bytes"]
+        assert r["saving"] == pytest.approx(1 - r["node_inter_node_bytes"] / r["direct_inter_node_bytes"])
+        assert r["node_ms"] > 0 and r["direct_ms"] > 0
+    assert any(r["saving"] > 0 for r in rows)  # some block crosses into a node for two ranks of it
+    assert "fewer bytes between nodes than direct routes" in out.getvalue()
+    with pytest.raises(ValueError, match="unknown batch 'nope'"):
+        bench_routes(TOPO, batch="nope", sources=SOURCES, total=TOTAL)
+    with pytest.raises(ValueError, match="several nodes"):
+        bench_routes(Topology(n_nodes=1, ranks_per_node=4), sources=SOURCES, total=TOTAL)
+    with pytest.raises(SystemExit):
+        main(["routes", "--batch", "nope"])
+    assert "unknown batch 'nope'" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """The benchmarks' command line, ``python -m torch_dcp.benchmarks COMMAND ...``: ``planners``,
 ``paper`` (:mod:`~torch_dcp.benchmarks.planners`, :mod:`~torch_dcp.benchmarks.sweeps`), ``balance``
-(:mod:`~torch_dcp.benchmarks.balance`), ``readiness`` (:mod:`~torch_dcp.benchmarks.readiness`),
+(:mod:`~torch_dcp.benchmarks.balance`), ``readiness`` (:mod:`~torch_dcp.benchmarks.readiness`), ``routes`` (:mod:`~torch_dcp.benchmarks.routes`),
 ``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`), ``kernels reduce|table|division|plan``
 (:mod:`~torch_dcp.benchmarks.kernels`), ``ops`` (:mod:`~torch_dcp.benchmarks.ops`), ``step``
 (:mod:`~torch_dcp.benchmarks.step`) and ``loader`` (:mod:`~torch_dcp.benchmarks.loader`)."""
@@ -11,7 +11,7 @@ import argparse
 import json
 
 from ..topology import TOPOLOGY_PRESETS, Topology
-from . import balance, common, kernels, loader, ops, pictures, planners, readiness, step, sweeps
+from . import balance, common, kernels, loader, ops, pictures, planners, readiness, routes, step, sweeps
 from .common import MASKS
 
 __all__ = ["main", "parser"]
@@ -80,6 +80,15 @@ def parser() -> argparse.ArgumentParser:
     rp.add_argument("--all-candidates", action="store_true",
                     help="also run every placement dcp considers and print the best ratio any reaches (slow)")
     rp.set_defaults(run=_readiness, error=rp.error)
+    np_ = sub.add_parser("routes", help="dcp's placement with node routes against direct routes: inter-node bytes",
+                         description=routes.__doc__, formatter_class=raw)
+    np_.add_argument("--topology", choices=sorted(TOPOLOGY_PRESETS), default="a100")
+    np_.add_argument("--cost", default="a100", help="a100, h100 or JSON cost tables")
+    np_.add_argument("--batch", default="corpus", help="length source: corpus or longtail")
+    np_.add_argument("--mask", choices=sorted(MASKS), default="causal")
+    np_.add_argument("--scales", default="0.5,1,2,4")
+    np_.add_argument("--block-sizes", default="1024,2048")
+    np_.set_defaults(run=_routes, error=np_.error)
     pp3 = sub.add_parser("pictures", help="placement map, traffic matrix and simulated timeline of one plan (PNG)",
                          description=pictures.__doc__, formatter_class=raw)
     pp3.add_argument("--out", default=".")
@@ -210,6 +219,14 @@ def _readiness(args) -> int:
     readiness.bench_readiness(Topology.preset(args.topology), args.cost, masks,
                               tuple(float(x) for x in args.scales.split(",")), tuple(_ints(args.block_sizes)),
                               all_candidates=args.all_candidates)
+    return 0
+
+
+def _routes(args) -> int:
+    if args.batch not in ("corpus", "longtail"):
+        args.error(f"unknown batch {args.batch!r}; choose from ['corpus', 'longtail']")
+    routes.bench_routes(Topology.preset(args.topology), args.cost, args.batch, args.mask,
+                        tuple(float(x) for x in args.scales.split(",")), tuple(_ints(args.block_sizes)))
     return 0
 
 
