@@ -1,9 +1,9 @@
 """The benchmarks' command line, ``python -m torch_dcp.benchmarks COMMAND ...``: ``planners``,
 ``paper`` (:mod:`~torch_dcp.benchmarks.planners`, :mod:`~torch_dcp.benchmarks.sweeps`), ``balance``
-(:mod:`~torch_dcp.benchmarks.balance`), ``readiness`` (:mod:`~torch_dcp.benchmarks.readiness`), ``routes`` (:mod:`~torch_dcp.benchmarks.routes`),
-``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`), ``kernels reduce|table|division|plan``
-(:mod:`~torch_dcp.benchmarks.kernels`), ``ops`` (:mod:`~torch_dcp.benchmarks.ops`), ``step``
-(:mod:`~torch_dcp.benchmarks.step`) and ``loader`` (:mod:`~torch_dcp.benchmarks.loader`)."""
+(:mod:`~torch_dcp.benchmarks.balance`), ``readiness`` (:mod:`~torch_dcp.benchmarks.readiness`), ``routes``
+(:mod:`~torch_dcp.benchmarks.routes`), ``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`),
+``kernels reduce|table|division|plan`` (:mod:`~torch_dcp.benchmarks.kernels`), ``ops``
+(:mod:`~torch_dcp.benchmarks.ops`), ``step`` (:mod:`~torch_dcp.benchmarks.step`) and ``loader`` (:mod:`~torch_dcp.benchmarks.loader`)."""
 
 from __future__ import annotations
 
@@ -223,10 +223,12 @@ def _readiness(args) -> int:
 
 
 def _routes(args) -> int:
-    if args.batch not in ("corpus", "longtail"):
-        args.error(f"unknown batch {args.batch!r}; choose from ['corpus', 'longtail']")
+    sources = common.paper_sources()
+    if args.batch not in sources:
+        args.error(f"unknown batch {args.batch!r}; choose from {sorted(sources)}")
     routes.bench_routes(Topology.preset(args.topology), args.cost, args.batch, args.mask,
-                        tuple(float(x) for x in args.scales.split(",")), tuple(_ints(args.block_sizes)))
+                        tuple(float(x) for x in args.scales.split(",")), tuple(_ints(args.block_sizes)),
+                        sources=sources)
     return 0
 
 

@@ -28,7 +28,8 @@ its own ideal) any of them reaches in each model: whether a placement dcp passes
 target under finer execution (slow: 1-6 min per batch and block size on the paper
 batches)::
 
-    python -m torch_dcp.benchmarks readiness --topology a100 --cost a100 --masks causal --block-sizes 1024 --all-candidates
+    python -m torch_dcp.benchmarks readiness --topology a100 --cost a100 --masks causal \\
+        --block-sizes 1024 --all-candidates
 """
 
 from __future__ import annotations
