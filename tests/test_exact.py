@@ -171,3 +171,44 @@ def test_exact_node_routes(nodes, rpn, mask_name):
     if mask_name == "full":
         t = spread[1].tables
         assert (t["fetch_div"] == -1).any() and any((t[f"ret_{s}_div"] == 1).any() for s in ("q", "kv"))
+
+
+@pytest.mark.parametrize("layout", ["2x2/hp2", "2x4/hp4", "1x4/hp4", "2x4/hp2"])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("heads", ["gqa8/2-d32", "mha4-d32"])
+def test_exact_head_parallel(layout, mask_name, heads):
+    """Head-parallel plans (all-to-all inside groups of N, the outer plan across them): GQA with
+    replicated key/value heads (8/2 with N = 4) and without, 1 x 4 is pure Ulysses."""
+    shape, n = layout.split("/hp")
+    nodes, rpn = map(int, shape.split("x"))
+    batch = _batch(mask_name, heads)
+    topo = torch_dcp.Topology(n_nodes=nodes, ranks_per_node=rpn)
+    planner = "ring" if nodes == 1 else "dcp"
+    plan = torch_dcp.plan(batch, topo, planner=planner, block_size=BLOCK, head_parallel=int(n), divisions=2)
+    assert plan.head_parallel == int(n)
+    plan.validate()
+    _check(plan, batch)
+
+
+def test_exact_head_parallel_with_a_rank_without_tokens_and_repeated_kv_heads():
+    batch = BatchSpec([3], Causal(), n_heads=4, n_kv_heads=2, head_dim=16, dtype="float64")
+    plan = torch_dcp.plan(batch, torch_dcp.Topology(n_nodes=1, ranks_per_node=4), planner="ring", head_parallel=4)
+    assert [plan.local_tokens(r) for r in range(4)] == [1, 1, 1, 0]
+    _check(plan, batch)
+    # keys and values with their heads repeated to the query heads, as some models pass them
+    q, k, v, go = random_qkv(batch, torch.float64, 1)
+    rep = batch.n_heads // batch.n_kv_heads
+    kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    mailbox = torch_dcp.executor.Mailbox()
+    from torch_dcp.executor import InProcessTransport, make_executor
+    from torch_dcp._interleave import interleave
+    execs = [make_executor(plan, r, InProcessTransport(mailbox, r)) for r in range(4)]
+    idx = [torch.from_numpy(plan.token_indices(r)) for r in range(4)]
+    fwd = interleave([e.forward_steps(q[i], kr[i], vr[i]) for e, i in zip(execs, idx)], lambda: mailbox.events)
+    bwd = interleave([e.backward_steps(q[i], kr[i], vr[i], o, lse, go[i]) for e, i, (o, lse) in zip(execs, idx, fwd)],
+                     lambda: mailbox.events)
+    ref = reference_with_grads(batch, q, k, v, go)
+    out = torch.cat([o for o, _ in fwd])[torch.argsort(torch.cat(idx))]
+    assert (out - ref[0]).abs().max().item() < 1e-10
+    dk = torch.cat([g[1] for g in bwd])[torch.argsort(torch.cat(idx))]
+    assert (dk.view(3, 2, rep, 16).sum(2) - ref[2]).abs().max().item() < 1e-10

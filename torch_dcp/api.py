@@ -9,7 +9,8 @@ import numpy as np
 
 from .batch import BatchSpec
 from .plan import Plan
-from .planners import CANDIDATES, Placement, Routing, get_planner
+from .plan.heads import HeadLayout, HeadParallelPlan, head_parallel_sizes
+from .planners import CANDIDATES, HEAD_PLANNERS, Placement, Routing, get_planner
 from .schedule import assign_divisions
 from .topology import Topology
 from .workload import check_block_size
@@ -33,14 +34,17 @@ def plan(
     block_size: int = 1024,
     divisions: int | None = None,
     cost_model: "CostModel | str | None" = None,
+    head_parallel: int | str | None = None,
     **options: Any,
-) -> Plan:
+) -> "Plan | HeadParallelPlan":
     """Plan one attention step of ``batch`` on ``topology``.
 
     Args:
         batch: documents, masks, heads, dtype of the global batch.
         topology: a :class:`Topology`, or a world size (all ranks on one node).
-        planner: ``"greedy"``, ``"dcp"``, ``"ring"``, ``"megatron"`` (see :mod:`torch_dcp.planners`).
+        planner: ``"greedy"``, ``"dcp"``, ``"ring"``, ``"allgather"``, ``"megatron"``,
+            ``"fcp"`` (see :mod:`torch_dcp.planners`), or a head-parallel baseline,
+            ``"ulysses"`` or ``"hcp"`` (:data:`~torch_dcp.planners.HEAD_PLANNERS`).
         block_size: tokens per block ``B``, an integer in ``1 ..`` :data:`~torch_dcp.batch.MAX_TOKENS`
             (checked for every planner; ``ring`` and ``megatron`` cut chunks of ``L / 2W``
             instead).
@@ -50,42 +54,54 @@ def plan(
             ``min(4, n_tiles)`` (at least 1), so that tiny batches plan too.
         cost_model: for planners that offer several candidates (``"dcp"`` with its default
             time objective: its placements, ring attention's and Megatron's plans, see
-            :func:`~torch_dcp.planners.dcp.dcp_candidates`), the :class:`~torch_dcp.cost.CostModel`
-            (or ``"a100"``, ``"h100"``, JSON table paths) whose simulated forward + backward
-            time picks the fastest (:func:`torch_dcp.simulate.simulate`); default ``"a100"``.
-            The fastest placement is then also timed with its last division running a local
-            tail (:data:`LOCAL_TAIL` of every rank's local compute, the remote tiles in the
-            divisions before: :func:`~torch_dcp.schedule.assign_divisions`), kept if faster.
+            :func:`~torch_dcp.planners.dcp.dcp_candidates`, for every head parallelism tried),
+            the :class:`~torch_dcp.cost.CostModel` (or ``"a100"``, ``"h100"``, JSON table
+            paths) whose simulated forward + backward time picks the fastest
+            (:func:`torch_dcp.simulate.simulate`); default ``"a100"``. The fastest placement is
+            then also timed with its last division running a local tail (:data:`LOCAL_TAIL` of
+            every rank's local compute, the remote tiles in the divisions before:
+            :func:`~torch_dcp.schedule.assign_divisions`), kept if faster.
+        head_parallel: ``N``, ranks of a head group trading heads by all-to-all
+            (:mod:`torch_dcp.plan.heads`): ``N`` must divide ``n_heads`` and the ranks per
+            node (or be a multiple of them dividing the world size), and ``N`` and
+            ``n_kv_heads`` one the other. ``"auto"`` tries 1 and every valid ``N`` and keeps
+            the fastest on the simulator (with ``"dcp"``); ``None`` (default): ``"auto"`` for
+            ``"dcp"`` with the time objective, 1 for the others; not given for ``"ulysses"`` and
+            ``"hcp"`` (their own ``N``).
         **options: planner-specific options (e.g. ``eps_compute`` for ``greedy``).
 
     Returns:
-        The :class:`Plan`; ``plan.plan_seconds`` holds the planning time (placement,
-        divisions and, where candidates are timed, their simulation); ``plan.candidates``
-        the ``(planner label, simulated seconds)`` of every candidate (NaN for one not
-        simulated because its floor, :func:`torch_dcp.simulate.floor_seconds`, lies above a
-        faster candidate's time; empty when the planner offers one).
+        The :class:`Plan`, or a :class:`~torch_dcp.plan.heads.HeadParallelPlan` where ``N > 1``;
+        ``plan.plan_seconds`` holds the planning time (placement, divisions and, where
+        candidates are timed, their simulation); ``plan.candidates`` the ``(planner label,
+        simulated seconds)`` of every candidate (NaN for one not simulated because its floor,
+        :func:`torch_dcp.simulate.floor_seconds`, lies above a faster candidate's time; empty
+        when the planner offers one). Labels of head-parallel candidates end in ``/hpN``.
 
     Raises:
         ValueError: unknown planner, a bad topology, a block size that is not an integer in
-            ``1 .. MAX_TOKENS``, or divisions that are not ``None`` or an integer in
-            ``1 .. max(1, n_tiles)`` (the message names the value, the bound and the tiles).
+            ``1 .. MAX_TOKENS``, divisions that are not ``None`` or an integer in
+            ``1 .. max(1, n_tiles)`` (the message names the value, the bound and the tiles),
+            or a head parallelism that is not ``None``, ``"auto"`` or a valid ``N``.
     """
     topology = Topology.coerce(topology)
-    fn = get_planner(planner)
     check_block_size(block_size)
     if divisions is not None and (isinstance(divisions, bool) or not isinstance(divisions, (int, np.integer))):
         raise ValueError(f"divisions must be an integer (or None for automatic), got {divisions!r}")
+    if planner in HEAD_PLANNERS:
+        if head_parallel is not None:
+            raise ValueError(f"planner {planner!r} has its own head parallelism; got head_parallel={head_parallel!r}")
+        inner, size_of = HEAD_PLANNERS[planner]
+        sizes = [size_of(topology)]
+        HeadLayout.of(batch, sizes[0]).check_topology(topology)
+    else:
+        inner = planner
+        get_planner(planner)
+        sizes = _head_sizes(batch, topology, planner, head_parallel, options)
     t0 = time.perf_counter()
-    offer = CANDIDATES.get(planner)
-    placements = offer(batch, topology, block_size, **options) if offer else [fn(batch, topology, block_size, **options)]
-    n_tiles = placements[0].workload.n_tiles
-    bound = max(1, n_tiles)  # a batch with no tiles still runs as one (empty) division
-    if divisions is None:
-        divisions = min(DEFAULT_DIVISIONS, bound)
-    elif not 1 <= divisions <= bound:
-        raise ValueError(f"divisions must lie in 1..{bound} (the number of tiles of the {planner} placement of this "
-                         f"batch: {n_tiles}), got {divisions}")
-    plans = [divide(p, topology, int(divisions)) for p in placements]
+    plans: list[Plan | HeadParallelPlan] = []
+    for n in sizes:
+        plans += _plans_at(batch, topology, inner, n, block_size, divisions, planner, options)
     timed: list[tuple[str, float]] = []
     if len(plans) > 1:
         from .cost import CostModel
@@ -94,24 +110,83 @@ def plan(
         cm = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model or "a100")
         chosen, best = plans[0], float("inf")
 
-        def consider(p: Plan, label: str) -> None:
+        def consider(p: Plan | HeadParallelPlan, label: str, floor: float | None = None) -> None:
             nonlocal chosen, best
             # a candidate whose floor is above the best simulated time cannot win
-            t = simulate(p, cm).makespan_s if floor_seconds(p, cm) < best else float("nan")
+            floor = floor_seconds(p, cm) if floor is None else floor
+            t = simulate(p, cm).makespan_s if floor < best else float("nan")
             timed.append((label, t))
             if t < best:
                 chosen, best = p, t
 
-        for p in plans:
-            consider(p, p.planner)
-        if divisions >= 3 and chosen.placement.routing is not Routing.RING:
-            consider(divide(chosen.placement, topology, int(divisions), local_tail=LOCAL_TAIL),
-                     f"{chosen.planner} (local tail)")
+        # lowest floor first, so that fewer candidates need simulating (a tie keeps the earlier)
+        floors = [floor_seconds(p, cm) for p in plans]
+        for i in sorted(range(len(plans)), key=lambda i: floors[i]):
+            consider(plans[i], plans[i].planner, floors[i])
+        tail = _local_tail(chosen)
+        if tail is not None:
+            consider(tail, f"{chosen.planner} (local tail)")
     else:
         chosen = plans[0]
     chosen.plan_seconds = time.perf_counter() - t0
     chosen.candidates = timed
     return chosen
+
+
+def _head_sizes(batch: BatchSpec, topology: Topology, planner: str, head_parallel: Any,
+                options: dict[str, Any]) -> list[int]:
+    """The head parallelisms ``plan`` tries (see its ``head_parallel``)."""
+    if head_parallel is None:
+        timed = planner in CANDIDATES and options.get("objective", "time") == "time"
+        head_parallel = "auto" if timed else 1
+    if head_parallel == "auto":
+        if planner not in CANDIDATES:
+            raise ValueError(f"head_parallel='auto' needs a planner that offers candidates ({sorted(CANDIDATES)}), "
+                             f"got {planner!r}")
+        return [1] + head_parallel_sizes(batch, topology)
+    if isinstance(head_parallel, str):
+        raise ValueError(f"head_parallel must be None, 'auto' or a positive integer, got {head_parallel!r}")
+    layout = HeadLayout.of(batch, head_parallel)  # raises for a non-integer or a bad N
+    layout.check_topology(topology)
+    return [layout.size]
+
+
+def _plans_at(batch: BatchSpec, topology: Topology, planner: str, n: int, block_size: int, divisions: int | None,
+              label: str, options: dict[str, Any]) -> "list[Plan | HeadParallelPlan]":
+    """The divided candidates of ``planner`` with head parallelism ``n`` (wrapped when ``n > 1``)."""
+    layout = HeadLayout.of(batch, n)
+    ob, ot = layout.outer_batch(batch), layout.outer_topology(topology)
+    offer = CANDIDATES.get(planner)
+    fn = get_planner(planner)
+    placements = offer(ob, ot, block_size, **options) if offer else [fn(ob, ot, block_size, **options)]
+    n_tiles = placements[0].workload.n_tiles
+    bound = max(1, n_tiles)  # a batch with no tiles still runs as one (empty) division
+    if divisions is None:
+        divisions = min(DEFAULT_DIVISIONS, bound)
+    elif not 1 <= divisions <= bound:
+        raise ValueError(f"divisions must lie in 1..{bound} (the number of tiles of the {planner} placement of this "
+                         f"batch: {n_tiles}), got {divisions}")
+    plans = [divide(p, ot, int(divisions)) for p in placements]
+    if n == 1:
+        return plans
+    if label in HEAD_PLANNERS:  # a baseline, run as TransformerEngine runs it
+        return [HeadParallelPlan(p, batch, topology, n, label, keep_sharded=True) for p in plans]
+    return [HeadParallelPlan(p, batch, topology, n, f"{p.planner}/hp{n}") for p in plans]
+
+
+def _local_tail(chosen: "Plan | HeadParallelPlan") -> "Plan | HeadParallelPlan | None":
+    """``chosen`` with a local tail (:data:`LOCAL_TAIL`), or None where it has no such variant
+    (ring attention's own steps, fewer than 3 divisions)."""
+    outer = chosen.outer if isinstance(chosen, HeadParallelPlan) else chosen
+    rounds = outer.placement.tile_round
+    per_round = outer.divisions // (1 if rounds is None or rounds.size == 0 else int(rounds.max()) + 1)
+    if per_round < 3 or outer.placement.routing is Routing.RING:
+        return None
+    tail = divide(outer.placement, outer.topology, per_round, local_tail=LOCAL_TAIL)
+    if isinstance(chosen, HeadParallelPlan):
+        return HeadParallelPlan(tail, chosen.batch, chosen.topology, chosen.head_parallel, chosen.label,
+                                chosen.keep_sharded)
+    return tail
 
 
 def divide(placement: Placement, topology: Topology, divisions: int, local_tail: float = 0.0) -> Plan:

@@ -30,6 +30,7 @@ import numpy as np
 
 from .cost import CostModel
 from .plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan, dispatch
+from .plan.heads import HeadParallelPlan
 from .planners.base import Routing
 from .workload import Buf, item_token_bytes
 
@@ -78,17 +79,36 @@ class SimResult:
         return self.makespan_s / self.ideal_s if self.ideal_s > 0 else 1.0
 
 
-def simulate(plan: Plan, cost_model: CostModel | None = None) -> SimResult:
+def simulate(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None) -> SimResult:
     """Simulate ``plan`` on its topology with ``cost_model`` (default: the A100 table).
+
+    A head-parallel plan runs its all-to-all in, the outer plan (simulated on the groups'
+    topology, :meth:`~torch_dcp.plan.heads.HeadLayout.outer_topology`) and its all-to-all out,
+    one after the other in each pass; every rank of a group has its group's timeline.
 
     Raises:
         RuntimeError: the programs deadlock (a plan that does not validate).
     """
     cm = cost_model or CostModel.a100()
+    if isinstance(plan, HeadParallelPlan):
+        return _simulate_heads(plan, cm)
     fwd = _Pass(plan, cm, backward=False).run()
     bwd = _Pass(plan, cm, backward=True).run()
     ideal = (fwd.busy_s.sum() + bwd.busy_s.sum()) / plan.world_size
     return SimResult(fwd, bwd, fwd.makespan_s + bwd.makespan_s, float(ideal))
+
+
+def _simulate_heads(plan: HeadParallelPlan, cm: CostModel) -> SimResult:
+    inner, n = simulate(plan.outer, cm), plan.head_parallel
+    passes = []
+    for res, backward in ((inner.forward, False), (inner.backward, True)):
+        a_in, a_out = plan.all_to_all_seconds(backward, "in"), plan.all_to_all_seconds(backward, "out")
+        span = a_in + res.makespan_s + a_out
+        events = [[("all-to-all", 0.0, a_in)] + [(k, s + a_in, e + a_in) for k, s, e in ev]
+                  + [("all-to-all", a_in + res.makespan_s, span)] for ev in res.events for _ in range(n)]
+        passes.append(PassResult(span, np.repeat(res.busy_s, n), np.repeat(res.exposed_comm_s, n) + a_in + a_out,
+                                 np.repeat(res.idle_s, n), np.full(plan.world_size, span), events))
+    return SimResult(passes[0], passes[1], passes[0].makespan_s + passes[1].makespan_s, inner.ideal_s)
 
 
 class _Link:
@@ -309,12 +329,15 @@ def compute_floor_seconds(plan: Plan, cost_model: CostModel | None = None, backw
     return float(seconds.max())
 
 
-def floor_seconds(plan: Plan, cost_model: CostModel | None = None) -> float:
+def floor_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None) -> float:
     """``max(compute floor, link floor)`` of each pass, forward + backward: no simulated run
     of ``plan`` is shorter (the simulator runs the passes one after the other), so a candidate
     whose floor is above another's simulated time need not be simulated
     (:func:`torch_dcp.plan`). At least ``max(compute_floor_seconds, link_floor_seconds)``: a
-    pass bound by its links and another by its compute add up."""
+    pass bound by its links and another by its compute add up. A head-parallel plan: its outer
+    plan's floor plus its all-to-alls."""
+    if isinstance(plan, HeadParallelPlan):
+        return floor_seconds(plan.outer, cost_model) + sum(plan.all_to_all_seconds(bw) for bw in (False, True))
     return sum(max(compute_floor_seconds(plan, cost_model, backward), link_floor_seconds(plan, backward))
                for backward in (False, True))
 

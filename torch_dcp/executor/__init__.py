@@ -4,6 +4,8 @@ from .device_plan import DevicePlan
 from .division import Division, build_division
 from .executor import InstructionTime, RankExecutor, dcp_attention, emulate
 from .flex import FlexKernel
+from .heads import HeadParallelExecutor
+from .make import EXECUTORS, make_executor
 from .kernels import AutoKernel, DivisionKernel, GroupKernel, KernelLayout, ReferenceKernel, SDPAKernel, get_kernel
 from .reduce import merge_partials, reduce_loop
 from .varlen import VarlenKernel
@@ -11,6 +13,9 @@ from .transport import InProcessTransport, Mailbox, TorchDistributedTransport, T
 
 __all__ = [
     "RankExecutor",
+    "HeadParallelExecutor",
+    "EXECUTORS",
+    "make_executor",
     "DevicePlan",
     "InstructionTime",
     "dcp_attention",

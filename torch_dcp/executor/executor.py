@@ -522,7 +522,9 @@ def emulate(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_
     ranks = range(plan.world_size)
     idx = [torch.from_numpy(plan.token_indices(r)).to(q.device) for r in ranks]
     kern = get_kernel(kernel, device=q.device, dtype=q.dtype, head_dim=q.shape[-1])  # one kernel instance (and its caches) for all ranks
-    execs = [RankExecutor(plan, r, InProcessTransport(mailbox, r), kernel=kern, scale=scale, timings=timings)
+    from .make import make_executor  # the executor of the plan's type (head-parallel plans too)
+
+    execs = [make_executor(plan, r, InProcessTransport(mailbox, r), kernel=kern, scale=scale, timings=timings)
              for r in ranks]
     local = [(q[i], k[i], v[i]) for i in idx]
     fwd = interleave([e.forward_steps(*x) for e, x in zip(execs, local)], lambda: mailbox.events)

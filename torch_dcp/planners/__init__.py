@@ -16,7 +16,7 @@ from .greedy import plan_greedy
 from .megatron import plan_megatron
 from .ring import plan_ring
 
-__all__ = ["Placement", "Routing", "PLANNERS", "CANDIDATES", "get_planner", "dcp_candidates", "plan_allgather", "plan_dcp", "plan_fcp", "plan_greedy", "plan_megatron", "plan_ring"]
+__all__ = ["Placement", "Routing", "PLANNERS", "CANDIDATES", "HEAD_PLANNERS", "get_planner", "dcp_candidates", "plan_allgather", "plan_dcp", "plan_fcp", "plan_greedy", "plan_megatron", "plan_ring"]
 
 #: name -> ``fn(batch, topology, block_size, **options) -> Placement``
 PLANNERS: dict[str, Callable[..., Placement]] = {
@@ -33,6 +33,20 @@ PLANNERS: dict[str, Callable[..., Placement]] = {
 #: keeps the fastest
 CANDIDATES: dict[str, Callable[..., list[Placement]]] = {
     "dcp": dcp_candidates,
+}
+
+
+#: head-parallel baselines: name -> ``(outer planner, N of the topology)``; the plan is the
+#: outer planner's over the ``W / N`` head groups (:mod:`torch_dcp.plan.heads`):
+#:
+#: * ``ulysses``: DeepSpeed-Ulysses / TransformerEngine ``a2a`` (Jacobs et al., 2023, §3):
+#:   all-to-all over all ``W`` ranks, one attention over every document per rank for ``H / W``
+#:   heads (``W`` must divide ``H``);
+#: * ``hcp``: Megatron-Core / TransformerEngine ``a2a+p2p`` hierarchical CP: all-to-all over the
+#:   ranks of a node, the zig-zag ring (:func:`plan_ring`) over the nodes for ``H / icp`` heads.
+HEAD_PLANNERS: dict[str, tuple[str, Callable[..., int]]] = {
+    "ulysses": ("ring", lambda topology: topology.world_size),
+    "hcp": ("ring", lambda topology: topology.ranks_per_node),
 }
 
 

@@ -1,0 +1,172 @@
+"""Head parallelism: layouts, the ulysses and hcp baselines, head-parallel dcp plans, their
+all-to-all bytes, simulation and serialisation."""
+
+import numpy as np
+import pytest
+
+import torch_dcp
+from torch_dcp import BatchSpec, Causal, Lambda, Topology
+from torch_dcp.cost import CostModel
+from torch_dcp.plan import Plan, PlanError
+from torch_dcp.plan.heads import HeadLayout, HeadParallelPlan, head_parallel_sizes
+from torch_dcp.simulate import floor_seconds, simulate
+
+
+def _batch(h=8, hkv=2, mask=None, lens=(700, 57, 3000, 12, 420, 1500)):
+    return BatchSpec(list(lens), mask or Causal(), n_heads=h, n_kv_heads=hkv, head_dim=64, dtype="bfloat16")
+
+
+def test_layout_rules_and_errors():
+    lay = HeadLayout(4, 8, 2)
+    assert (lay.q_heads, lay.kv_heads, lay.kv_replicas) == (2, 1, 2)
+    assert [lay.kv_head_slice(i) for i in range(4)] == [slice(0, 1), slice(0, 1), slice(1, 2), slice(1, 2)]
+    assert [lay.q_head_slice(i) for i in range(4)] == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
+    # every query head's key/value head is the one its rank holds (GQA groups of H / H_kv)
+    for i in range(4):
+        for h in range(8)[lay.q_head_slice(i)]:
+            assert h // (8 // 2) in range(2)[lay.kv_head_slice(i)]
+    lay2 = HeadLayout(2, 8, 4)
+    assert (lay2.kv_heads, lay2.kv_replicas, lay2.kv_head_slice(1)) == (2, 1, slice(2, 4))
+    with pytest.raises(ValueError, match="must divide the batch's n_heads=8"):
+        HeadLayout(3, 8, 2)
+    with pytest.raises(ValueError, match="one must divide the other"):
+        HeadLayout(4, 12, 6)
+    with pytest.raises(ValueError, match="positive integer"):
+        HeadLayout(0, 8, 2)
+    with pytest.raises(ValueError, match="ranks per node"):
+        HeadLayout(4, 8, 2).check_topology(Topology(n_nodes=3, ranks_per_node=2))
+    assert head_parallel_sizes(_batch(), Topology(n_nodes=4, ranks_per_node=8)) == [2, 4, 8]
+    assert head_parallel_sizes(_batch(32, 8), Topology(n_nodes=4, ranks_per_node=8)) == [2, 4, 8, 16, 32]
+
+
+def test_outer_topology_gives_each_group_one_rank_share_of_the_network():
+    for preset in ("a100", "h100"):
+        topo = Topology.preset(preset)
+        per_rank = topo.inter_bandwidth / topo.ranks_per_node
+        for n in (2, 4, 8, 16):
+            ot = HeadLayout(n, 16, 16).outer_topology(topo)
+            assert ot.world_size == topo.world_size // n
+            assert ot.rail_bandwidth == pytest.approx(per_rank)
+            assert ot.intra_bandwidth == topo.intra_bandwidth
+            # groups inside a node keep their node; a group of whole nodes is a node of its own
+            assert ot.n_nodes == (topo.n_nodes if n <= 8 else topo.world_size // n)
+
+
+def test_ranks_hold_contiguous_chunks_covering_every_token_once():
+    b = _batch()
+    p = torch_dcp.plan(b, Topology(n_nodes=2, ranks_per_node=4), planner="dcp", head_parallel=4, block_size=256)
+    assert isinstance(p, HeadParallelPlan) and p.head_parallel == 4 and p.outer.world_size == 2
+    p.validate()
+    for g in range(2):
+        group = p.group_tokens(g)
+        parts = [p.token_indices(g * 4 + i) for i in range(4)]
+        np.testing.assert_array_equal(np.concatenate(parts), group)
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+        assert [p.local_tokens(g * 4 + i) for i in range(4)] == list(map(len, parts))
+    with pytest.raises(ValueError, match="outside"):
+        p.token_indices(8)
+
+
+def test_all_to_all_bytes_by_hand():
+    # one group of 2 ranks, 2 query heads, 2 KV heads (no replication), bf16 head_dim 64
+    b = BatchSpec([10, 7], Causal(), n_heads=2, n_kv_heads=2, head_dim=64, dtype="bfloat16")
+    p = torch_dcp.plan(b, 2, planner="ulysses")
+    assert p.keep_sharded and p.outer.world_size == 1 and p.divisions == 1
+    c = [p.local_tokens(0), p.local_tokens(1)]
+    assert c == [9, 8]
+    e = 2 * 64  # bytes per head per token
+    # forward in: my chunk's Q, K, V of the peer's head; out: the peer's chunk of my head's O
+    fin = p.all_to_all_bytes(False, "in")
+    assert fin[0, 1] == c[0] * 3 * e and fin[1, 0] == c[1] * 3 * e and fin[0, 0] == 0
+    fout = p.all_to_all_bytes(False, "out")
+    assert fout[0, 1] == c[1] * e and fout[1, 0] == c[0] * e
+    # backward (kept sharded): dO in; dQ, dK, dV out
+    assert p.all_to_all_bytes(True, "in")[0, 1] == c[0] * e
+    assert p.all_to_all_bytes(True, "out")[0, 1] == c[1] * 3 * e
+    # torch_dcp's own executor sends Q, K, V, O, LSE (float32) and dO again in the backward
+    q = torch_dcp.plan(b, 2, planner="ring", head_parallel=2)
+    assert not q.keep_sharded
+    assert q.all_to_all_bytes(True, "in")[0, 1] == c[0] * (5 * e + 4)
+    assert q.all_to_all_bytes(False, "out")[0, 1] == c[1] * (e + 4)
+    with pytest.raises(ValueError, match="way"):
+        p.all_to_all_bytes(True, "sideways")
+
+
+def test_ulysses_simulates_as_all_to_all_plus_one_launch():
+    b = _batch()
+    cm = CostModel.h100()
+    topo = Topology.preset("h100", n_nodes=1)
+    p = torch_dcp.plan(b, topo, planner="ulysses")
+    r = simulate(p, cm)
+    inner = simulate(p.outer, cm)
+    a2a = sum(p.all_to_all_seconds(bw) for bw in (False, True))
+    assert r.makespan_s == pytest.approx(inner.makespan_s + a2a)
+    assert inner.forward.exposed_comm_s.max() == 0  # one rank: no transfer in the outer plan
+    assert len(r.forward.busy_s) == 8 and r.forward.events[3][0][0] == "all-to-all"
+    assert floor_seconds(p, cm) <= r.makespan_s
+    st = p.stats()
+    assert st["head_parallel"] == 8 and st["inter_node_bytes"] == 0
+    assert st["comm_bytes"] == int(sum(p.all_to_all_bytes(bw).sum() for bw in (False, True)))
+    assert st["flops_fwd"] == pytest.approx(torch_dcp.plan(b, topo, planner="ring").stats()["flops_fwd"])
+
+
+def test_baselines_refuse_what_they_cannot_run():
+    with pytest.raises(ValueError, match="must divide the batch's n_heads=8"):
+        torch_dcp.plan(_batch(), Topology.preset("h100"), planner="ulysses")  # W = 32 > H = 8
+    with pytest.raises(ValueError, match="its own head parallelism"):
+        torch_dcp.plan(_batch(), 4, planner="hcp", head_parallel=2)
+    with pytest.raises(ValueError, match="'auto' needs a planner"):
+        torch_dcp.plan(_batch(), 4, planner="greedy", head_parallel="auto")
+    with pytest.raises(ValueError, match="head_parallel must be"):
+        torch_dcp.plan(_batch(), 4, planner="dcp", head_parallel="some")
+
+
+def test_hcp_is_the_ring_over_nodes_for_a_node_of_heads():
+    b = _batch(32, 8)
+    topo = Topology.preset("a100")
+    p = torch_dcp.plan(b, topo, planner="hcp")
+    assert p.head_parallel == 8 and p.outer.world_size == 4 and p.outer.planner == "ring"
+    assert p.outer.batch.n_heads == 4 and p.outer.batch.n_kv_heads == 1
+    st = p.stats()
+    # every inter-node byte is the outer ring's, once per inner index
+    assert st["inter_node_bytes"] == p.outer.stats()["inter_node_bytes"] * 8
+
+
+@pytest.mark.parametrize("mask", [Causal(), Lambda(sink=16, window=512)], ids=["causal", "lambda"])
+def test_dcp_auto_is_never_slower_than_its_rivals_as_torch_dcp_runs_them(mask):
+    """ring, allgather, and Ulysses and HCP as torch_dcp's executor runs them (the backward's
+    all-to-all resends Q, K, V, O, LSE: ``keep_sharded=False``) are among dcp's candidates."""
+    lens = [6000, 2500, 900, 300, 3000, 120, 1800]
+    cm = CostModel.h100()
+    for topo in (Topology.preset("h100", n_nodes=1), Topology.preset("h100", n_nodes=2)):
+        b = BatchSpec(lens, mask, n_heads=16, n_kv_heads=4, head_dim=128)
+        best = torch_dcp.plan(b, topo, planner="dcp", block_size=512, cost_model=cm)
+        t = simulate(best, cm).makespan_s
+        labels = [lab for lab, _ in best.candidates]
+        assert any("/hp" in lab for lab in labels) and any("/hp" not in lab for lab in labels)
+        rivals = [torch_dcp.plan(b, topo, planner=name, block_size=512) for name in ("ring", "allgather")]
+        rivals += [torch_dcp.plan(b, topo, planner="ring", head_parallel=n) for n in (8, topo.world_size)]  # hcp, ulysses
+        for r in rivals:
+            assert t <= simulate(r, cm).makespan_s * (1 + 1e-9), r.planner
+
+
+def test_serialisation_and_digest():
+    b = _batch()
+    p = torch_dcp.plan(b, Topology(n_nodes=2, ranks_per_node=4), planner="dcp", head_parallel=2, block_size=512)
+    data = p.to_bytes()
+    q = HeadParallelPlan.from_bytes(data)
+    assert q.digest() == p.digest() and q.head_parallel == 2 and q.label == p.label
+    assert q.keep_sharded == p.keep_sharded and q.batch == b
+    np.testing.assert_array_equal(q.token_indices(5), p.token_indices(5))
+    assert [lab for lab, _ in q.candidates] == [lab for lab, _ in p.candidates]
+    bad = bytearray(data)
+    bad[-3] ^= 1
+    with pytest.raises(PlanError, match="checksum"):
+        HeadParallelPlan.from_bytes(bytes(bad))
+    with pytest.raises(PlanError, match="bad magic"):
+        HeadParallelPlan.from_bytes(p.outer.to_bytes())
+    assert torch_dcp.plan(b, Topology(n_nodes=2, ranks_per_node=4), planner="dcp", head_parallel=4,
+                          block_size=512).digest() != p.digest()
+    with pytest.raises(ValueError, match="outer plan's topology"):
+        HeadParallelPlan(p.outer, b, Topology(n_nodes=1, ranks_per_node=8), 2)
+    assert isinstance(p.outer, Plan)

@@ -1,0 +1,245 @@
+"""Head parallelism's all-to-alls around a rank's outer executor.
+
+Rank ``(g, i)`` of a :class:`~torch_dcp.plan.heads.HeadParallelPlan` holds chunk ``i`` of head
+group ``g``'s tokens with every head. Forward: an all-to-all inside the group trades Q, K, V so
+that the rank holds every token of the group for its ``H / N`` query heads (and its key/value
+heads); a :class:`~torch_dcp.executor.executor.RankExecutor` runs the outer plan as outer rank
+``g`` with the ranks of the same inner index in other groups; a second all-to-all brings O and
+the LSE back to the chunk's owner. Backward: Q, K, V, O, LSE and dO go to the head owners again
+(nothing head-sharded is kept between the passes), the outer backward runs, and dQ, dK, dV come
+back, replicated key/value heads' partials summed by the owner. The all-to-alls are messages on
+the same :class:`~torch_dcp.executor.transport.Transport` as the outer plan's, in phases of
+their own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generator, Sequence
+
+import torch
+
+from ..plan.heads import HeadParallelPlan
+from .executor import RankExecutor, _drain, dcp_attention
+from .transport import Message, Transport
+
+__all__ = ["HeadParallelExecutor", "A2A_PHASES"]
+
+#: transport phases of the all-to-alls (far above any plan's own phases)
+A2A_PHASES = {(False, "in"): 1 << 20, (False, "out"): (1 << 20) + 1, (True, "in"): (1 << 20) + 2,
+              (True, "out"): (1 << 20) + 3}
+
+
+class _InnerTransport(Transport):
+    """The outer plan's transport of inner index ``inner``: outer rank ``g`` is rank
+    ``g * N + inner`` of the DCP group."""
+
+    def __init__(self, base: Transport, n: int, inner: int, outer_world: int):
+        self.base, self.n, self.inner, self.world_size = base, n, inner, outer_world
+
+    def _map(self, msgs: Sequence[Message]) -> list[Message]:
+        return [(peer * self.n + self.inner, tag, t) for peer, tag, t in msgs]
+
+    def launch(self, phase, sends, recvs):
+        return self.base.launch(phase, self._map(sends), self._map(recvs))
+
+    def wait(self, handle):
+        return self.base.wait(handle)
+
+
+def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Tensors as one contiguous uint8 message."""
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors]) if tensors else \
+        torch.empty(0, dtype=torch.uint8)
+
+
+def _unpack(msg: torch.Tensor, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    out, off = [], 0
+    for shape, dtype in specs:
+        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        out.append(msg[off:off + n].view(dtype).view(shape))
+        off += n
+    return out
+
+
+class HeadParallelExecutor:
+    """Executes rank ``rank``'s part of a head-parallel plan (see the module).
+
+    Args:
+        plan: the :class:`~torch_dcp.plan.heads.HeadParallelPlan`.
+        rank: this rank in the DCP group.
+        transport: the DCP group's transport (the all-to-alls and the outer plan's messages).
+        kernel, scale, timings: as for :class:`~torch_dcp.executor.executor.RankExecutor`
+            (the outer executor's).
+        device_plan: the outer executor's device plan (built for outer rank ``rank // N``).
+
+    Raises:
+        ValueError: ``rank`` outside the plan or a transport group of another size.
+    """
+
+    def __init__(self, plan: HeadParallelPlan, rank: int, transport: Transport, kernel: Any = None,
+                 scale: float | None = None, timings: bool = False, device_plan: Any = None):
+        group_size = getattr(transport, "world_size", None)
+        if group_size is not None and group_size != plan.world_size:
+            raise ValueError(f"the plan is for {plan.world_size} ranks, the transport's group has {group_size}")
+        self.plan, self.rank, self.transport = plan, int(rank), transport
+        self.group, self.inner = plan.group_of(rank)
+        lay = plan.layout
+        self.n = lay.size
+        self.members = [self.group * self.n + j for j in range(self.n)]
+        self.outer = RankExecutor(plan.outer, self.group, _InnerTransport(transport, self.n, self.inner,
+                                                                          plan.outer.world_size),
+                                  kernel=kernel, scale=scale, timings=timings, device_plan=device_plan)
+        self.chunks = lay.chunks(plan.outer.local_tokens(self.group))
+        self.local_rows = int(self.chunks[self.inner + 1] - self.chunks[self.inner])
+        self.scale = self.outer.scale
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    # ------------------------------------------------------------------ pass-through
+    @property
+    def kernel(self):
+        return self.outer.kernel
+
+    @property
+    def device_plan(self):
+        return self.outer.device_plan
+
+    def prepare(self, device: torch.device | str) -> Any:
+        """Prepare the outer executor (see :meth:`RankExecutor.prepare`)."""
+        return self.outer.prepare(device)
+
+    @property
+    def timings(self):
+        return self.outer.timings
+
+    def reset_timings(self) -> None:
+        self.outer.reset_timings()
+
+    # ------------------------------------------------------------------ checks
+    def _check(self, name: str, t: torch.Tensor, heads: tuple[int, ...], device: torch.device | None = None) -> None:
+        b = self.plan.batch
+        if t.dim() != 3 or t.shape[0] != self.local_rows or t.shape[1] not in heads or t.shape[2] != b.head_dim:
+            raise ValueError(f"{name}: expected [{self.local_rows}, {' or '.join(map(str, heads))}, {b.head_dim}] "
+                             f"(rank {self.rank}'s tokens, heads, head_dim), got {list(t.shape)}")
+        if t.dtype != self.outer.dtype:
+            raise ValueError(f"{name}: expected dtype {self.outer.dtype} (the plan's BatchSpec.dtype), got {t.dtype}")
+        if device is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device}, q on {device}")
+
+    def _check_inputs(self, q, k, v) -> None:
+        b = self.plan.batch
+        self._check("q", q, (b.n_heads,))
+        self._check("k", k, (b.n_kv_heads, b.n_heads), q.device)
+        self._check("v", v, (b.n_kv_heads, b.n_heads), q.device)
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"k and v have {k.shape[1]} and {v.shape[1]} heads; they must have the same")
+
+    def _kv_slice(self, inner: int, kv: torch.Tensor) -> slice:
+        """Heads of ``kv`` (``H_kv``, or ``H`` repeated) that inner index ``inner`` holds."""
+        lay = self.plan.layout
+        return lay.q_head_slice(inner) if kv.shape[1] == self.plan.batch.n_heads else lay.kv_head_slice(inner)
+
+    # ------------------------------------------------------------------ all-to-all
+    def _exchange(self, phase: int, send: list[list[torch.Tensor]],
+                  recv_specs: list[list[tuple[tuple[int, ...], torch.dtype]]],
+                  device: torch.device) -> Generator[None, None, list[list[torch.Tensor]]]:
+        """Send ``send[j]`` to member ``j`` and receive ``recv_specs[j]`` from it (own entry:
+        kept as is); returns the received tensors per member."""
+        sends, recvs, got = [], [], []
+        for j, rank in enumerate(self.members):
+            if j == self.inner:
+                got.append(None)
+                continue
+            msg = _pack(send[j])
+            nbytes = sum(int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for s, d in recv_specs[j])
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            sends.append((rank, 0, msg))
+            recvs.append((rank, 0, buf))
+            got.append(buf)
+            self.bytes_sent += msg.numel()
+            self.bytes_received += nbytes
+        if sends or recvs:
+            yield from self.transport.wait(self.transport.launch(phase, sends, recvs))
+        return [send[j] if j == self.inner else _unpack(got[j], recv_specs[j]) for j in range(self.n)]
+
+    def _rows(self, j: int) -> slice:
+        return slice(int(self.chunks[j]), int(self.chunks[j + 1]))
+
+    def _to_heads(self, backward: bool, tensors: list[torch.Tensor], kinds: list[str]) -> Generator:
+        """Sequence-sharded ``[S_r, heads, ...]`` tensors to head-sharded ``[S_g, heads / N, ...]``
+        (``kinds``: ``"q"`` query heads, ``"kv"`` key/value heads)."""
+        lay = self.plan.layout
+        sl = [(lambda j, t=t, kind=kind: lay.q_head_slice(j) if kind == "q" else self._kv_slice(j, t))
+              for t, kind in zip(tensors, kinds)]
+        send = [[t[:, f(j)] for t, f in zip(tensors, sl)] for j in range(self.n)]
+        specs = [[((int(self.chunks[j + 1] - self.chunks[j]),) + tuple(t[:, f(self.inner)].shape[1:]), t.dtype)
+                  for t, f in zip(tensors, sl)] for j in range(self.n)]
+        got = yield from self._exchange(A2A_PHASES[(backward, "in")], send, specs, tensors[0].device)
+        return [torch.cat([got[j][x] for j in range(self.n)]) for x in range(len(tensors))]
+
+    def _to_rows(self, backward: bool, tensors: list[torch.Tensor], kinds: list[str],
+                 heads: list[int]) -> Generator:
+        """Head-sharded ``[S_g, heads / N, ...]`` back to ``[S_r, heads, ...]``; ``kinds``
+        ``"q"`` or ``"kv"`` (replicated key/value heads summed), ``heads``: full head counts."""
+        lay = self.plan.layout
+        send = [[t[self._rows(j)] for t in tensors] for j in range(self.n)]
+        specs = [[((self.local_rows,) + tuple(t.shape[1:]), t.dtype) for t in tensors] for _ in range(self.n)]
+        got = yield from self._exchange(A2A_PHASES[(backward, "out")], send, specs, tensors[0].device)
+        out = []
+        for x, (t, kind, h) in enumerate(zip(tensors, kinds, heads)):
+            full = t.new_zeros((self.local_rows, h) + tuple(t.shape[2:]))
+            for j in range(self.n):
+                part = got[j][x]
+                if kind == "q" or h == self.plan.batch.n_heads:
+                    full[:, lay.q_head_slice(j)] = part
+                else:
+                    full[:, lay.kv_head_slice(j)] += part  # replicas of a key/value head: partials add up
+            out.append(full)
+        return out
+
+    # ------------------------------------------------------------------ passes
+    def forward_steps(self, q, k, v, scale: float | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`forward` as a generator that yields while waiting for messages."""
+        self._check_inputs(q, k, v)
+        qg, kg, vg = yield from self._to_heads(False, [q, k, v], ["q", "kv", "kv"])
+        og, lseg = yield from self.outer.forward_steps(qg, kg, vg, scale)
+        h = self.plan.batch.n_heads
+        out, lse = yield from self._to_rows(False, [og, lseg], ["q", "q"], [h, h])
+        return out, lse
+
+    def backward_steps(self, q, k, v, out, lse, dout,
+                       scale: float | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """:meth:`backward` as a generator that yields while waiting for messages."""
+        b = self.plan.batch
+        self._check_inputs(q, k, v)
+        self._check("out", out, (b.n_heads,), q.device)
+        self._check("dout", dout, (b.n_heads,), q.device)
+        if tuple(lse.shape) != (self.local_rows, b.n_heads) or not lse.is_floating_point() or lse.device != q.device:
+            raise ValueError(f"lse: expected a floating [S_local, heads] = {[self.local_rows, b.n_heads]} tensor on "
+                             f"{q.device} (the forward's), got {lse.dtype} {list(lse.shape)} on {lse.device}")
+        qg, kg, vg, og, lseg, dog = yield from self._to_heads(
+            True, [q, k, v, out, lse.to(self.outer.acc), dout], ["q", "kv", "kv", "q", "q", "q"])
+        dqg, dkg, dvg = yield from self.outer.backward_steps(qg, kg, vg, og, lseg, dog, scale)
+        dq, dk, dv = yield from self._to_rows(True, [dqg, dkg, dvg], ["q", "kv", "kv"],
+                                              [b.n_heads, k.shape[1], v.shape[1]])
+        return dq, dk, dv
+
+    # ------------------------------------------------------------------ public API
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`RankExecutor.forward <torch_dcp.executor.executor.RankExecutor.forward>`:
+        ``q [S_local, H, D]``, ``k, v [S_local, H_kv or H, D]`` of this rank's tokens; returns
+        ``(out [S_local, H, D], lse [S_local, H])``.
+
+        Raises:
+            ValueError: shapes, dtype or devices that do not match the plan and this rank.
+        """
+        return _drain(self.forward_steps(q, k, v, scale))
+
+    def backward(self, q, k, v, out, lse, dout, scale: float | None = None):
+        """As :meth:`RankExecutor.backward <torch_dcp.executor.executor.RankExecutor.backward>`."""
+        return _drain(self.backward_steps(q, k, v, out, lse, dout, scale))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Differentiable forward (:func:`~torch_dcp.executor.executor.dcp_attention`)."""
+        return dcp_attention(q, k, v, self)
