@@ -228,6 +228,19 @@ def torch_ring_comm_bytes(total_tokens: int, world: int, a: ModelArgs, elem: int
 
 
 # ---------------------------------------------------------------------- main
+def _head_parallel(text: str) -> "int | str":
+    """``--head-parallel``: ``auto`` or a positive integer."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {text!r}")
+    return n
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=None, help="folder of text files or JSONL with a 'text' field (default: Python stdlib sources)")
@@ -236,6 +249,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-doc-len", type=int, default=4096)
     p.add_argument("--cp-impl", choices=["torch_dcp", "torch", "none"], default="torch_dcp")
     p.add_argument("--planner", default="dcp", help="dcp (hypergraph), greedy, fcp, megatron, ring or allgather")
+    p.add_argument("--head-parallel", type=_head_parallel, default=None, metavar="N|auto",
+                   help="ranks of a head group trading heads by all-to-all (torch_dcp.plan's head_parallel; default: "
+                        "auto for dcp, which keeps the fastest N on the simulator, 1 for the other planners)")
     p.add_argument("--mask", choices=sorted(MASKS), default="causal")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--divisions", type=int, default=2)
@@ -314,8 +330,9 @@ class Job:
 
     def planning_config(self) -> PlanningConfig:
         a = self.args
+        options = {} if a.head_parallel is None else {"head_parallel": a.head_parallel}
         return PlanningConfig(self.world, planner=a.planner, block_size=a.block_size, divisions=a.divisions,
-                              compare=("ring",) if a.ring_stats else ())
+                              options=options, compare=("ring",) if a.ring_stats else ())
 
     def loader(self, lookahead: int) -> PlanningLoader:
         a = self.args

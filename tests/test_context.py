@@ -94,6 +94,22 @@ def _sdpa_matches_reference(rank, world, mesh):
             assert DTensor._op_dispatcher._custom_op_handlers == handlers
 
 
+def _head_parallel_matches_reference(rank, world, mesh):
+    """Head-parallel plans on 4 gloo ranks: 2 x 2 with N = 2 (dcp outside) and 1 x 4 with N = 4
+    (Ulysses), every mask, GQA with replicated key/value heads (8/2 over 4) and without."""
+    for topo, n, planner in ((Topology(n_nodes=2, ranks_per_node=2), 2, "dcp"),
+                             (Topology(n_nodes=1, ranks_per_node=4), 4, "ring")):
+        for name, (mask, causal) in _masks().items():
+            for h, hkv in ((8, 2), (4, 4)):
+                batch = BatchSpec(LENS, mask, n_heads=h, n_kv_heads=hkv, head_dim=16, dtype="float64")
+                q, k, v, go = random_qkv(batch, torch.float64, seed=5)
+                ref = reference_with_grads(batch, q, k, v, go)
+                plan = torch_dcp.plan(batch, topo, planner=planner, block_size=8, head_parallel=n)
+                assert plan.head_parallel == n
+                with torch_dcp.context_parallel(mesh, plan=plan) as ctx:
+                    _check_attention(ctx, rank, q, k, v, go, ref, causal, True, f"{name} hp{n} {h}/{hkv}")
+
+
 def _errors_and_restore(rank, world, mesh):
     sdpa, handlers = F.scaled_dot_product_attention, dict(DTensor._op_dispatcher._custom_op_handlers)
     batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=2, head_dim=16, dtype="float32")
@@ -188,6 +204,10 @@ def _errors_and_restore(rank, world, mesh):
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_sdpa_matches_reference(world, tmp_path):
     _spawn(_sdpa_matches_reference, world, tmp_path)
+
+
+def test_context_parallel_head_parallel_plans(tmp_path):
+    _spawn(_head_parallel_matches_reference, 4, tmp_path)
 
 
 def test_context_parallel_errors_and_restoration(tmp_path):

@@ -31,7 +31,7 @@ from . import attention_op
 from .api import plan as make_plan
 from .attention_op import as_dtensor, bind_args, like, local
 from .batch import BatchSpec
-from .executor import RankExecutor, TorchDistributedTransport
+from .executor import RankExecutor, TorchDistributedTransport, make_executor
 from .executor.transport import TransferError, TransferTimeoutError, as_timedelta, is_timeout
 from .executor.device_plan import DevicePlan
 from .executor.kernels import DivisionKernel, get_kernel
@@ -119,6 +119,7 @@ def context_parallel(
     kernel: str | DivisionKernel | None = None,
     timeout: "float | datetime.timedelta" = 600.0,
     device_plan: DevicePlan | None = None,
+    head_parallel: int | str | None = None,
 ) -> Iterator[DCPContext]:
     """Run the body's ``F.scaled_dot_product_attention`` calls with dynamic context parallelism.
 
@@ -147,6 +148,8 @@ def context_parallel(
             (and uploaded) ahead, e.g. by :class:`torch_dcp.data.PlanningLoader`; entry then
             does not build it. Its kernel is the executor's (``kernel``, if given, must name
             the same one). The plan check across ranks at entry still runs.
+        head_parallel: for planning, as :func:`torch_dcp.plan`'s (``None``: ``"auto"`` for
+            ``"dcp"``, else 1); a head-parallel plan runs its all-to-alls inside the op.
 
     Inside, the model calls ``F.scaled_dot_product_attention(q, k, v, is_causal=...)`` with
     ``q: [1, H, S_local, D]`` and ``k, v: [1, H_kv, S_local, D]`` (``enable_gqa=True``) or
@@ -188,7 +191,7 @@ def context_parallel(
     if (batch is None) == (plan is None):
         raise ValueError("torch_dcp.context_parallel: give exactly one of batch= and plan=")
     if device_plan is not None:
-        if device_plan.plan is not plan:
+        if device_plan.plan is not plan.attention_part(0)[0]:
             raise ValueError("torch_dcp.context_parallel: device_plan was built for another plan (pass its own plan, "
                              "device_plan.plan)")
         if kernel is not None and kernel != "auto" and get_kernel(kernel).name != device_plan.kernel.name:
@@ -207,7 +210,8 @@ def context_parallel(
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if plan is None:
         topo = topology if topology is not None else Topology.single_node(world)
-        plan = make_plan(batch, topo, planner=planner, block_size=block_size, divisions=divisions)
+        plan = make_plan(batch, topo, planner=planner, block_size=block_size, divisions=divisions,
+                         head_parallel=head_parallel)
     if plan.world_size != world:
         raise ValueError(f"torch_dcp.context_parallel: the plan is for {plan.world_size} ranks, the mesh has {world}")
     wait_limit = as_timedelta(timeout, "torch_dcp.context_parallel: timeout")
@@ -221,10 +225,10 @@ def context_parallel(
             raise ValueError(f"torch_dcp.context_parallel: buffer {i} has sequence length {b.shape[d]}, "
                              f"the batch has {total} tokens")
 
-    if device_plan is not None and device_plan.rank != rank:
+    if device_plan is not None and (device_plan.plan, device_plan.rank) != plan.attention_part(rank):
         raise ValueError(f"torch_dcp.context_parallel: device_plan is rank {device_plan.rank}'s, this is rank {rank}")
-    executor = RankExecutor(plan, rank, TorchDistributedTransport(group, device=device, timeout=wait_limit), kernel=kernel,
-                            device_plan=device_plan)
+    executor = make_executor(plan, rank, TorchDistributedTransport(group, device=device, timeout=wait_limit),
+                             kernel=kernel, device_plan=device_plan)
     executor.prepare(device)  # the device plan is built (unless given) and uploaded here, not in the first SDPA call
     ctx = DCPContext(mesh, plan, executor)
     idx = torch.from_numpy(plan.token_indices(rank)).to(device)

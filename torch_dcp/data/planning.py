@@ -41,7 +41,7 @@ import torch
 from ..batch import BatchSpec
 from ..executor.device_plan import DevicePlan
 from ..executor.kernels import DivisionKernel, get_kernel
-from ..plan import Plan, PlanError
+from ..plan import Plan, PlanError, load_plan
 from .plan_store import PlanningError, PlanningTimeoutError, PlanStore, decode_record, encode_error
 from .plan_worker import PlanningConfig, _worker_job, failure_cause, plan_batch, planning_pool
 
@@ -386,7 +386,7 @@ class PlanningLoader(Generic[T]):
         if record.cause is not None:
             raise PlanningError(st.step, st.planning_rank, record.cause)
         try:
-            plan = Plan.from_bytes(record.plan_bytes)  # type: ignore[arg-type]
+            plan = load_plan(record.plan_bytes)  # type: ignore[arg-type]
         except PlanError as err:
             raise PlanningError(st.step, st.planning_rank, f"the plan's bytes failed their checks: {err}") from None
         if plan.batch != st.batch or plan.world_size != self.world:
@@ -405,7 +405,7 @@ class PlanningLoader(Generic[T]):
         t0 = time.perf_counter()
         b = plan.batch
         kern = get_kernel(self.kernel, device=self.device, dtype=getattr(torch, b.dtype), head_dim=b.head_dim)
-        dp = DevicePlan(plan, self.rank, kern)
+        dp = DevicePlan(*plan.attention_part(self.rank), kern)
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):
                 dp.upload(self.device)

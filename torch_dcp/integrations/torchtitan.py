@@ -91,6 +91,11 @@ class DCPConfig:
     """dcp only: time (candidates timed on the simulator, compute balance may loosen to 2x where links are the
     bottleneck) or bytes (compute within 1.1 of the mean, fewest bytes moved)."""
 
+    head_parallel: str = "auto"
+    """Ranks of a head group trading heads by all-to-all before the plan runs over the groups (DeepSpeed-Ulysses
+    inside a node): auto (dcp keeps the fastest N on the simulator; 1 for the other planners) or a positive
+    integer dividing the heads and the ranks per node."""
+
     kernel: str = "auto"
     """Attention kernel of the executor: auto, flex, varlen, sdpa or reference."""
 
@@ -108,8 +113,11 @@ class DCPConfig:
     """Planning worker processes per rank (with plan_ahead > 0)."""
 
     def planner_options(self) -> dict:
-        """Options of the planner beyond block size and divisions (dcp's objective)."""
-        return {"objective": self.objective} if self.planner == "dcp" else {}
+        """Options of the planner beyond block size and divisions (dcp's objective, the head parallelism)."""
+        out: dict = {"objective": self.objective} if self.planner == "dcp" else {}
+        if self.head_parallel != "auto":
+            out["head_parallel"] = int(self.head_parallel)
+        return out
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad key."""
@@ -123,6 +131,9 @@ class DCPConfig:
             raise ValueError(f"--dcp.plan-ahead must be an integer >= 0, got {self.plan_ahead!r}")
         if self.objective not in ("time", "bytes"):
             raise ValueError(f"--dcp.objective must be time or bytes, got {self.objective!r}")
+        hp = str(self.head_parallel)
+        if hp != "auto" and not (hp.isdigit() and int(hp) > 0):
+            raise ValueError(f"--dcp.head-parallel must be auto or a positive integer, got {self.head_parallel!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"--dcp.kernel: unknown kernel {self.kernel!r}; choose one of {list(KERNELS)}")
         if not self.timeout > 0:

@@ -23,9 +23,12 @@ from .ir import (
     dispatch,
 )
 from .plan import Plan
+from .heads import HeadParallelPlan, load_plan
 
 __all__ = [
     "Plan",
+    "HeadParallelPlan",
+    "load_plan",
     "Program",
     "Transfer",
     "BlockwiseCopy",

@@ -39,7 +39,7 @@ from ..topology import Topology
 from .ir import PlanError
 from .plan import Plan
 
-__all__ = ["HeadLayout", "HeadParallelPlan", "head_parallel_sizes", "HEAD_MAGIC"]
+__all__ = ["HeadLayout", "HeadParallelPlan", "head_parallel_sizes", "load_plan", "HEAD_MAGIC"]
 
 HEAD_MAGIC = b"TDCHEAD\0"
 _HEAD_VERSION = 1
@@ -237,6 +237,10 @@ class HeadParallelPlan:
             raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
         return divmod(int(rank), self.layout.size)
 
+    def attention_part(self, rank: int) -> tuple[Plan, int]:
+        """The outer plan and ``rank``'s group: the programs ``rank`` runs between its all-to-alls."""
+        return self.outer, self.group_of(rank)[0]
+
     def group_tokens(self, group: int) -> np.ndarray:
         """Global token indices of head group ``group``, ascending (its outer rank's tokens)."""
         return self.outer.token_indices(group)
@@ -414,3 +418,17 @@ class HeadParallelPlan:
         return (f"HeadParallelPlan(planner={self.planner!r}, world_size={self.world_size}, "
                 f"head_parallel={self.layout.size}, outer={self.outer!r})")
 
+
+
+def load_plan(data: bytes) -> "Plan | HeadParallelPlan":
+    """A plan from its bytes, whichever kind (:meth:`Plan.to_bytes <torch_dcp.plan.Plan.to_bytes>`
+    or :meth:`HeadParallelPlan.to_bytes`).
+
+    Raises:
+        PlanError: neither kind's magic, or bytes that fail that kind's checks.
+    """
+    try:
+        data = bytes(data)
+    except TypeError:
+        raise PlanError(f"a plan is bytes, got {type(data).__name__}") from None
+    return (HeadParallelPlan if data.startswith(HEAD_MAGIC) else Plan).from_bytes(data)

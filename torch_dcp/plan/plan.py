@@ -84,6 +84,11 @@ class Plan:
             raise ValueError(f"rank {rank} is outside [0, {self.world_size})")
         return int(rank)
 
+    def attention_part(self, rank: int) -> tuple["Plan", int]:
+        """The plan and rank whose programs ``rank`` runs (for its device plan): itself here;
+        a head-parallel plan's outer plan and group (:mod:`torch_dcp.plan.heads`)."""
+        return self, self._check_rank(rank)
+
     def local_blocks(self, rank: int) -> np.ndarray:
         """Block ids homed on ``rank``, in global token order (int64)."""
         return np.nonzero(self.placement.block_rank == self._check_rank(rank))[0]
