@@ -378,7 +378,7 @@ class Job:
                    "plan_wait_ms": round(1000 * pb.wait_seconds, 2), "store_ms": round(1000 * pb.store_seconds, 3),
                    "poll_ms": round(1000 * pb.poll_seconds, 3),
                    "comm_bytes": s["comm_bytes"] * self.margs.n_layers,
-                   "compute_imbalance": round(s["compute_imbalance"], 3)}
+                   "compute_imbalance": round(s["compute_imbalance"], 3), "head_parallel": s.get("head_parallel", 1)}
             ring = pb.compare.get("ring")
             if ring and "comm_bytes" in ring:
                 row.update(ring_comm_bytes=ring["comm_bytes"] * self.margs.n_layers,

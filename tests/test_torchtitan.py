@@ -38,6 +38,7 @@ BAD_CONFIGS = {  # torchtitan arguments -> what the start-up error must name
     "cp": (["--parallelism.context_parallel_degree", "2"], "--parallelism.context_parallel_degree"),
     "kernel": (["--dcp.kernel", "fast"], "--dcp.kernel"),
     "objective": (["--dcp.objective", "speed"], "--dcp.objective"),
+    "head_parallel": (["--dcp.head-parallel", "two"], "--dcp.head-parallel"),
 }
 
 
@@ -75,13 +76,13 @@ def _record(trainer) -> dict:
         import torch_dcp
 
         hook = trainer.post_dataloading_process
-        forward = torch_dcp.RankExecutor.forward
+        forward = torch_dcp.RankExecutor.forward_steps
 
-        def count_forward(self, *args, **kwargs):  # executor forward passes (recomputations included)
-            rec["attention_calls"] += 1
+        def count_forward(self, *args, **kwargs):  # executor forward passes (recomputations included), head-
+            rec["attention_calls"] += 1  # parallel ones too (they run their outer plan's forward_steps)
             return forward(self, *args, **kwargs)
 
-        torch_dcp.RankExecutor.forward = count_forward
+        torch_dcp.RankExecutor.forward_steps = count_forward
 
         def post_dataloading_process(*args, **kwargs):
             out = hook(*args, **kwargs)
@@ -171,9 +172,10 @@ def test_dcp_matches_no_cp_on_2_ranks_and_bad_configs_fail_at_start(tmp_path):
 
 def test_dcp_matches_no_cp_on_4_ranks_hsdp(tmp_path):
     """HSDP: 2 replicas x FSDP over 2 ranks; DCP over all 4 ranks (the flattened data-parallel
-    mesh), 2 steps, planner ring (every document split over every rank)."""
+    mesh), 2 steps, planner ring with head parallelism 2 (HCP: all-to-all inside pairs of ranks,
+    ring attention over the two pairs; every document split over both)."""
     res = _train(tmp_path, world=4, steps=2, seq_len=256, local_batch=1,
-                 dcp_args=["--dcp.planner", "ring", "--dcp.divisions", "2"],
+                 dcp_args=["--dcp.planner", "ring", "--dcp.divisions", "2", "--dcp.head-parallel", "2"],
                  parallel_args=["--parallelism.data_parallel_replicate_degree", "2",
                                 "--parallelism.data_parallel_shard_degree", "2"])
     loss_rel, grad_diff = _check_parity(res, 2)

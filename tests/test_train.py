@@ -25,8 +25,9 @@ def _run(args: list[str], log: Path, nproc: int | None) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("mask,planning", [("causal", []), ("lambda", ["--plan-ahead", "0", "--ring-stats"])],
-                         ids=["causal-loader", "lambda-inline"])
+@pytest.mark.parametrize("mask,planning", [("causal", []), ("lambda", ["--plan-ahead", "0", "--ring-stats"]),
+                                           ("causal", ["--head-parallel", "2"])],
+                         ids=["causal-loader", "lambda-inline", "causal-head-parallel"])
 def test_dcp_fsdp_matches_single_process(mask, planning, tmp_path):
     """The main job on 4 gloo ranks matches one process with a dense mask: causal with plans
     made ahead by the planning loader (the default), lambda with plans made in line."""
@@ -40,4 +41,5 @@ def test_dcp_fsdp_matches_single_process(mask, planning, tmp_path):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-4 * abs(b[key]), (key, a, b)
         assert a["comm_bytes"] > 0 and a["ring_comm_bytes"] > 0 and a["compute_imbalance"] >= 1.0
+        assert a["head_parallel"] == (2 if "--head-parallel" in planning else a["head_parallel"])
     assert dcp[-1]["loss"] < dcp[0]["loss"]
