@@ -31,7 +31,8 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("planners", help="compare planners on the same batches", description=planners.__doc__,
                         formatter_class=raw)
-    pp.add_argument("--planners", default="ring,greedy,dcp")
+    pp.add_argument("--planners", default="ring,ulysses,hcp,greedy,dcp")
+    pp.add_argument("--heads", default="8/2", help="query/key-value heads, e.g. 32/8 (default: the paper's 8/2)")
     pp.add_argument("--masks", default=",".join(MASKS))
     pp.add_argument("--batches", default="corpus,longtail,one")
     pp.add_argument("--block-size", type=int, default=1024)
@@ -41,7 +42,9 @@ def parser() -> argparse.ArgumentParser:
     pp.set_defaults(run=_planners, error=pp.error)
     pp2 = sub.add_parser("paper", help="the DCP paper's microbenchmark, simulated, all planners side by side",
                          description=planners.__doc__, formatter_class=raw)
-    pp2.add_argument("--planners", default="ring,allgather,megatron,fcp,greedy,dcp")
+    pp2.add_argument("--planners", default="ring,allgather,megatron,ulysses,hcp,fcp,greedy,dcp")
+    pp2.add_argument("--heads", default="8/2", help="query/key-value heads, e.g. 32/8 (default: the paper's 8/2)")
+    pp2.add_argument("--nodes", type=int, default=4, help="nodes of the preset (1: one node of 8, beside 4 x 8)")
     pp2.add_argument("--topology", choices=sorted(TOPOLOGY_PRESETS), default="a100",
                      help="cluster preset (4 nodes x 8 GPUs): the paper's A100 cluster or DGX H100")
     pp2.add_argument("--masks", default=",".join(MASKS))
@@ -172,13 +175,25 @@ def main(argv: list[str] | None = None) -> int:
     return args.run(args)
 
 
+def _heads(args) -> tuple[int, int]:
+    """``--heads H/H_kv`` as two integers (exits with a usage error otherwise)."""
+    try:
+        h, hkv = (int(x) for x in args.heads.split("/"))
+        if h < 1 or hkv < 1 or h % hkv:
+            raise ValueError
+    except ValueError:
+        args.error(f"--heads must be H/H_kv with H_kv dividing H, e.g. 32/8; got {args.heads!r}")
+    return h, hkv
+
+
 def _planners(args) -> int:
     masks = args.masks.split(",")
     for m in masks:
         if m not in MASKS:
             args.error(f"unknown mask {m!r}; choose from {sorted(MASKS)}")
     planners.bench_planners(args.planners.split(","), masks, args.batches.split(","), args.block_size,
-                            args.divisions, Topology(n_nodes=args.nodes, ranks_per_node=args.ranks_per_node))
+                            args.divisions, Topology(n_nodes=args.nodes, ranks_per_node=args.ranks_per_node),
+                            heads=_heads(args))
     return 0
 
 
@@ -199,7 +214,8 @@ def _paper(args) -> int:
                            args.sweep_batch, args.sweep_scale, sources=sources)
         return 0
     planners.bench_paper(args.planners.split(","), args.masks.split(","), [float(x) for x in args.scales.split(",")],
-                         block_sizes, args.divisions, Topology.preset(args.topology), args.cost, sources=sources)
+                         block_sizes, args.divisions, Topology.preset(args.topology, n_nodes=args.nodes), args.cost,
+                         sources=sources, heads=_heads(args))
     return 0
 
 

@@ -104,9 +104,10 @@ def paper_batches(scale: float, total: int = 131072, seed: int = 0,
     return {name: scaled_batch(lens, scale, total) for name, lens in sources.items()}
 
 
-def bench_batch(lens: list[int], mask) -> BatchSpec:
-    """The benchmarks' attention shape (DCP paper §7.1): GQA 8/2, head_dim 128, bf16."""
-    return BatchSpec(lens, mask, n_heads=8, n_kv_heads=2, head_dim=128, dtype="bfloat16")
+def bench_batch(lens: list[int], mask, heads: tuple[int, int] = (8, 2)) -> BatchSpec:
+    """The benchmarks' attention shape (DCP paper §7.1): GQA 8/2 (``heads``: query and
+    key/value heads), head_dim 128, bf16."""
+    return BatchSpec(lens, mask, n_heads=heads[0], n_kv_heads=heads[1], head_dim=128, dtype="bfloat16")
 
 
 def progress(total: int, desc: str):

@@ -35,17 +35,23 @@ __all__ = ["bench_planners", "bench_paper"]
 
 
 def bench_planners(planners: list[str], masks: list[str], batches: list[str], block_size: int, divisions: int,
-                   topology: Topology, out=sys.stdout) -> list[dict]:
-    """Run the planner benchmark; returns the rows it printed."""
+                   topology: Topology, out=sys.stdout, heads: tuple[int, int] = (8, 2)) -> list[dict]:
+    """Run the planner benchmark; returns the rows it printed (a planner that cannot run the
+    batch, e.g. ``ulysses`` with more ranks than heads, prints a ``refused`` line instead)."""
     rows = []
     all_batches = planner_batches()
     for bname in batches:
         lens = all_batches[bname]
         for mname in masks:
-            batch = bench_batch(lens, MASKS[mname])
+            batch = bench_batch(lens, MASKS[mname], heads)
             for pname in planners:
                 t0 = time.perf_counter()
-                plan = make_plan(batch, topology, planner=pname, block_size=block_size, divisions=divisions)
+                try:
+                    plan = make_plan(batch, topology, planner=pname, block_size=block_size, divisions=divisions)
+                except ValueError as err:
+                    print(json.dumps({"batch": bname, "mask": mname, "planner": pname, "refused": str(err)}),
+                          file=out, flush=True)
+                    continue
                 seconds = time.perf_counter() - t0
                 s = plan.stats()
                 row = {
@@ -56,12 +62,14 @@ def bench_planners(planners: list[str], masks: list[str], batches: list[str], bl
                     "compute_imbalance": round(s["compute_imbalance"], 4),
                     "memory_imbalance": round(s["memory_imbalance"], 4),
                     "plan_bytes": len(plan.to_bytes()),
-                    "n_tiles": s["n_tiles"],
+                    "n_tiles": s["n_tiles"], "head_parallel": s.get("head_parallel", 1),
                 }
                 rows.append(row)
                 print(json.dumps(row), file=out, flush=True)
     for pname in planners:
         mine = [r for r in rows if r["planner"] == pname]
+        if not mine:
+            continue
         times = [r["plan_seconds"] for r in mine]
         summary = {
             "summary": pname, "plan_seconds_median": round(float(np.median(times)), 4),
@@ -82,29 +90,37 @@ def bench_planners(planners: list[str], masks: list[str], batches: list[str], bl
 
 def bench_paper(planners: list[str], masks: list[str], scales: list[float], block_sizes: list[int], divisions: int,
                 topology: Topology, cost="a100", out=sys.stdout, sources: dict[str, list[int]] | None = None,
-                total: int = 131072) -> list[dict]:
+                total: int = 131072, heads: tuple[int, int] = (8, 2)) -> list[dict]:
     """Simulated attention time of every planner on the paper's microbenchmark batches (best
-    block size per batch and planner); prints JSON lines and a Markdown table."""
+    block size per batch and planner); prints JSON lines and a Markdown table. A planner that
+    cannot run a batch (``ulysses`` with more ranks than heads) prints a ``refused`` line and
+    an empty cell."""
     from ..cost import CostModel
     from ..simulate import ring_step_seconds, simulate
 
     cm = cost if isinstance(cost, CostModel) else CostModel.load(cost)
     sources = sources or paper_sources(total=total)
     rows = []
-    fixed = ("ring", "allgather", "megatron")  # chunk sizes of their own: block size ignored
+    fixed = ("ring", "allgather", "megatron", "ulysses", "hcp")  # chunk sizes of their own: block size ignored
     runs = sum(1 if p in fixed else len(block_sizes) for p in planners)
     bar = progress(len(scales) * len(sources) * len(masks) * runs, "paper")
     for scale in scales:
         for bname, lens in paper_batches(scale, total, sources=sources).items():
             for mname in masks:
-                batch = bench_batch(lens, MASKS[mname])
+                batch = bench_batch(lens, MASKS[mname], heads)
                 best: dict[str, dict] = {}
                 for pname in planners:
                     for bs in ([block_sizes[0]] if pname in fixed else block_sizes):
                         bar.set_postfix_str(f"{scale} {bname} {mname} {pname} B={bs}")
                         t0 = time.perf_counter()
-                        plan = make_plan(batch, topology, planner=pname, block_size=bs, divisions=divisions,
-                                         cost_model=cm)
+                        bar.update()
+                        try:
+                            plan = make_plan(batch, topology, planner=pname, block_size=bs, divisions=divisions,
+                                             cost_model=cm)
+                        except ValueError as err:
+                            print(json.dumps({"scale": scale, "batch": bname, "mask": mname, "planner": pname,
+                                              "refused": str(err)}), file=out, flush=True)
+                            break
                         plan_s = time.perf_counter() - t0
                         sim = simulate(plan, cm)
                         st = plan.stats()
@@ -113,12 +129,12 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
                                "total_ms": sim.makespan_s * 1e3, "ideal_ms": sim.ideal_s * 1e3,
                                "comm_bytes": st["comm_bytes"], "inter_node_bytes": st["inter_node_bytes"],
                                "compute_imbalance": st["compute_imbalance"],
-                               "memory_imbalance": st["memory_imbalance"], "plan_seconds": plan_s}
+                               "memory_imbalance": st["memory_imbalance"], "plan_seconds": plan_s,
+                               "head_parallel": st.get("head_parallel", 1)}
                         if pname == "ring":  # ring attention's own step formula, same cost model
                             row["formula_ms"] = ring_step_seconds(plan, cm) * 1e3
                         if pname not in best or row["total_ms"] < best[pname]["total_ms"]:
                             best[pname] = row
-                        bar.update()
                 ring = best.get("ring", {}).get("total_ms")
                 baselines = [r["total_ms"] for p, r in best.items() if p != "dcp"]
                 for pname, row in best.items():
