@@ -37,6 +37,7 @@ def test_layout_rules_and_errors():
         HeadLayout(4, 8, 2).check_topology(Topology(n_nodes=3, ranks_per_node=2))
     assert head_parallel_sizes(_batch(), Topology(n_nodes=4, ranks_per_node=8)) == [2, 4, 8]
     assert head_parallel_sizes(_batch(32, 8), Topology(n_nodes=4, ranks_per_node=8)) == [2, 4, 8, 16, 32]
+    assert not hasattr(torch_dcp.plan(_batch(), 4, planner="dcp", block_size=512), "head_parallel")  # default N = 1
 
 
 def test_outer_topology_gives_each_group_one_rank_share_of_the_network():
@@ -140,7 +141,7 @@ def test_dcp_auto_is_never_slower_than_its_rivals_as_torch_dcp_runs_them(mask):
     cm = CostModel.h100()
     for topo in (Topology.preset("h100", n_nodes=1), Topology.preset("h100", n_nodes=2)):
         b = BatchSpec(lens, mask, n_heads=16, n_kv_heads=4, head_dim=128)
-        best = torch_dcp.plan(b, topo, planner="dcp", block_size=512, cost_model=cm)
+        best = torch_dcp.plan(b, topo, planner="dcp", block_size=512, cost_model=cm, head_parallel="auto")
         t = simulate(best, cm).makespan_s
         labels = [lab for lab, _ in best.candidates]
         assert any("/hp" in lab for lab in labels) and any("/hp" not in lab for lab in labels)

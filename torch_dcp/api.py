@@ -65,9 +65,10 @@ def plan(
             (:mod:`torch_dcp.plan.heads`): ``N`` must divide ``n_heads`` and the ranks per
             node (or be a multiple of them dividing the world size), and ``N`` and
             ``n_kv_heads`` one the other. ``"auto"`` tries 1 and every valid ``N`` and keeps
-            the fastest on the simulator (with ``"dcp"``); ``None`` (default): ``"auto"`` for
-            ``"dcp"`` with the time objective, 1 for the others; not given for ``"ulysses"`` and
-            ``"hcp"`` (their own ``N``).
+            the fastest on the simulator (with ``"dcp"``); ``None`` (default): 1 (``"auto"``
+            becomes dcp's default once the executor keeps the head-sharded tensors between the
+            passes, see :class:`~torch_dcp.plan.heads.HeadParallelPlan`); not given for
+            ``"ulysses"`` and ``"hcp"`` (their own ``N``).
         **options: planner-specific options (e.g. ``eps_compute`` for ``greedy``).
 
     Returns:
@@ -123,6 +124,8 @@ def plan(
         floors = [floor_seconds(p, cm) for p in plans]
         for i in sorted(range(len(plans)), key=lambda i: floors[i]):
             consider(plans[i], plans[i].planner, floors[i])
+        order = sorted(range(len(plans)), key=lambda i: floors[i])
+        timed[:] = [timed[order.index(i)] for i in range(len(plans))]  # listed in the candidates' own order
         tail = _local_tail(chosen)
         if tail is not None:
             consider(tail, f"{chosen.planner} (local tail)")
@@ -137,8 +140,7 @@ def _head_sizes(batch: BatchSpec, topology: Topology, planner: str, head_paralle
                 options: dict[str, Any]) -> list[int]:
     """The head parallelisms ``plan`` tries (see its ``head_parallel``)."""
     if head_parallel is None:
-        timed = planner in CANDIDATES and options.get("objective", "time") == "time"
-        head_parallel = "auto" if timed else 1
+        head_parallel = 1
     if head_parallel == "auto":
         if planner not in CANDIDATES:
             raise ValueError(f"head_parallel='auto' needs a planner that offers candidates ({sorted(CANDIDATES)}), "

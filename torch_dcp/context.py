@@ -148,8 +148,8 @@ def context_parallel(
             (and uploaded) ahead, e.g. by :class:`torch_dcp.data.PlanningLoader`; entry then
             does not build it. Its kernel is the executor's (``kernel``, if given, must name
             the same one). The plan check across ranks at entry still runs.
-        head_parallel: for planning, as :func:`torch_dcp.plan`'s (``None``: ``"auto"`` for
-            ``"dcp"``, else 1); a head-parallel plan runs its all-to-alls inside the op.
+        head_parallel: for planning, as :func:`torch_dcp.plan`'s (``None``: 1; ``"auto"``
+            with ``"dcp"``); a head-parallel plan runs its all-to-alls inside the op.
 
     Inside, the model calls ``F.scaled_dot_product_attention(q, k, v, is_causal=...)`` with
     ``q: [1, H, S_local, D]`` and ``k, v: [1, H_kv, S_local, D]`` (``enable_gqa=True``) or

@@ -94,7 +94,8 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
     """Simulated attention time of every planner on the paper's microbenchmark batches (best
     block size per batch and planner); prints JSON lines and a Markdown table. A planner that
     cannot run a batch (``ulysses`` with more ranks than heads) prints a ``refused`` line and
-    an empty cell."""
+    an empty cell. ``dcp`` runs with ``head_parallel="auto"`` (every valid head parallelism
+    among its candidates)."""
     from ..cost import CostModel
     from ..simulate import ring_step_seconds, simulate
 
@@ -116,7 +117,7 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
                         bar.update()
                         try:
                             plan = make_plan(batch, topology, planner=pname, block_size=bs, divisions=divisions,
-                                             cost_model=cm)
+                                             cost_model=cm, **({"head_parallel": "auto"} if pname == "dcp" else {}))
                         except ValueError as err:
                             print(json.dumps({"scale": scale, "batch": bname, "mask": mname, "planner": pname,
                                               "refused": str(err)}), file=out, flush=True)

@@ -91,10 +91,10 @@ class DCPConfig:
     """dcp only: time (candidates timed on the simulator, compute balance may loosen to 2x where links are the
     bottleneck) or bytes (compute within 1.1 of the mean, fewest bytes moved)."""
 
-    head_parallel: str = "auto"
+    head_parallel: str = "1"
     """Ranks of a head group trading heads by all-to-all before the plan runs over the groups (DeepSpeed-Ulysses
-    inside a node): auto (dcp keeps the fastest N on the simulator; 1 for the other planners) or a positive
-    integer dividing the heads and the ranks per node."""
+    inside a node): a positive integer dividing the heads and the ranks per node, or auto (dcp only: it keeps the
+    fastest N on the simulator)."""
 
     kernel: str = "auto"
     """Attention kernel of the executor: auto, flex, varlen, sdpa or reference."""
@@ -115,8 +115,8 @@ class DCPConfig:
     def planner_options(self) -> dict:
         """Options of the planner beyond block size and divisions (dcp's objective, the head parallelism)."""
         out: dict = {"objective": self.objective} if self.planner == "dcp" else {}
-        if self.head_parallel != "auto":
-            out["head_parallel"] = int(self.head_parallel)
+        hp = str(self.head_parallel)
+        out["head_parallel"] = hp if hp == "auto" else int(hp)
         return out
 
     def validate(self) -> None:
