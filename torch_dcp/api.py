@@ -111,24 +111,25 @@ def plan(
         cm = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model or "a100")
         chosen, best = plans[0], float("inf")
 
-        def consider(p: Plan | HeadParallelPlan, label: str, floor: float | None = None) -> None:
+        def consider(p: Plan | HeadParallelPlan, floor: float) -> float:
             nonlocal chosen, best
             # a candidate whose floor is above the best simulated time cannot win
-            floor = floor_seconds(p, cm) if floor is None else floor
             t = simulate(p, cm).makespan_s if floor < best else float("nan")
-            timed.append((label, t))
             if t < best:
                 chosen, best = p, t
+            return t
 
-        # lowest floor first, so that fewer candidates need simulating (a tie keeps the earlier)
+        # lowest floor first, so that fewer candidates need simulating (a tie keeps the earlier);
+        # listed in the candidates' own order
         floors = [floor_seconds(p, cm) for p in plans]
-        for i in sorted(range(len(plans)), key=lambda i: floors[i]):
-            consider(plans[i], plans[i].planner, floors[i])
-        order = sorted(range(len(plans)), key=lambda i: floors[i])
-        timed[:] = [timed[order.index(i)] for i in range(len(plans))]  # listed in the candidates' own order
+        times = [0.0] * len(plans)
+        for i in sorted(range(len(plans)), key=floors.__getitem__):
+            times[i] = consider(plans[i], floors[i])
+        timed = [(p.planner, t) for p, t in zip(plans, times)]
         tail = _local_tail(chosen)
         if tail is not None:
-            consider(tail, f"{chosen.planner} (local tail)")
+            label = f"{chosen.planner} (local tail)"
+            timed.append((label, consider(tail, floor_seconds(tail, cm))))
     else:
         chosen = plans[0]
     chosen.plan_seconds = time.perf_counter() - t0
@@ -159,8 +160,7 @@ def _plans_at(batch: BatchSpec, topology: Topology, planner: str, n: int, block_
     layout = HeadLayout.of(batch, n)
     ob, ot = layout.outer_batch(batch), layout.outer_topology(topology)
     offer = CANDIDATES.get(planner)
-    fn = get_planner(planner)
-    placements = offer(ob, ot, block_size, **options) if offer else [fn(ob, ot, block_size, **options)]
+    placements = offer(ob, ot, block_size, **options) if offer else [get_planner(planner)(ob, ot, block_size, **options)]
     n_tiles = placements[0].workload.n_tiles
     bound = max(1, n_tiles)  # a batch with no tiles still runs as one (empty) division
     if divisions is None:

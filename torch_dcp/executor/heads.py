@@ -52,10 +52,14 @@ def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         torch.empty(0, dtype=torch.uint8)
 
 
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return int(torch.Size(shape).numel()) * dtype.itemsize
+
+
 def _unpack(msg: torch.Tensor, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
     out, off = [], 0
     for shape, dtype in specs:
-        n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        n = _nbytes(shape, dtype)
         out.append(msg[off:off + n].view(dtype).view(shape))
         off += n
     return out
@@ -92,10 +96,20 @@ class HeadParallelExecutor:
         self.chunks = lay.chunks(plan.outer.local_tokens(self.group))
         self.local_rows = int(self.chunks[self.inner + 1] - self.chunks[self.inner])
         self.scale = self.outer.scale
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self._a2a_sent = 0
+        self._a2a_received = 0
 
     # ------------------------------------------------------------------ pass-through
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this executor has sent so far (all calls): the all-to-alls and the outer plan's."""
+        return self._a2a_sent + self.outer.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes this executor has received so far (all calls)."""
+        return self._a2a_received + self.outer.bytes_received
+
     @property
     def kernel(self):
         return self.outer.kernel
@@ -134,10 +148,12 @@ class HeadParallelExecutor:
         if k.shape[1] != v.shape[1]:
             raise ValueError(f"k and v have {k.shape[1]} and {v.shape[1]} heads; they must have the same")
 
-    def _kv_slice(self, inner: int, kv: torch.Tensor) -> slice:
-        """Heads of ``kv`` (``H_kv``, or ``H`` repeated) that inner index ``inner`` holds."""
+    def _heads(self, kind: str, t: torch.Tensor, inner: int) -> slice:
+        """Heads of ``t`` that inner index ``inner`` holds: query heads (``kind="q"``, or key/value
+        heads given repeated to ``H``), else its key/value heads."""
         lay = self.plan.layout
-        return lay.q_head_slice(inner) if kv.shape[1] == self.plan.batch.n_heads else lay.kv_head_slice(inner)
+        return lay.q_head_slice(inner) if kind == "q" or t.shape[1] == self.plan.batch.n_heads else \
+            lay.kv_head_slice(inner)
 
     # ------------------------------------------------------------------ all-to-all
     def _exchange(self, phase: int, send: list[list[torch.Tensor]],
@@ -151,13 +167,12 @@ class HeadParallelExecutor:
                 got.append(None)
                 continue
             msg = _pack(send[j])
-            nbytes = sum(int(torch.Size(s).numel()) * torch.empty((), dtype=d).element_size() for s, d in recv_specs[j])
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            buf = torch.empty(sum(_nbytes(*spec) for spec in recv_specs[j]), dtype=torch.uint8, device=device)
             sends.append((rank, 0, msg))
             recvs.append((rank, 0, buf))
             got.append(buf)
-            self.bytes_sent += msg.numel()
-            self.bytes_received += nbytes
+            self._a2a_sent += msg.numel()
+            self._a2a_received += buf.numel()
         if sends or recvs:
             yield from self.transport.wait(self.transport.launch(phase, sends, recvs))
         return [send[j] if j == self.inner else _unpack(got[j], recv_specs[j]) for j in range(self.n)]
@@ -168,32 +183,24 @@ class HeadParallelExecutor:
     def _to_heads(self, backward: bool, tensors: list[torch.Tensor], kinds: list[str]) -> Generator:
         """Sequence-sharded ``[S_r, heads, ...]`` tensors to head-sharded ``[S_g, heads / N, ...]``
         (``kinds``: ``"q"`` query heads, ``"kv"`` key/value heads)."""
-        lay = self.plan.layout
-        sl = [(lambda j, t=t, kind=kind: lay.q_head_slice(j) if kind == "q" else self._kv_slice(j, t))
-              for t, kind in zip(tensors, kinds)]
-        send = [[t[:, f(j)] for t, f in zip(tensors, sl)] for j in range(self.n)]
-        specs = [[((int(self.chunks[j + 1] - self.chunks[j]),) + tuple(t[:, f(self.inner)].shape[1:]), t.dtype)
-                  for t, f in zip(tensors, sl)] for j in range(self.n)]
+        send = [[t[:, self._heads(kind, t, j)] for t, kind in zip(tensors, kinds)] for j in range(self.n)]
+        specs = [[((int(self.chunks[j + 1] - self.chunks[j]),) + tuple(x.shape[1:]), x.dtype) for x in send[self.inner]]
+                 for j in range(self.n)]
         got = yield from self._exchange(A2A_PHASES[(backward, "in")], send, specs, tensors[0].device)
         return [torch.cat([got[j][x] for j in range(self.n)]) for x in range(len(tensors))]
 
     def _to_rows(self, backward: bool, tensors: list[torch.Tensor], kinds: list[str],
-                 heads: list[int]) -> Generator:
-        """Head-sharded ``[S_g, heads / N, ...]`` back to ``[S_r, heads, ...]``; ``kinds``
-        ``"q"`` or ``"kv"`` (replicated key/value heads summed), ``heads``: full head counts."""
-        lay = self.plan.layout
+                 like: list[torch.Tensor]) -> Generator:
+        """Head-sharded ``[S_g, heads / N, ...]`` back to sequence-sharded tensors shaped like
+        ``like`` (``kinds`` as for :meth:`_to_heads`; replicated key/value heads summed)."""
         send = [[t[self._rows(j)] for t in tensors] for j in range(self.n)]
         specs = [[((self.local_rows,) + tuple(t.shape[1:]), t.dtype) for t in tensors] for _ in range(self.n)]
         got = yield from self._exchange(A2A_PHASES[(backward, "out")], send, specs, tensors[0].device)
         out = []
-        for x, (t, kind, h) in enumerate(zip(tensors, kinds, heads)):
-            full = t.new_zeros((self.local_rows, h) + tuple(t.shape[2:]))
+        for x, (t, kind, ref) in enumerate(zip(tensors, kinds, like)):
+            full = t.new_zeros((self.local_rows, ref.shape[1]) + tuple(t.shape[2:]))
             for j in range(self.n):
-                part = got[j][x]
-                if kind == "q" or h == self.plan.batch.n_heads:
-                    full[:, lay.q_head_slice(j)] = part
-                else:
-                    full[:, lay.kv_head_slice(j)] += part  # replicas of a key/value head: partials add up
+                full[:, self._heads(kind, ref, j)] += got[j][x]  # replicas of a key/value head: partials add up
             out.append(full)
         return out
 
@@ -203,8 +210,7 @@ class HeadParallelExecutor:
         self._check_inputs(q, k, v)
         qg, kg, vg = yield from self._to_heads(False, [q, k, v], ["q", "kv", "kv"])
         og, lseg = yield from self.outer.forward_steps(qg, kg, vg, scale)
-        h = self.plan.batch.n_heads
-        out, lse = yield from self._to_rows(False, [og, lseg], ["q", "q"], [h, h])
+        out, lse = yield from self._to_rows(False, [og, lseg], ["q", "q"], [q, q])
         return out, lse
 
     def backward_steps(self, q, k, v, out, lse, dout,
@@ -220,8 +226,7 @@ class HeadParallelExecutor:
         qg, kg, vg, og, lseg, dog = yield from self._to_heads(
             True, [q, k, v, out, lse.to(self.outer.acc), dout], ["q", "kv", "kv", "q", "q", "q"])
         dqg, dkg, dvg = yield from self.outer.backward_steps(qg, kg, vg, og, lseg, dog, scale)
-        dq, dk, dv = yield from self._to_rows(True, [dqg, dkg, dvg], ["q", "kv", "kv"],
-                                              [b.n_heads, k.shape[1], v.shape[1]])
+        dq, dk, dv = yield from self._to_rows(True, [dqg, dkg, dvg], ["q", "kv", "kv"], [q, k, v])
         return dq, dk, dv
 
     # ------------------------------------------------------------------ public API

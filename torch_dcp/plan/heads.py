@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import struct
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -256,10 +257,19 @@ class HeadParallelPlan:
         off = self.layout.chunks(len(toks))
         return toks[off[i]:off[i + 1]]
 
+    @cached_property
+    def rank_tokens(self) -> np.ndarray:
+        """Tokens every rank holds, int64 ``[W]`` (its chunk of its group's)."""
+        return np.concatenate([np.diff(self.layout.chunks(int(t))) for t in self.outer.placement.rank_tokens()])
+
     def local_tokens(self, rank: int) -> int:
-        g, i = self.group_of(rank)
-        off = self.layout.chunks(self.outer.local_tokens(g))
-        return int(off[i + 1] - off[i])
+        """Tokens ``rank`` holds.
+
+        Raises:
+            ValueError: ``rank`` outside ``[0, world_size)``.
+        """
+        self.group_of(rank)
+        return int(self.rank_tokens[rank])
 
     # ------------------------------------------------------------------ all-to-all
     def all_to_all_bytes(self, backward: bool, way: str | None = None) -> np.ndarray:
@@ -287,7 +297,7 @@ class HeadParallelPlan:
         else:
             per_in, per_out = qkv, lay.q_heads * e + (0 if self.keep_sharded else lse)
         per_in, per_out = (per_in if way != "out" else 0), (per_out if way != "in" else 0)
-        chunk = np.array([self.local_tokens(r) for r in range(w)], np.float64)
+        chunk = self.rank_tokens.astype(np.float64)
         out = np.zeros((w, w))
         for g in range(w // n):
             ranks = np.arange(g * n, (g + 1) * n)
@@ -324,7 +334,7 @@ class HeadParallelPlan:
         wo = self.outer.world_size  # rank g * N + i runs outer rank g's transfers
         recv = np.repeat(np.bincount(dst, weights=nb, minlength=wo), n) + sum(a.sum(axis=0) for a in a2a)
         send = np.repeat(np.bincount(src, weights=nb, minlength=wo), n) + sum(a.sum(axis=1) for a in a2a)
-        tokens = np.array([self.local_tokens(r) for r in range(w)], np.float64)
+        tokens = self.rank_tokens.astype(np.float64)
         return {
             **o,
             "planner": self.planner,
