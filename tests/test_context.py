@@ -282,9 +282,10 @@ def test_attention_op_fake_impl_shapes():
             with FakeTensorMode():  # no executor is bound: the fake impl needs none
                 q = torch.empty(1, 8, 37, 16, dtype=dtype)
                 k, v = torch.empty(1, hkv, 37, 16, dtype=dtype), torch.empty(1, hkv, 37, 16, dtype=dtype)
-                out, lse = torch.ops.torch_dcp.attention(q, k, v, None)
+                out, lse, state = torch.ops.torch_dcp.attention(q, k, v, None)
                 assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((1, 8, 37, 16), dtype, (1, 8, 37), lse_dtype)
-                dq, dk, dv = torch.ops.torch_dcp.attention_backward(out, q, k, v, out, lse, 0.25)
+                assert (state.shape, state.dtype) == ((0,), torch.uint8)  # nothing kept without a head-parallel plan
+                dq, dk, dv = torch.ops.torch_dcp.attention_backward(out, q, k, v, out, lse, state, 0.25)
                 assert [tuple(t.shape) for t in (dq, dk, dv)] == [(1, 8, 37, 16), (1, hkv, 37, 16), (1, hkv, 37, 16)]
                 assert {t.dtype for t in (dq, dk, dv)} == {dtype}
                 with pytest.raises(ValueError, match=r"\[1, heads, S_local, head_dim\]"):
@@ -307,12 +308,12 @@ def test_attention_op_opcheck_and_plain_tensors():
         with use_executor(ex):
             if dtype == torch.bfloat16:  # (opcheck compiles: once is enough)
                 torch.library.opcheck(torch.ops.torch_dcp.attention.default, args)
-            out, lse = torch.ops.torch_dcp.attention(*args)
-            assert not lse.requires_grad
+            out, lse, state = torch.ops.torch_dcp.attention(*args)
+            assert not lse.requires_grad and not state.requires_grad
             out.backward(sdpa(go))
             if dtype == torch.bfloat16:
                 torch.library.opcheck(torch.ops.torch_dcp.attention_backward.default,
-                                      [sdpa(go), *(a.detach() for a in args[:3]), out.detach(), lse, 0.3])
+                                      [sdpa(go), *(a.detach() for a in args[:3]), out.detach(), lse, state, 0.3])
             with pytest.raises(RuntimeError, match="already bound"):
                 with use_executor(ex):
                     pass

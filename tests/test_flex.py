@@ -85,7 +85,7 @@ def test_flex_backward_inside_the_attention_op(recompute):
     sdpa = lambda t: t[idx].transpose(0, 1).unsqueeze(0).contiguous()  # noqa: E731
     args = [sdpa(t).requires_grad_(True) for t in (q, k, v)]
     with use_executor(ex):
-        out, _ = torch.ops.torch_dcp.attention(*args, None)
+        out, _, _ = torch.ops.torch_dcp.attention(*args, None)
         out.backward(sdpa(go))
     for got, want in zip(args, ref[1:]):
         assert (got.grad[0].transpose(0, 1).double() - want[idx]).abs().max().item() < 1e-5

@@ -14,6 +14,7 @@ import torch_dcp
 from torch_dcp import BatchSpec, BlockwiseCausal, Causal, Full, Lambda, Plan, PlanError, Ranges, SharedQuestion
 from torch_dcp._interleave import interleave
 from torch_dcp.executor import InProcessTransport, Mailbox, make_executor
+from torch_dcp.plan.heads import HeadParallelPlan
 from torch_dcp.plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch
 from torch_dcp.planners import Routing
 from torch_dcp.workload import Buf
@@ -122,21 +123,27 @@ def _run_all(plan, q, k, v, go):
     mailbox = Mailbox()
     execs = [make_executor(plan, r, InProcessTransport(mailbox, r)) for r in range(plan.world_size)]
     idx = [torch.from_numpy(plan.token_indices(r)) for r in range(plan.world_size)]
-    fwd = interleave([e.forward_steps(q[i], k[i], v[i]) for e, i in zip(execs, idx)], lambda: mailbox.events)
-    interleave([e.backward_steps(q[i], k[i], v[i], o, lse, go[i]) for e, i, (o, lse) in zip(execs, idx, fwd)],
-               lambda: mailbox.events)
+    keep = getattr(plan, "keep_sharded", True)  # the forward keeps what the backward needs, or not
+    fwd = interleave([e.forward_steps(q[i], k[i], v[i], keep=keep) for e, i in zip(execs, idx)], lambda: mailbox.events)
+    interleave([e.backward_steps(q[i], k[i], v[i], r[0], r[1], go[i], None, r[2] if keep else None)
+                for e, i, r in zip(execs, idx, fwd)], lambda: mailbox.events)
     return execs
 
 
-@pytest.mark.parametrize("planner,head_parallel", [("ring", 1), ("greedy", 1), ("greedy", 2), ("ring", 4)])
+@pytest.mark.parametrize("planner,head_parallel", [("ring", 1), ("greedy", 1), ("greedy", 2), ("ring", 4),
+                                                   ("ring", -4)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
 def test_stats_match_bytes_the_executor_moves(planner, head_parallel, dtype):
     """Head-parallel plans too (N = 2 over 2 x 2; N = 4 on one node of 4 with replicated key/value
-    heads): the all-to-all bytes the simulator charges are the ones the executor sends."""
+    heads; -4: the same without the forward's head-sharded tensors, as when PyTorch's own SDPA
+    ops are called): the all-to-all bytes the simulator charges are the ones the executor sends."""
+    keep, head_parallel = head_parallel > 0, abs(head_parallel)
     batch = BatchSpec([3, 17, 40, 9], Lambda(sink=2, window=6), n_heads=4, n_kv_heads=2, head_dim=8, dtype=dtype)
     topo = torch_dcp.Topology(n_nodes=4 // head_parallel if head_parallel > 2 else 2,
                               ranks_per_node=max(2, head_parallel))
     plan = torch_dcp.plan(batch, topo, planner=planner, block_size=4, divisions=3, head_parallel=head_parallel)
+    if not keep:
+        plan = HeadParallelPlan(plan.outer, batch, topo, head_parallel, keep_sharded=False)
     q, k, v, go = random_qkv(batch, getattr(torch, dtype))
     execs = _run_all(plan, q, k, v, go)
     s = plan.stats()

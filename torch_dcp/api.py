@@ -65,10 +65,8 @@ def plan(
             (:mod:`torch_dcp.plan.heads`): ``N`` must divide ``n_heads`` and the ranks per
             node (or be a multiple of them dividing the world size), and ``N`` and
             ``n_kv_heads`` one the other. ``"auto"`` tries 1 and every valid ``N`` and keeps
-            the fastest on the simulator (with ``"dcp"``); ``None`` (default): 1 (``"auto"``
-            becomes dcp's default once the executor keeps the head-sharded tensors between the
-            passes, see :class:`~torch_dcp.plan.heads.HeadParallelPlan`); not given for
-            ``"ulysses"`` and ``"hcp"`` (their own ``N``).
+            the fastest on the simulator (with ``"dcp"``); ``None`` (default): 1; not given
+            for ``"ulysses"`` and ``"hcp"`` (their own ``N``).
         **options: planner-specific options (e.g. ``eps_compute`` for ``greedy``).
 
     Returns:
@@ -171,9 +169,8 @@ def _plans_at(batch: BatchSpec, topology: Topology, planner: str, n: int, block_
     plans = [divide(p, ot, int(divisions)) for p in placements]
     if n == 1:
         return plans
-    if label in HEAD_PLANNERS:  # a baseline, run as TransformerEngine runs it
-        return [HeadParallelPlan(p, batch, topology, n, label, keep_sharded=True) for p in plans]
-    return [HeadParallelPlan(p, batch, topology, n, f"{p.planner}/hp{n}") for p in plans]
+    name = (lambda p: label) if label in HEAD_PLANNERS else (lambda p: f"{p.planner}/hp{n}")
+    return [HeadParallelPlan(p, batch, topology, n, name(p)) for p in plans]
 
 
 def _local_tail(chosen: "Plan | HeadParallelPlan") -> "Plan | HeadParallelPlan | None":

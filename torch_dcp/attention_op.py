@@ -6,15 +6,18 @@ chosen (flash, efficient, cuDNN, CPU flash or the MATH decomposition) does not m
 are defined once, at import:
 
 - ``torch_dcp::attention(Tensor query, Tensor key, Tensor value, float? scale=None)
-  -> (Tensor out, Tensor lse)``
+  -> (Tensor out, Tensor lse, Tensor state)``
 - ``torch_dcp::attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value,
-  Tensor out, Tensor lse, float? scale=None) -> (Tensor grad_query, Tensor grad_key,
-  Tensor grad_value)``
+  Tensor out, Tensor lse, Tensor state, float? scale=None) -> (Tensor grad_query,
+  Tensor grad_key, Tensor grad_value)``
 
 Tensors are in SDPA's layout for one packed sequence of this rank's tokens: ``query, out,
 grad_out: [1, H, S_local, D]``, ``key, value: [1, H_kv, S_local, D]`` (GQA) or
 ``[1, H, S_local, D]`` (repeated heads), ``lse: [1, H, S_local]`` in float32 (float64 for
-float64 inputs). The mask is the plan's (the BatchSpec's mask spec inside every document).
+float64 inputs). ``state`` is what the executor keeps for the backward beyond those, as one
+uint8 tensor: empty for an ordinary plan, the head-sharded Q, K, V, O and LSE of a head-parallel
+plan (:meth:`~torch_dcp.executor.heads.HeadParallelExecutor.forward_keeping`). The mask is the
+plan's (the BatchSpec's mask spec inside every document).
 
 Each op has
 - a real implementation on plain tensors (this rank's local shards): it runs the executor bound
@@ -83,7 +86,7 @@ def _sdpa_layout(t: torch.Tensor) -> torch.Tensor:
 
 
 def attention_forward(executor: RankExecutor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward attention of this rank's tokens with ``executor``, in SDPA's layout.
 
     Args:
@@ -93,23 +96,24 @@ def attention_forward(executor: RankExecutor, query: torch.Tensor, key: torch.Te
 
     Returns:
         ``(out [1, H, S_local, D] in query.dtype, lse [1, H, S_local] float32, float64 for
-        float64 inputs)``.
+        float64 inputs, state [executor.state_nbytes(H_kv)] uint8)``.
 
     Raises:
         ValueError: shapes or dtype that do not match the executor's plan.
     """
-    out, lse = executor.forward(_rows("query", query), _rows("key", key), _rows("value", value), scale)
-    return _sdpa_layout(out), _sdpa_layout(lse.to(lse_dtype(query.dtype)))
+    out, lse, state = executor.forward_keeping(_rows("query", query), _rows("key", key), _rows("value", value), scale)
+    return _sdpa_layout(out), _sdpa_layout(lse.to(lse_dtype(query.dtype))), state
 
 
 def attention_backward(executor: RankExecutor, grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                       value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                       value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, state: torch.Tensor | None = None,
                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of this rank's query, key, value with ``executor``, in SDPA's layout.
 
     Args:
         grad_out, query, out: ``[1, H, S_local, D]``; key, value: ``[1, H_kv, S_local, D]`` or
-            ``[1, H, S_local, D]``; lse: ``[1, H, S_local]`` (from :func:`attention_forward`).
+            ``[1, H, S_local, D]``; lse: ``[1, H, S_local]`` and state (from
+            :func:`attention_forward`; ``None``: nothing kept, the executor sends what it needs).
 
     Returns:
         ``(grad_query, grad_key, grad_value)`` shaped and typed like ``query, key, value``,
@@ -121,22 +125,23 @@ def attention_backward(executor: RankExecutor, grad_out: torch.Tensor, query: to
     if lse.dim() != 3 or lse.shape[0] != 1:
         raise ValueError(f"torch_dcp::attention_backward: lse must be [1, heads, S_local], got {list(lse.shape)}")
     dq, dk, dv = executor.backward(_rows("query", query), _rows("key", key), _rows("value", value),
-                                   _rows("out", out), lse[0].transpose(0, 1), _rows("grad_out", grad_out), scale)
+                                   _rows("out", out), lse[0].transpose(0, 1), _rows("grad_out", grad_out), scale,
+                                   state)
     return _sdpa_layout(dq), _sdpa_layout(dk), _sdpa_layout(dv)
 
 
 # ---------------------------------------------------------------------------- the ops
 @torch.library.custom_op("torch_dcp::attention", mutates_args=(),
-                         schema="(Tensor query, Tensor key, Tensor value, float? scale=None) -> (Tensor, Tensor)")
+                         schema="(Tensor query, Tensor key, Tensor value, float? scale=None) -> (Tensor, Tensor, Tensor)")
 def _attention_op(query, key, value, scale=None):
     return attention_forward(_bound(), query, key, value, scale)
 
 
 @torch.library.custom_op("torch_dcp::attention_backward", mutates_args=(),
                          schema="(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
-                                "float? scale=None) -> (Tensor, Tensor, Tensor)")
-def _attention_backward_op(grad_out, query, key, value, out, lse, scale=None):
-    return attention_backward(_bound(), grad_out, query, key, value, out, lse, scale)
+                                "Tensor state, float? scale=None) -> (Tensor, Tensor, Tensor)")
+def _attention_backward_op(grad_out, query, key, value, out, lse, state, scale=None):
+    return attention_backward(_bound(), grad_out, query, key, value, out, lse, state, scale)
 
 
 def _empty_rows(like: torch.Tensor, heads: int, dtype: torch.dtype | None = None, head_dim: bool = True) -> torch.Tensor:
@@ -151,25 +156,28 @@ def _empty_rows(like: torch.Tensor, heads: int, dtype: torch.dtype | None = None
 def _attention_fake(query, key, value, scale=None):
     for name, t in (("query", query), ("key", key), ("value", value)):
         _rows(name, t)
-    return _empty_rows(query, query.shape[1]), _empty_rows(query, query.shape[1], lse_dtype(query.dtype), False)
+    # the state's size is the bound executor's (a function of the plan, never of data); none outside a context
+    n_state = 0 if _executor is None else _executor.state_nbytes(key.shape[1])
+    return (_empty_rows(query, query.shape[1]), _empty_rows(query, query.shape[1], lse_dtype(query.dtype), False),
+            query.new_empty(n_state, dtype=torch.uint8))
 
 
 @_attention_backward_op.register_fake
-def _attention_backward_fake(grad_out, query, key, value, out, lse, scale=None):
+def _attention_backward_fake(grad_out, query, key, value, out, lse, state, scale=None):
     return _empty_rows(query, query.shape[1]), _empty_rows(key, key.shape[1]), _empty_rows(value, value.shape[1])
 
 
 def _setup_context(ctx, inputs, output):
     query, key, value, scale = inputs
-    out, lse = output
-    ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(query, key, value, out, lse)
+    out, lse, state = output
+    ctx.mark_non_differentiable(lse, state)
+    ctx.save_for_backward(query, key, value, out, lse, state)
     ctx.scale = scale
 
 
-def _backward(ctx, grad_out, grad_lse):
-    query, key, value, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.torch_dcp.attention_backward(grad_out, query, key, value, out, lse, ctx.scale)
+def _backward(ctx, grad_out, grad_lse, grad_state):
+    query, key, value, out, lse, state = ctx.saved_tensors
+    dq, dk, dv = torch.ops.torch_dcp.attention_backward(grad_out, query, key, value, out, lse, state, ctx.scale)
     return dq, dk, dv, None
 
 
@@ -226,19 +234,29 @@ def check_placements(op_name: str, tensors: dict[str, Any]) -> None:
                              f"(placements (Shard(2),) on the one-dimensional DCP mesh), got {tuple(t.placements)}")
 
 
+def _state_dtensor(executor: Any, state: torch.Tensor, ref: Any, kv_heads: int) -> Any:
+    """The executor's state as a DTensor sharded on its only dimension (``Shard(0)``), of the
+    global size every rank computes alike (the sum over ranks, from the plan)."""
+    from torch.distributed.tensor import Shard
+
+    total = executor.state_nbytes(kv_heads, every_rank=True)
+    return as_dtensor(state, ref.device_mesh, [Shard(0)], (total,))
+
+
 def _dtensor_attention(op_call: Any, args: tuple, kwargs: dict) -> Any:
     a = bind_args(op_call, args, kwargs)
     check_placements("torch_dcp::attention", {n: a[n] for n in ("query", "key", "value")})
     q = a["query"]
-    out, lse = attention_forward(_bound(), local(q), local(a["key"]), local(a["value"]), a["scale"])
-    return like(out, q), like(lse, q, tuple(q.shape[:3]))
+    executor = _bound()
+    out, lse, state = attention_forward(executor, local(q), local(a["key"]), local(a["value"]), a["scale"])
+    return like(out, q), like(lse, q, tuple(q.shape[:3])), _state_dtensor(executor, state, q, a["key"].shape[1])
 
 
 def _dtensor_attention_backward(op_call: Any, args: tuple, kwargs: dict) -> Any:
     a = bind_args(op_call, args, kwargs)
     names = ("grad_out", "query", "key", "value", "out", "lse")
     check_placements("torch_dcp::attention_backward", {n: a[n] for n in names})
-    grads = attention_backward(_bound(), *(local(a[n]) for n in names), a["scale"])
+    grads = attention_backward(_bound(), *(local(a[n]) for n in names), local(a["state"]), a["scale"])
     return tuple(like(g, a[n]) for g, n in zip(grads, ("query", "key", "value")))
 
 

@@ -340,7 +340,7 @@ def _make_wrapper(original: Any, ctx: DCPContext) -> Any:
                                       enable_gqa=False):
         _check_call(ctx, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         q, k, v = (as_dtensor(t, ctx.mesh, [Shard(2)], (1, t.shape[1], total, t.shape[3])) for t in (query, key, value))
-        out, _ = torch.ops.torch_dcp.attention(q, k, v, scale)
+        out, _, _ = torch.ops.torch_dcp.attention(q, k, v, scale)
         return out.to_local()
 
     scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]
@@ -369,7 +369,7 @@ def _handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
     if name in _FWD_OPS:
         mask = a.get("attn_mask", a.get("attn_bias"))
         _check_call(ctx, q, k, v, mask, a.get("dropout_p", 0.0), a.get("is_causal", False), True)
-        out, lse = attention_op.attention_forward(ctx.executor, q, k, v, scale)
+        out, lse, _ = attention_op.attention_forward(ctx.executor, q, k, v, scale)  # PyTorch's ops keep no state
         results = [like(out, qd), like(lse, qd, tuple(qd.shape[:3]))]
         n_out = _FWD_OPS[name]
         if n_out == 4:  # efficient: philox seed, offset
@@ -380,7 +380,7 @@ def _handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
         return tuple(results)
     if name in _BWD_OPS:
         grads = attention_op.attention_backward(ctx.executor, local(a["grad_out"]), q, k, v, local(a["out"]),
-                                                local(a["logsumexp"]), scale)
+                                                local(a["logsumexp"]), scale=scale)
         results = [like(g, a[n]) for g, n in zip(grads, ("query", "key", "value"))]
         if _BWD_OPS[name] == 4:
             results.append(None)

@@ -296,7 +296,20 @@ class RankExecutor:
         """
         return _drain(self.forward_steps(q, k, v, scale))
 
-    def backward(self, q, k, v, out, lse, dout, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward_keeping(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, plus what the backward needs beyond the inputs and outputs as one
+        uint8 tensor (nothing for this executor: empty; a head-parallel executor keeps its
+        head-sharded tensors, :class:`~torch_dcp.executor.heads.HeadParallelExecutor`)."""
+        return _drain(self.forward_steps(q, k, v, scale, keep=True))
+
+    def state_nbytes(self, kv_heads: int, every_rank: bool = False) -> int:
+        """Bytes of :meth:`forward_keeping`'s state for keys/values with ``kv_heads`` heads (of
+        every rank together with ``every_rank``): 0."""
+        return 0
+
+    def backward(self, q, k, v, out, lse, dout, scale: float | None = None,
+                 state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of this rank's Q, K, V (complete: partials computed on other ranks are
         received and summed). Returns ``(dq, dk, dv)`` in the input dtype.
 
@@ -304,7 +317,7 @@ class RankExecutor:
             ValueError: as :meth:`forward`, for ``q, k, v, out, dout``; an ``lse`` that is not
                 ``[S_local, H]`` floating point on the inputs' device.
         """
-        return _drain(self.backward_steps(q, k, v, out, lse, dout, scale))
+        return _drain(self.backward_steps(q, k, v, out, lse, dout, scale, state))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Differentiable forward: :func:`dcp_attention` with this executor."""
@@ -331,8 +344,9 @@ class RankExecutor:
                 op.fields["o"][-1].zero_()
                 op.fields["lse"][-1].fill_(-math.inf)
 
-    def forward_steps(self, q, k, v, scale: float | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`forward` as a generator that yields while waiting for messages."""
+    def forward_steps(self, q, k, v, scale: float | None = None, keep: bool = False) -> Generator[None, None, tuple]:
+        """:meth:`forward` as a generator that yields while waiting for messages (``keep``: as
+        :meth:`forward_keeping`)."""
         self._check_inputs(q, k, v)
         up = self.prepare(q.device)
         run = _Run(False)
@@ -344,11 +358,13 @@ class RankExecutor:
                                     lse=torch.empty(S, h, dtype=self.acc, device=q.device))
         yield from self._run(up, run, self.scale if scale is None else float(scale))
         out = run.out[Buf.OUT]
-        return out.fields["o"].to(q.dtype), out.fields["lse"]
+        result = out.fields["o"].to(q.dtype), out.fields["lse"]
+        return result + (torch.empty(0, dtype=torch.uint8, device=q.device),) if keep else result
 
-    def backward_steps(self, q, k, v, out, lse, dout,
-                       scale: float | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """:meth:`backward` as a generator that yields while waiting for messages."""
+    def backward_steps(self, q, k, v, out, lse, dout, scale: float | None = None,
+                       state: torch.Tensor | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """:meth:`backward` as a generator that yields while waiting for messages (``state``:
+        :meth:`forward_keeping`'s, not needed here)."""
         b = self.plan.batch
         self._check_inputs(q, k, v)
         self._check("out", out, b.n_heads, q.device)
@@ -464,15 +480,15 @@ def _drain(gen: Generator) -> Any:
 class _DCPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, executor):
-        out, lse = executor.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out, lse, state = executor.forward_keeping(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse, state)
         ctx.executor = executor
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.executor.backward(q, k, v, out, lse, dout.contiguous())
+        q, k, v, out, lse, state = ctx.saved_tensors
+        dq, dk, dv = ctx.executor.backward(q, k, v, out, lse, dout.contiguous(), state=state)
         return dq, dk, dv, None
 
 
@@ -527,14 +543,15 @@ def emulate(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_
     execs = [make_executor(plan, r, InProcessTransport(mailbox, r), kernel=kern, scale=scale, timings=timings)
              for r in ranks]
     local = [(q[i], k[i], v[i]) for i in idx]
-    fwd = interleave([e.forward_steps(*x) for e, x in zip(execs, local)], lambda: mailbox.events)
+    # as the torch_dcp::attention op runs them: the forward keeps what the backward needs
+    fwd = interleave([e.forward_steps(*x, keep=True) for e, x in zip(execs, local)], lambda: mailbox.events)
     out = torch.empty_like(q)
-    for i, (o, _) in zip(idx, fwd):
+    for i, (o, _, _) in zip(idx, fwd):
         out[i] = o
     if grad_out is None:
         return (out, {r: e.timings for r, e in zip(ranks, execs)}) if timings else out
-    bwd = interleave([e.backward_steps(*x, o, lse, grad_out[i]) for e, x, (o, lse), i in zip(execs, local, fwd, idx)],
-                     lambda: mailbox.events)
+    bwd = interleave([e.backward_steps(*x, o, lse, grad_out[i], None, st)
+                      for e, x, (o, lse, st), i in zip(execs, local, fwd, idx)], lambda: mailbox.events)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for i, (a, bk, c) in zip(idx, bwd):
         dq[i], dk[i], dv[i] = a, bk, c

@@ -5,9 +5,12 @@ group ``g``'s tokens with every head. Forward: an all-to-all inside the group tr
 that the rank holds every token of the group for its ``H / N`` query heads (and its key/value
 heads); a :class:`~torch_dcp.executor.executor.RankExecutor` runs the outer plan as outer rank
 ``g`` with the ranks of the same inner index in other groups; a second all-to-all brings O and
-the LSE back to the chunk's owner. Backward: Q, K, V, O, LSE and dO go to the head owners again
-(nothing head-sharded is kept between the passes), the outer backward runs, and dQ, dK, dV come
-back, replicated key/value heads' partials summed by the owner. The all-to-alls are messages on
+the LSE back to the chunk's owner. The forward can keep the head-sharded Q, K, V, O and
+LSE (:meth:`HeadParallelExecutor.forward_keeping`, what the ``torch_dcp::attention`` op saves
+for its backward): the backward then sends only dO to the head owners; without them (PyTorch's
+own SDPA ops reached through DTensor have no place for them) Q, K, V, O and the LSE travel
+again. The outer backward runs, and dQ, dK, dV come back, replicated key/value heads' partials
+summed by the owner. The all-to-alls are messages on
 the same :class:`~torch_dcp.executor.transport.Transport` as the outer plan's, in phases of
 their own.
 """
@@ -205,16 +208,34 @@ class HeadParallelExecutor:
         return out
 
     # ------------------------------------------------------------------ passes
-    def forward_steps(self, q, k, v, scale: float | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`forward` as a generator that yields while waiting for messages."""
+    def _state_specs(self, kv_heads: int, group: int | None = None) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shapes and dtypes of the kept head-sharded Q, K, V, O, LSE of a rank of ``group``
+        (default this rank's; keys/values given with ``kv_heads`` heads: ``H_kv``, or ``H``
+        repeated)."""
+        lay, b, e = self.plan.layout, self.plan.batch, self.outer.dtype
+        s, d = self.plan.outer.local_tokens(self.group if group is None else group), b.head_dim
+        hk = lay.q_heads if kv_heads == b.n_heads else lay.kv_heads
+        return [((s, lay.q_heads, d), e), ((s, hk, d), e), ((s, hk, d), e), ((s, lay.q_heads, d), e),
+                ((s, lay.q_heads), self.outer.acc)]
+
+    def state_nbytes(self, kv_heads: int, every_rank: bool = False) -> int:
+        """Bytes of :meth:`forward_keeping`'s state for keys/values with ``kv_heads`` heads (of
+        every rank together with ``every_rank``)."""
+        groups = range(self.plan.outer.world_size) if every_rank else [self.group]
+        n = self.n if every_rank else 1
+        return n * sum(_nbytes(*spec) for g in groups for spec in self._state_specs(kv_heads, g))
+
+    def forward_steps(self, q, k, v, scale: float | None = None, keep: bool = False) -> Generator[None, None, tuple]:
+        """:meth:`forward` as a generator that yields while waiting for messages (``keep``: as
+        :meth:`forward_keeping`)."""
         self._check_inputs(q, k, v)
         qg, kg, vg = yield from self._to_heads(False, [q, k, v], ["q", "kv", "kv"])
         og, lseg = yield from self.outer.forward_steps(qg, kg, vg, scale)
         out, lse = yield from self._to_rows(False, [og, lseg], ["q", "q"], [q, q])
-        return out, lse
+        return (out, lse, _pack([qg, kg, vg, og, lseg])) if keep else (out, lse)
 
-    def backward_steps(self, q, k, v, out, lse, dout,
-                       scale: float | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def backward_steps(self, q, k, v, out, lse, dout, scale: float | None = None,
+                       state: torch.Tensor | None = None) -> Generator[None, None, tuple]:
         """:meth:`backward` as a generator that yields while waiting for messages."""
         b = self.plan.batch
         self._check_inputs(q, k, v)
@@ -223,8 +244,15 @@ class HeadParallelExecutor:
         if tuple(lse.shape) != (self.local_rows, b.n_heads) or not lse.is_floating_point() or lse.device != q.device:
             raise ValueError(f"lse: expected a floating [S_local, heads] = {[self.local_rows, b.n_heads]} tensor on "
                              f"{q.device} (the forward's), got {lse.dtype} {list(lse.shape)} on {lse.device}")
-        qg, kg, vg, og, lseg, dog = yield from self._to_heads(
-            True, [q, k, v, out, lse.to(self.outer.acc), dout], ["q", "kv", "kv", "q", "q", "q"])
+        if state is not None and state.numel():  # the forward's head-sharded tensors: only dO travels in
+            if state.dtype != torch.uint8 or state.numel() != self.state_nbytes(k.shape[1]):
+                raise ValueError(f"state: expected the forward's {self.state_nbytes(k.shape[1])} uint8 bytes, got "
+                                 f"{state.numel()} {state.dtype}")
+            qg, kg, vg, og, lseg = _unpack(state, self._state_specs(k.shape[1]))
+            (dog,) = yield from self._to_heads(True, [dout], ["q"])
+        else:  # nothing kept: Q, K, V, O and the LSE travel again
+            qg, kg, vg, og, lseg, dog = yield from self._to_heads(
+                True, [q, k, v, out, lse.to(self.outer.acc), dout], ["q", "kv", "kv", "q", "q", "q"])
         dqg, dkg, dvg = yield from self.outer.backward_steps(qg, kg, vg, og, lseg, dog, scale)
         dq, dk, dv = yield from self._to_rows(True, [dqg, dkg, dvg], ["q", "kv", "kv"], [q, k, v])
         return dq, dk, dv
@@ -241,9 +269,20 @@ class HeadParallelExecutor:
         """
         return _drain(self.forward_steps(q, k, v, scale))
 
-    def backward(self, q, k, v, out, lse, dout, scale: float | None = None):
-        """As :meth:`RankExecutor.backward <torch_dcp.executor.executor.RankExecutor.backward>`."""
-        return _drain(self.backward_steps(q, k, v, out, lse, dout, scale))
+    def forward_keeping(self, q, k, v, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, plus the head-sharded Q, K, V, O and LSE packed in one uint8 tensor
+        (:meth:`state_nbytes` bytes), so that the backward given it moves only dO in (as
+        TransformerEngine's ``a2a`` keeps them)."""
+        return _drain(self.forward_steps(q, k, v, scale, keep=True))
+
+    def backward(self, q, k, v, out, lse, dout, scale: float | None = None, state: torch.Tensor | None = None):
+        """As :meth:`RankExecutor.backward <torch_dcp.executor.executor.RankExecutor.backward>`;
+        with ``state`` (:meth:`forward_keeping`'s) only dO travels in.
+
+        Raises:
+            ValueError: as :meth:`forward`, or a ``state`` that is not this rank's forward's.
+        """
+        return _drain(self.backward_steps(q, k, v, out, lse, dout, scale, state))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Differentiable forward (:func:`~torch_dcp.executor.executor.dcp_attention`)."""

@@ -182,9 +182,11 @@ class HeadParallelPlan:
         head_parallel: ``N``.
         label: the planner name reported (default ``"<outer planner>"``).
         keep_sharded: whether the backward finds the forward's head-sharded Q, K, V, O and LSE
-            kept (as TransformerEngine's ``a2a`` keeps them: only dO travels in); ``False``
-            (torch_dcp's executor today, :class:`~torch_dcp.executor.heads.HeadParallelExecutor`):
-            the backward's all-to-all in carries Q, K, V, O, LSE and dO again.
+            kept (default; as TransformerEngine's ``a2a`` keeps them and the ``torch_dcp::attention``
+            op does, :meth:`~torch_dcp.executor.heads.HeadParallelExecutor.forward_keeping`):
+            only dO travels in. ``False``: the backward's all-to-all in carries Q, K, V, O, LSE
+            and dO again (what the executor does when it is given no state: PyTorch's own SDPA
+            ops reached through DTensor).
 
     Raises:
         ValueError: ``N`` invalid for the batch or topology, or an outer plan of another batch
@@ -192,7 +194,7 @@ class HeadParallelPlan:
     """
 
     def __init__(self, outer: Plan, batch: BatchSpec, topology: Topology, head_parallel: int, label: str | None = None,
-                 keep_sharded: bool = False):
+                 keep_sharded: bool = True):
         self.layout = HeadLayout.of(batch, head_parallel)
         want_topo = self.layout.outer_topology(topology)
         if outer.topology != want_topo:
@@ -277,7 +279,8 @@ class HeadParallelPlan:
         non-zero only inside head groups.
 
         Forward: Q, K, V of a rank's chunk to the ranks holding their heads (``way="in"``), O
-        and the LSE back (``"out"``). Backward: dO in, with Q, K, V, O and the LSE again unless
+        and the LSE back (``"out"``; TransformerEngine keeps the LSE head-sharded, torch_dcp's
+        attention op returns it: ``H / N`` floats per token more). Backward: dO in, with Q, K, V, O and the LSE again unless
         :attr:`keep_sharded`; dQ, dK, dV out (replicated key/value heads: every replica
         returns its partial, summed by the owner). ``way=None``: both.
 
@@ -295,7 +298,7 @@ class HeadParallelPlan:
             per_in = lay.q_heads * e + (0 if self.keep_sharded else qkv + lay.q_heads * e + lse)
             per_out = qkv
         else:
-            per_in, per_out = qkv, lay.q_heads * e + (0 if self.keep_sharded else lse)
+            per_in, per_out = qkv, lay.q_heads * e + lse  # the op returns the LSE with O
         per_in, per_out = (per_in if way != "out" else 0), (per_out if way != "in" else 0)
         chunk = self.rank_tokens.astype(np.float64)
         out = np.zeros((w, w))
