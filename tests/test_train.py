@@ -26,11 +26,13 @@ def _run(args: list[str], log: Path, nproc: int | None) -> list[dict]:
 
 
 @pytest.mark.parametrize("mask,planning", [("causal", []), ("lambda", ["--plan-ahead", "0", "--ring-stats"]),
-                                           ("causal", ["--head-parallel", "2"])],
+                                           pytest.param("causal", ["--head-parallel", "2"], marks=pytest.mark.slow)],
                          ids=["causal-loader", "lambda-inline", "causal-head-parallel"])
 def test_dcp_fsdp_matches_single_process(mask, planning, tmp_path):
     """The main job on 4 gloo ranks matches one process with a dense mask: causal with plans
-    made ahead by the planning loader (the default), lambda with plans made in line."""
+    made ahead by the planning loader (the default), lambda with plans made in line; with head
+    parallelism 2 under -m slow (the 4-rank torchtitan HSDP test and the gloo context test
+    cover the head-parallel path in the default suite)."""
     common = ["--steps", "3", "--tokens-per-step", "3000", "--max-doc-len", "1500", "--mask", mask,
               "--block-size", "128"]
     dcp = _run(common + ["--cp-impl", "torch_dcp"] + planning, tmp_path / "dcp.jsonl", nproc=4)
