@@ -12,7 +12,7 @@ from torch_dcp import BatchSpec, Causal, Full, Plan, Ranges, Topology, Workload
 from torch_dcp.cost import A100, H100, CostModel, KernelTable
 from torch_dcp.planners import Placement
 from torch_dcp.schedule import assign_divisions
-from torch_dcp.simulate import compute_floor_seconds, floor_seconds, link_floor_seconds, simulate
+from torch_dcp.simulate import compute_floor_seconds, floor_seconds, kernel_floor_seconds, link_floor_seconds, simulate
 from torch_dcp.workload import Buf, item_token_bytes
 
 B = 64
@@ -129,6 +129,10 @@ def test_simulation_bounds(planner):
         # per pass: each pass is bound by its own busiest rank and link
         for backward, ps in ((False, sim.forward), (True, sim.backward)):
             assert compute_floor_seconds(plan, cm, backward) <= ps.busy_s.max() * (1 + 1e-12)
+            # the kernel floor is the simulator's own attention time of the busiest rank
+            attention = [sum(e - s for kind, s, e in ev if kind == "attention") for ev in ps.events]
+            assert kernel_floor_seconds(plan, cm, backward) == pytest.approx(max(attention), rel=1e-9)
+            assert kernel_floor_seconds(plan, cm, backward) >= compute_floor_seconds(plan, cm, backward) * (1 - 1e-12)
             assert link_floor_seconds(plan, backward) <= ps.makespan_s * (1 + 1e-12)
         assert link_floor_seconds(plan, False) + link_floor_seconds(plan, True) >= link_floor_seconds(plan) * (1 - 1e-12)
         assert floor_seconds(plan, cm) >= max(compute_floor_seconds(plan, cm), link_floor_seconds(plan)) * (1 - 1e-12)

@@ -63,9 +63,17 @@ class KernelTable:
 
     def tflops(self, equivalent_tokens: float, backward: bool, causal: bool) -> float:
         """Interpolated TFLOP/s (clamped at the table's ends)."""
-        col = getattr(self, f"{'bwd' if backward else 'fwd'}_{'causal' if causal else 'full'}")
+        return float(self.tflops_array(np.array([equivalent_tokens], float), backward, np.array([causal]))[0])
+
+    def tflops_array(self, equivalent_tokens: np.ndarray, backward: bool, causal: np.ndarray) -> np.ndarray:
+        """:meth:`tflops` of many launches at once: float64 ``[n]`` TFLOP/s for ``[n]``
+        equivalent tokens and ``[n]`` booleans (masked work)."""
         x = np.log(np.maximum(np.asarray(self.tokens, float), 1e-9))
-        return float(np.interp(np.log(max(equivalent_tokens, 1e-9)), x, np.asarray(col, float)))
+        at = np.log(np.maximum(np.asarray(equivalent_tokens, float), 1e-9))
+        pass_ = "bwd" if backward else "fwd"
+        full = np.interp(at, x, np.asarray(getattr(self, f"{pass_}_full"), float))
+        masked = np.interp(at, x, np.asarray(getattr(self, f"{pass_}_causal"), float))
+        return np.where(np.asarray(causal, bool), masked, full)
 
 
 H100 = KernelTable(

@@ -35,7 +35,7 @@ from .planners.base import Routing
 from .workload import Buf, item_token_bytes
 
 __all__ = ["simulate", "SimResult", "PassResult", "ring_step_seconds", "floor_seconds", "compute_floor_seconds",
-           "link_floor_seconds"]
+           "kernel_floor_seconds", "link_floor_seconds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,16 +329,43 @@ def compute_floor_seconds(plan: Plan, cost_model: CostModel | None = None, backw
     return float(seconds.max())
 
 
+def kernel_floor_seconds(plan: Plan, cost_model: CostModel | None = None, backward: bool | None = None) -> float:
+    """The busiest rank's attention launches, each timed by the cost model as :func:`simulate`
+    times it (one launch per division: its tiles' FLOPs at the throughput of its work per
+    launch, plus the launch overhead), copies and reductions left out (seconds). A lower bound
+    of the rank's busy time, so of the pass's makespan; at least :func:`compute_floor_seconds`.
+
+    Args:
+        backward: ``None`` (default): forward + backward; ``False`` / ``True``: one pass.
+    """
+    cm = cost_model or CostModel.a100()
+    wl, b, w, t = plan.workload, plan.batch, plan.world_size, plan.divisions
+    key = plan.placement.tile_rank.astype(np.int64) * t + np.asarray(plan.tile_division, np.int64)
+    pairs = np.bincount(key, weights=wl.tile_pairs, minlength=w * t) * b.n_heads
+    masked = np.bincount(key, weights=~np.asarray(wl.tile_full, bool), minlength=w * t) > 0
+    table = cm.table_for(b.head_dim, b.dtype)
+    seconds = np.zeros(w)
+    for bw in (False, True):
+        if backward is not None and bw != backward:
+            continue
+        flops = np.bincount(key, weights=wl.tile_flops_bwd if bw else wl.tile_flops_fwd, minlength=w * t)
+        tf = table.tflops_array(np.sqrt(pairs), bw, masked)
+        launch = np.where(flops > 0, flops / (tf * 1e12) + cm.launch_overhead, 0.0)
+        seconds += launch.reshape(w, t).sum(axis=1)
+    return float(seconds.max(initial=0.0))
+
+
 def floor_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None) -> float:
     """``max(compute floor, link floor)`` of each pass, forward + backward: no simulated run
     of ``plan`` is shorter (the simulator runs the passes one after the other), so a candidate
     whose floor is above another's simulated time need not be simulated
-    (:func:`torch_dcp.plan`). At least ``max(compute_floor_seconds, link_floor_seconds)``: a
-    pass bound by its links and another by its compute add up. A head-parallel plan: its outer
-    plan's floor plus its all-to-alls."""
+    (:func:`torch_dcp.plan`). Each pass: the larger of :func:`kernel_floor_seconds` and
+    :func:`link_floor_seconds`, so at least ``max(compute_floor_seconds, link_floor_seconds)``:
+    a pass bound by its links and another by its compute add up. A head-parallel plan: its
+    outer plan's floor plus its all-to-alls."""
     if isinstance(plan, HeadParallelPlan):
         return floor_seconds(plan.outer, cost_model) + sum(plan.all_to_all_seconds(bw) for bw in (False, True))
-    return sum(max(compute_floor_seconds(plan, cost_model, backward), link_floor_seconds(plan, backward))
+    return sum(max(kernel_floor_seconds(plan, cost_model, backward), link_floor_seconds(plan, backward))
                for backward in (False, True))
 
 
