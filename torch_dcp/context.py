@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -32,6 +33,7 @@ from .api import plan as make_plan
 from .attention_op import as_dtensor, bind_args, like, local
 from .batch import BatchSpec
 from .executor import RankExecutor, TorchDistributedTransport, make_executor
+from .executor.groups import host_group, transfer_group
 from .executor.transport import TransferError, TransferTimeoutError, as_timedelta, is_timeout
 from .executor.device_plan import DevicePlan
 from .executor.kernels import DivisionKernel, get_kernel
@@ -140,10 +142,17 @@ def context_parallel(
         topology: ranks per node and links, for planning (default: all ranks on one node).
         kernel: the executor's attention kernel (default ``"auto"``).
         timeout: the longest any wait inside the context blocks (seconds or a ``timedelta``;
-            default 10 minutes): the plan check at entry and every transfer. When it expires the
-            waiting rank raises :class:`~torch_dcp.executor.TransferTimeoutError` naming the
-            pass, the phase and the ranks that did not answer (at the plan check: "the plan
-            check at entry").
+            default 10 minutes): the plan check at entry and, on CPU (gloo), every transfer.
+            When it expires the waiting rank raises
+            :class:`~torch_dcp.executor.TransferTimeoutError` naming the pass, the phase and
+            the ranks that did not answer (at the plan check: "the plan check at entry"). On a
+            device (NCCL) the host never waits for a transfer (waits are stream-ordered); the
+            transfers run on a process group of their own created once with this timeout
+            (:func:`~torch_dcp.executor.groups.transfer_group`), so a peer that stalls makes
+            NCCL's watchdog abort the transfer and the process after ``timeout`` ("Watchdog
+            caught collective operation timeout"; torchrun then reports the rank failed). The
+            plan check runs on host tensors (the group's CPU backend, or a gloo group created
+            once): no device-to-host read at entry.
         device_plan: this rank's :class:`~torch_dcp.executor.DevicePlan` of ``plan``, built
             (and uploaded) ahead, e.g. by :class:`torch_dcp.data.PlanningLoader`; entry then
             does not build it. Its kernel is the executor's (``kernel``, if given, must name
@@ -216,7 +225,7 @@ def context_parallel(
         raise ValueError(f"torch_dcp.context_parallel: the plan is for {plan.world_size} ranks, the mesh has {world}")
     wait_limit = as_timedelta(timeout, "torch_dcp.context_parallel: timeout")
     device = buffers[0].device if buffers else _mesh_device(mesh)
-    _check_same_plan(plan, group, rank, world, device, wait_limit)
+    _check_same_plan(plan, group, rank, world, wait_limit)
     total = plan.batch.total_tokens
     for i, (b, d) in enumerate(zip(buffers, seq_dims)):
         if not -b.dim() <= d < b.dim():
@@ -227,8 +236,11 @@ def context_parallel(
 
     if device_plan is not None and (device_plan.plan, device_plan.rank) != plan.attention_part(rank):
         raise ValueError(f"torch_dcp.context_parallel: device_plan is rank {device_plan.rank}'s, this is rank {rank}")
-    executor = make_executor(plan, rank, TorchDistributedTransport(group, device=device, timeout=wait_limit),
-                             kernel=kernel, device_plan=device_plan)
+    # on a device the transfers run on a group of their own whose timeout bounds them (the
+    # host never waits for the device); on CPU the host waits, at most wait_limit
+    comm = None if device.type == "cpu" else transfer_group(group, wait_limit)
+    transport = TorchDistributedTransport(group, device=device, timeout=wait_limit, comm_group=comm)
+    executor = make_executor(plan, rank, transport, kernel=kernel, device_plan=device_plan)
     executor.prepare(device)  # the device plan is built (unless given) and uploaded here, not in the first SDPA call
     ctx = DCPContext(mesh, plan, executor)
     idx = torch.from_numpy(plan.token_indices(rank)).to(device)
@@ -247,9 +259,12 @@ def context_parallel(
             if hasattr(aten, name):
                 handlers[getattr(aten, name).default] = _handler
         handlers.update(attention_op.dtensor_handlers())
-        with attention_op.use_executor(executor):
+        check = functools.partial(_check_traced_call, ctx)
+        with attention_op.use_executor(executor, check):
             DTensor._op_dispatcher._custom_op_handlers = handlers
-            F.scaled_dot_product_attention = _make_wrapper(saved_sdpa, ctx)
+            _sdpa_wrapper.__wrapped__ = saved_sdpa  # type: ignore[attr-defined]
+            _sdpa_wrapper.__doc__ = saved_sdpa.__doc__
+            F.scaled_dot_product_attention = _sdpa_wrapper
             _active = ctx
             yield ctx
     finally:
@@ -262,55 +277,65 @@ def context_parallel(
                 b.copy_(orig)
 
 
-def _check_same_plan(plan: Plan, group: Any, rank: int, world: int, device: torch.device,
-                     timeout: datetime.timedelta) -> None:
-    """All-gather the plans' SHA-256 digests (one collective, waited at most ``timeout``);
-    raise on every rank when they differ."""
+def _check_same_plan(plan: Plan, group: Any, rank: int, world: int, timeout: datetime.timedelta) -> None:
+    """All-gather the plans' SHA-256 digests on host tensors (one collective on a CPU backend
+    of the group, :func:`~torch_dcp.executor.groups.host_group`: nothing is read back from a
+    device, nothing queues behind the device's collectives), waited at most ``timeout``; raise
+    on every rank when they differ."""
     import torch.distributed as dist
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    mine = torch.frombuffer(bytearray(bytes.fromhex(plan.digest())), dtype=torch.uint8).to(device)
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    work = dist.all_gather(parts, mine, group=group, async_op=True)
     others = [r for r in range(world) if r != rank]
-    try:
-        work.wait(timeout)
-    except RuntimeError as err:
-        if not is_timeout(err):
-            raise TransferError(f"torch_dcp.context_parallel: rank {rank}: the plan check at entry (all-gather of the "
-                                f"plan digests) failed: a peer's connection closed (it failed or left): {err}", -1,
-                                others) from None
-        raise TransferTimeoutError(f"torch_dcp.context_parallel: rank {rank}: the plan check at entry (all-gather of "
-                                   f"the plan digests) did not complete within {timeout.total_seconds():g} s: some "
-                                   "rank did not enter the context", -1, others) from None
-    differ = [r for r, d in enumerate(parts) if not torch.equal(d, mine)]
+    with unset_fake_temporarily():  # host bytes, also when a test runs the step on fake tensors
+        mine = torch.frombuffer(bytearray(bytes.fromhex(plan.digest())), dtype=torch.uint8)
+        parts = [torch.empty_like(mine) for _ in range(world)]
+        work = dist.all_gather(parts, mine, group=host_group(group), async_op=True)
+        try:
+            work.wait(timeout)
+        except RuntimeError as err:
+            if not is_timeout(err):
+                raise TransferError(f"torch_dcp.context_parallel: rank {rank}: the plan check at entry (all-gather of "
+                                    f"the plan digests) failed: a peer's connection closed (it failed or left): {err}",
+                                    -1, others) from None
+            raise TransferTimeoutError(f"torch_dcp.context_parallel: rank {rank}: the plan check at entry (all-gather "
+                                       f"of the plan digests) did not complete within {timeout.total_seconds():g} s: "
+                                       "some rank did not enter the context", -1, others) from None
+        differ = [r for r, d in enumerate(parts) if d.numpy().tobytes() != mine.numpy().tobytes()]
     if differ:
         raise RuntimeError(f"torch_dcp.context_parallel: ranks hold different plans (rank {rank} differs from ranks "
                            f"{differ}); build the batch identically on every rank")
 
 
-def _check_call(ctx: DCPContext, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> None:
+def _check_call(ctx: DCPContext | None, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> None:
     """Raise ``ValueError`` when an SDPA call contradicts the plan (never compute a silently
     wrong answer). Only local metadata and the plan are read, so every rank raises the same
-    error before any communication."""
-    b = ctx.plan.batch
-    s_local = ctx.plan.local_tokens(ctx.rank)
+    error before any communication. ``ctx=None``: only what does not depend on the plan (an
+    ``attn_mask``, dropout, inputs that are not plain ``[1, heads, S, head_dim]`` tensors on one
+    device, fewer key/value heads without ``enable_gqa``), what the wrapper checks while Dynamo
+    traces it (the rest is checked by the op when it runs: :func:`_check_traced_call`)."""
     if attn_mask is not None:
         raise ValueError("torch_dcp: SDPA got an explicit attn_mask; under torch_dcp the mask is the BatchSpec's mask "
                          "spec with document boundaries (remove attn_mask)")
     if dropout_p:
         raise ValueError(f"torch_dcp: attention dropout (dropout_p={dropout_p}) is not supported")
+    from torch.distributed.tensor import DTensor
+
+    if ctx is None:
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            _check_tensor(name, t, query, DTensor)
+        if key.shape[1] != query.shape[1] and not enable_gqa:
+            raise ValueError("torch_dcp: key/value have fewer heads than query; pass enable_gqa=True")
+        return
+    b = ctx.plan.batch
+    s_local = ctx.plan.local_tokens(ctx.rank)
     if bool(is_causal) != b.is_causal:
         if is_causal:
             raise ValueError("torch_dcp: SDPA called with is_causal=True, but the batch's mask lets a query see a later "
                              "key (Full or a forward-looking Ranges mask)")
         raise ValueError("torch_dcp: SDPA called with is_causal=False, but the batch's mask is causal; pass "
                          "is_causal=True (the BatchSpec's masks decide the exact pattern)")
-    from torch.distributed.tensor import DTensor
-
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.dim() != 4 or t.shape[0] != 1:
-            raise ValueError(f"torch_dcp: SDPA {name} must be a plain tensor [1, heads, S_local, head_dim] (one packed "
-                             f"sequence of this rank's tokens), got {type(t).__name__} {list(getattr(t, 'shape', []))}")
+        _check_tensor(name, t, None, DTensor)
         if t.dtype != getattr(torch, b.dtype):
             raise ValueError(f"torch_dcp: SDPA {name} has dtype {t.dtype}, but the plan's BatchSpec dtype is {b.dtype} "
                              "(autocast or a cast changed it? build the BatchSpec with the dtype attention runs in)")
@@ -331,21 +356,55 @@ def _check_call(ctx: DCPContext, query, key, value, attn_mask, dropout_p, is_cau
         raise ValueError("torch_dcp: key/value have fewer heads than query; pass enable_gqa=True")
 
 
-def _make_wrapper(original: Any, ctx: DCPContext) -> Any:
+def _check_tensor(name: str, t: Any, query: Any, dtensor: type) -> None:
+    """Raise ``ValueError`` unless ``t`` is a plain ``[1, heads, S, head_dim]`` tensor (on
+    ``query``'s device, when ``query`` is given)."""
+    if not isinstance(t, torch.Tensor) or isinstance(t, dtensor) or t.dim() != 4 or t.shape[0] != 1:
+        raise ValueError(f"torch_dcp: SDPA {name} must be a plain tensor [1, heads, S_local, head_dim] (one packed "
+                         f"sequence of this rank's tokens), got {type(t).__name__} {list(getattr(t, 'shape', []))}")
+    if query is not None and t.device != query.device:
+        raise ValueError(f"torch_dcp: SDPA {name} is on {t.device}, query on {query.device}")
+
+
+def _check_traced_call(ctx: DCPContext, query, key, value, is_causal, enable_gqa) -> None:
+    """:func:`_check_call` of a call in the form ``torch.compile`` records, run by the
+    ``torch_dcp::attention`` op on this rank's tensors before the executor (the wrapper has
+    checked ``attn_mask`` and dropout while tracing)."""
+    _check_call(ctx, query, key, value, None, 0.0, is_causal, enable_gqa)
+
+
+def _sdpa_wrapper(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention`` inside :func:`context_parallel` (one function for every
+    context, so that what ``torch.compile`` compiled in one step's context serves the next).
+
+    Eagerly: the call is checked against the active context's plan (:func:`_check_call`), its
+    tensors become DTensors sharded on the sequence dimension, and ``torch_dcp::attention`` runs
+    through its DTensor handler. While Dynamo traces it: the checks that do not depend on the plan,
+    then ``torch_dcp::attention`` on the plain tensors with ``is_causal`` and ``enable_gqa``, which
+    checks the rest against the plan bound when the graph runs; nothing plan-specific is read
+    while tracing (no graph break, no guard on the step's plan).
+
+    Raises:
+        ValueError: the call contradicts the plan (see :func:`_check_call`), on every rank before
+            any communication.
+    """
+    if torch.compiler.is_compiling():
+        _check_call(None, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        out, _, _ = torch.ops.torch_dcp.attention(query, key, value, scale, bool(is_causal), bool(enable_gqa))
+        return out
     from torch.distributed.tensor import Shard
 
+    ctx = _active
+    if ctx is None:  # pragma: no cover - the wrapper is installed only inside the context
+        raise RuntimeError("torch_dcp: SDPA wrapper called outside torch_dcp.context_parallel")
+    _check_call(ctx, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     total = ctx.plan.batch.total_tokens
+    q, k, v = (as_dtensor(t, ctx.mesh, [Shard(2)], (1, t.shape[1], total, t.shape[3])) for t in (query, key, value))
+    out, _, _ = torch.ops.torch_dcp.attention(q, k, v, scale)
+    return out.to_local()
 
-    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                      enable_gqa=False):
-        _check_call(ctx, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
-        q, k, v = (as_dtensor(t, ctx.mesh, [Shard(2)], (1, t.shape[1], total, t.shape[3])) for t in (query, key, value))
-        out, _, _ = torch.ops.torch_dcp.attention(q, k, v, scale)
-        return out.to_local()
 
-    scaled_dot_product_attention.__wrapped__ = original  # type: ignore[attr-defined]
-    scaled_dot_product_attention.__doc__ = original.__doc__
-    return scaled_dot_product_attention
+_sdpa_wrapper.__name__ = _sdpa_wrapper.__qualname__ = "scaled_dot_product_attention"
 
 
 def _handler(op_call: Any, args: tuple, kwargs: dict) -> Any:

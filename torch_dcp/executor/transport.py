@@ -133,30 +133,46 @@ class TorchDistributedTransport(Transport):
         group: the DCP process group (plan rank ``r`` is group rank ``r``); ``None`` for the
             default group.
         device: the device of the messages (the tensors' device; CPU for gloo).
-        timeout: the longest ``wait`` blocks (seconds or a ``timedelta``); None: the process
-            group's own timeout.
+        timeout: on a CPU device, the longest ``wait`` blocks (seconds or a ``timedelta``);
+            None: the process group's own timeout. Not used on another device (below).
+        comm_group: the group the transfers are posted on (default: ``group``), with the
+            same members; on a device backend, one whose own timeout bounds the transfers
+            (:func:`~torch_dcp.executor.groups.transfer_group`).
 
-    ``wait`` raises :class:`TransferTimeoutError` naming the phase and the peers whose
-    messages had not arrived when the timeout expired.
+    On a CPU device ``wait`` blocks the host (gloo completes transfers on the host) and raises
+    :class:`TransferTimeoutError` naming the phase and the peers whose messages had not arrived
+    when the timeout expired. On a device (NCCL) ``wait`` is stream-ordered: ``Work.wait()``
+    without a timeout makes the current stream wait for the transfers and returns at once, so
+    the host goes on launching kernels (a wait given a timeout would block the host until the
+    transfer completed); a stalled peer is then caught by the process group's timeout (NCCL's
+    watchdog aborts the operation, and the process, after ``comm_group``'s timeout).
     """
 
     def __init__(self, group: Any = None, device: torch.device | str = "cpu",
-                 timeout: "float | datetime.timedelta | None" = None):
+                 timeout: "float | datetime.timedelta | None" = None, comm_group: Any = None):
         import torch.distributed as dist
 
         self.dist = dist
         self.group = group
+        self.comm_group = group if comm_group is None else comm_group
         self.device = torch.device(device)
         self.timeout = None if timeout is None else as_timedelta(timeout)
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._global = {r: (r if group is None else dist.get_global_rank(group, r)) for r in range(self.world_size)}
+        if comm_group is not None and sorted(dist.get_process_group_ranks(comm_group)) != sorted(self._global.values()):
+            raise ValueError("TorchDistributedTransport: comm_group must have the same members as group")
+
+    @property
+    def host_waits(self) -> bool:
+        """Whether ``wait`` blocks the host (a CPU device), bounded by ``timeout``."""
+        return self.device.type == "cpu"
 
     def launch(self, phase, sends, recvs):
         dist = self.dist
-        ops = [dist.P2POp(dist.irecv, buf, self._global[peer], self.group, tag=_tag(phase, tag))
+        ops = [dist.P2POp(dist.irecv, buf, self._global[peer], self.comm_group, tag=_tag(phase, tag))
                for peer, tag, buf in recvs]
-        ops += [dist.P2POp(dist.isend, msg, self._global[peer], self.group, tag=_tag(phase, tag))
+        ops += [dist.P2POp(dist.isend, msg, self._global[peer], self.comm_group, tag=_tag(phase, tag))
                 for peer, tag, msg in sends]
         peers = [peer for peer, _, _ in recvs] + [peer for peer, _, _ in sends]
         try:
@@ -169,13 +185,13 @@ class TorchDistributedTransport(Transport):
     def wait(self, handle):
         phase, reqs, peers, _keep = handle
         for i, req in enumerate(reqs):
-            if self.timeout is None:
-                req.wait()
-                continue
             try:
-                req.wait(self.timeout)
+                if self.timeout is None or not self.host_waits:
+                    req.wait()  # on a device: the stream waits, the host does not
+                else:
+                    req.wait(self.timeout)
             except RuntimeError as err:
-                if not is_timeout(err):
+                if self.timeout is None or not self.host_waits or not is_timeout(err):
                     raise TransferError(f"rank {self.rank}: phase {phase}: a transfer with rank {peers[i]} failed: "
                                         f"{err}", phase, [peers[i]]) from None
                 # one work per operation where the backend keeps them apart (gloo); else all peers
