@@ -250,8 +250,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cp-impl", choices=["torch_dcp", "torch", "none"], default="torch_dcp")
     p.add_argument("--planner", default="dcp", help="dcp (hypergraph), greedy, fcp, megatron, ring or allgather")
     p.add_argument("--head-parallel", type=_head_parallel, default=None, metavar="N|auto",
-                   help="ranks of a head group trading heads by all-to-all (torch_dcp.plan's head_parallel; default 1; "
-                        "auto, with dcp, keeps the fastest N on the simulator)")
+                   help="ranks of a head group trading heads by all-to-all (torch_dcp.plan's head_parallel; default: "
+                        "auto for dcp, which keeps the fastest N on the simulator, 1 for the other planners)")
     p.add_argument("--mask", choices=sorted(MASKS), default="causal")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--divisions", type=int, default=2)

@@ -67,7 +67,7 @@ def test_no_pass_beats_its_floors(planner, mask):
     batch = BatchSpec([3000, 1200, 700, 193], mask, n_heads=4, n_kv_heads=2, head_dim=64)
     topo = Topology(n_nodes=2, ranks_per_node=4, intra_bandwidth=50e9, inter_bandwidth=10e9, nics_per_node=2)
     cm = CostModel.h100()
-    plan = torch_dcp.plan(batch, topo, planner=planner, block_size=256, divisions=4)
+    plan = torch_dcp.plan(batch, topo, planner=planner, block_size=256, divisions=4, head_parallel=1)
     for k in (None, 1, 3):
         res = simulate_dataflow(plan, cm, kernels_per_rank=k)
         for backward, ps in ((False, res.forward), (True, res.backward)):

@@ -69,7 +69,8 @@ def test_node_routes_cross_into_a_node_once(mask):
     assert s["inter_node_bytes"] == pytest.approx(node_km1, rel=1e-12)
     assert s["comm_bytes"] >= d["comm_bytes"]  # relays add NVLink hops, never network bytes
     assert (s["inter_node_bytes"] < d["inter_node_bytes"]) if duplicates else (s == {**d, "plan_seconds": s["plan_seconds"]})
-    assert torch_dcp.plan(batch, 4, planner="dcp", block_size=128).placement.routing is Routing.DIRECT  # one node
+    one_node = torch_dcp.plan(batch, 4, planner="dcp", block_size=128, head_parallel=1)
+    assert one_node.placement.routing is Routing.DIRECT
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -82,7 +83,8 @@ def test_inter_node_bytes_are_the_node_level_connectivity(lens, mask, nodes, rpn
     batch = BatchSpec(lens, mask, n_heads=4, n_kv_heads=2, head_dim=16)
     topo = Topology(n_nodes=nodes, ranks_per_node=rpn)
     # every document has a diagonal tile: at least len(lens) tiles
-    plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=64, divisions=min(divisions, len(lens)), rivals=())
+    plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=64, divisions=min(divisions, len(lens)), rivals=(),
+                          head_parallel=1)
     plan.validate()
     hg = DCPHypergraph(plan.workload)
     node_km1 = hg.km1(_part(plan) // rpn, nodes)

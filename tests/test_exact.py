@@ -155,7 +155,7 @@ def test_exact_node_routes(nodes, rpn, mask_name):
 
     batch = _batch(mask_name, "gqa8/2-d32")
     topo = torch_dcp.Topology(n_nodes=nodes, ranks_per_node=rpn)
-    dcp = torch_dcp.plan(batch, topo, planner="dcp", block_size=BLOCK, divisions=3, rivals=())
+    dcp = torch_dcp.plan(batch, topo, planner="dcp", block_size=BLOCK, divisions=3, rivals=(), head_parallel=1)
     assert dcp.placement.routing is Routing.NODE
     # the greedy layout spreads documents over nodes: many relays of both kinds; with one
     # division every gateway fetches in the opening phase and reducers send in the closing one

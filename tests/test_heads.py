@@ -37,7 +37,10 @@ def test_layout_rules_and_errors():
         HeadLayout(4, 8, 2).check_topology(Topology(n_nodes=3, ranks_per_node=2))
     assert head_parallel_sizes(_batch(), Topology(n_nodes=4, ranks_per_node=8)) == [2, 4, 8]
     assert head_parallel_sizes(_batch(32, 8), Topology(n_nodes=4, ranks_per_node=8)) == [2, 4, 8, 16, 32]
-    assert not hasattr(torch_dcp.plan(_batch(), 4, planner="dcp", block_size=512), "head_parallel")  # default N = 1
+    assert not hasattr(torch_dcp.plan(_batch(), 4, planner="greedy", block_size=512), "head_parallel")  # N = 1
+    assert not hasattr(torch_dcp.plan(_batch(), 4, planner="dcp", block_size=512, objective="bytes"), "head_parallel")
+    auto = torch_dcp.plan(_batch(), 4, planner="dcp", block_size=512)  # dcp's time objective: auto
+    assert any("/hp" in label for label, _ in auto.candidates) and any("/hp" not in label for label, _ in auto.candidates)
 
 
 def test_outer_topology_gives_each_group_one_rank_share_of_the_network():

@@ -84,10 +84,10 @@ def batches(draw):
        divisions=st.none() | st.integers(1, 5), planner=st.sampled_from(["ring", "greedy", "dcp", "megatron", "fcp"]))
 def test_plan_properties(batch, world, block, divisions, planner):
     try:
-        plan = torch_dcp.plan(batch, world, planner=planner, block_size=block, divisions=divisions)
+        plan = torch_dcp.plan(batch, world, planner=planner, block_size=block, divisions=divisions, head_parallel=1)
     except ValueError as err:  # more divisions than the placement has tiles: refused, naming the bound
         assert divisions is not None and "divisions must lie in 1.." in str(err), err
-        plan = torch_dcp.plan(batch, world, planner=planner, block_size=block)
+        plan = torch_dcp.plan(batch, world, planner=planner, block_size=block, head_parallel=1)
         assert divisions > max(1, plan.workload.n_tiles)
     plan.validate()  # inputs present, sends matched, every tile once, outputs complete
     wl = plan.workload
@@ -179,7 +179,8 @@ def test_every_planner_round_trips_with_its_routes(planner):
     """What the routes depend on (routing, Megatron's ring groups) travels with the bytes: the
     loaded plan has the same route tables and programs, and validates."""
     batch = BatchSpec([700, 90, 40, 1500, 33, 260], Causal(), n_heads=4, n_kv_heads=2, head_dim=8)
-    plan = torch_dcp.plan(batch, torch_dcp.Topology(n_nodes=2, ranks_per_node=4), planner=planner, block_size=64)
+    plan = torch_dcp.plan(batch, torch_dcp.Topology(n_nodes=2, ranks_per_node=4), planner=planner, block_size=64,
+                          head_parallel=1)
     back = Plan.from_bytes(plan.to_bytes())
     assert back.digest() == plan.digest()
     assert back.placement.routing is plan.placement.routing
@@ -323,7 +324,7 @@ def test_divisions_outside_one_to_tiles_are_refused(planner):
     """divisions must lie in 1..max(1, tiles of the placement); None is min(4, tiles), so a
     batch of one tile (or none: a mask that hides every key) still plans. (dcp without its
     rivals: their plans have tiles of their own, and the fastest candidate depends on divisions.)"""
-    opts = {"rivals": ()} if planner == "dcp" else {}
+    opts = {"rivals": (), "head_parallel": 1} if planner == "dcp" else {}
     nothing = Ranges([[] for _ in range(3)])  # no query sees a key: no tiles
     for lens, mask in (([10, 5], Causal()), ([1], Causal()), ([3], nothing), ([40, 3, 9], Lambda(sink=1, window=4))):
         batch = BatchSpec(lens, mask, n_heads=2, n_kv_heads=1, head_dim=4)

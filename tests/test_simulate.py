@@ -113,7 +113,8 @@ def test_simulation_bounds(planner):
     rng = np.random.default_rng(1)
     lens = [int(x) for x in np.minimum(8192, 64 + 500 * rng.pareto(1.1, 40))]
     batch = BatchSpec(lens, Causal(), n_heads=8, n_kv_heads=2, head_dim=128)
-    plan = torch_dcp.plan(batch, Topology(n_nodes=2, ranks_per_node=4), planner=planner, block_size=512)
+    plan = torch_dcp.plan(batch, Topology(n_nodes=2, ranks_per_node=4), planner=planner, block_size=512,
+                          **({"head_parallel": 1} if planner == "dcp" else {}))
     res = simulate(plan)
     assert res.makespan_s >= res.ideal_s * (1 - 1e-12)
     for p in (res.forward, res.backward):

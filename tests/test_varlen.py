@@ -82,7 +82,8 @@ def test_fit_windows():
 @pytest.mark.parametrize("mask_name", list(MASKS))
 def test_segments_cover_every_visible_pair_once(mask_name, planner, world_size):
     batch = _batch(mask_name, "gqa8/2-d32")
-    plan = torch_dcp.plan(batch, world_size, planner=planner, block_size=BLOCK, divisions=1 + world_size % 3)
+    plan = torch_dcp.plan(batch, world_size, planner=planner, block_size=BLOCK, divisions=1 + world_size % 3,
+                          head_parallel=1)
     expressible = 0
     for div in _divisions(plan):
         segs = plan_segments(div)
@@ -101,7 +102,8 @@ def test_segments_cover_every_visible_pair_once(mask_name, planner, world_size):
 def test_auto_varlen_exact_forward_backward(mask_name, planner, world_size):
     heads = "gqa8/2-d32" if (world_size + len(mask_name)) % 2 else "mha4-d32"
     batch = _batch(mask_name, heads)
-    plan = torch_dcp.plan(batch, world_size, planner=planner, block_size=BLOCK, divisions=1 + world_size % 3)
+    plan = torch_dcp.plan(batch, world_size, planner=planner, block_size=BLOCK, divisions=1 + world_size % 3,
+                          head_parallel=1)
     _check(plan, batch, AutoKernel(ReferenceKernel(), VarlenKernel(), min_rows=1))
 
 

@@ -65,8 +65,9 @@ def plan(
             (:mod:`torch_dcp.plan.heads`): ``N`` must divide ``n_heads`` and the ranks per
             node (or be a multiple of them dividing the world size), and ``N`` and
             ``n_kv_heads`` one the other. ``"auto"`` tries 1 and every valid ``N`` and keeps
-            the fastest on the simulator (with ``"dcp"``); ``None`` (default): 1; not given
-            for ``"ulysses"`` and ``"hcp"`` (their own ``N``).
+            the fastest on the simulator (with ``"dcp"``); ``None`` (default): ``"auto"`` for
+            ``"dcp"`` with its time objective, else 1; not given for ``"ulysses"`` and
+            ``"hcp"`` (their own ``N``).
         **options: planner-specific options (e.g. ``eps_compute`` for ``greedy``).
 
     Returns:
@@ -138,8 +139,8 @@ def plan(
 def _head_sizes(batch: BatchSpec, topology: Topology, planner: str, head_parallel: Any,
                 options: dict[str, Any]) -> list[int]:
     """The head parallelisms ``plan`` tries (see its ``head_parallel``)."""
-    if head_parallel is None:
-        head_parallel = 1
+    if head_parallel is None:  # dcp's time objective chooses; a planner with one plan: no head parallelism
+        head_parallel = "auto" if planner in CANDIDATES and options.get("objective", "time") == "time" else 1
     if head_parallel == "auto":
         if planner not in CANDIDATES:
             raise ValueError(f"head_parallel='auto' needs a planner that offers candidates ({sorted(CANDIDATES)}), "

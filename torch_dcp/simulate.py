@@ -32,10 +32,11 @@ from .cost import CostModel
 from .plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan, dispatch
 from .plan.heads import HeadParallelPlan
 from .planners.base import Routing
-from .workload import Buf, item_token_bytes
+from .batch import BatchSpec
+from .workload import Buf, Workload, item_token_bytes
 
 __all__ = ["simulate", "SimResult", "PassResult", "ring_step_seconds", "floor_seconds", "compute_floor_seconds",
-           "kernel_floor_seconds", "link_floor_seconds"]
+           "kernel_floor_seconds", "link_floor_seconds", "batch_floor_seconds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,6 +368,26 @@ def floor_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = 
         return floor_seconds(plan.outer, cost_model) + sum(plan.all_to_all_seconds(bw) for bw in (False, True))
     return sum(max(kernel_floor_seconds(plan, cost_model, backward), link_floor_seconds(plan, backward))
                for backward in (False, True))
+
+
+def batch_floor_seconds(batch: BatchSpec, world_size: int, cost_model: CostModel | None = None) -> float:
+    """The batch's compute floor on ``world_size`` ranks (seconds): its attention forward +
+    backward spread evenly over the ranks, one launch per pass on each (a ``1/W`` share of
+    every visible pair and FLOP, timed by the cost model), no communication. No plan of any
+    planner beats it by more than the kernel table's gain from larger launches; the
+    benchmarks report plans against it.
+
+    Raises:
+        ValueError: ``world_size`` is not a positive integer.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    cm = cost_model or CostModel.a100()
+    wl = Workload.uniform(batch, min(1024, max(1, batch.total_tokens)))
+    masked = not bool(np.all(wl.tile_full))
+    pairs = float(wl.tile_pairs.sum()) * batch.n_heads / world_size
+    return sum(cm.attention_seconds(pairs, float(flops.sum()) / world_size, bw, masked, batch.head_dim, batch.dtype)
+               for bw, flops in ((False, wl.tile_flops_fwd), (True, wl.tile_flops_bwd)))
 
 
 def ring_step_seconds(plan: Plan, cost_model: CostModel | None = None) -> float:

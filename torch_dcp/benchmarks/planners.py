@@ -15,7 +15,9 @@ line per planner.
 ``paper`` reproduces the DCP paper's microbenchmark setup (§7.1: 4 × 8 A100, GQA 8/2,
 head_dim 128, 131,072-token batches, T = 4, document lengths scaled by 0.5/1/2/4) in the
 simulator: every planner on the same batches, the best block size per batch, forward and
-backward attention time, speedups over ring and over the best baseline, ratio to the ideal.
+backward attention time, speedups over ring and over the best baseline, ratio to the ideal
+(every rank's simulated busy time spread evenly) and to the compute floor
+(:func:`torch_dcp.simulate.batch_floor_seconds`).
 Its traffic sweeps (``paper --sweep ...``) are in :mod:`torch_dcp.benchmarks.sweeps`.
 """
 
@@ -97,7 +99,7 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
     an empty cell. ``dcp`` runs with ``head_parallel="auto"`` (every valid head parallelism
     among its candidates)."""
     from ..cost import CostModel
-    from ..simulate import ring_step_seconds, simulate
+    from ..simulate import batch_floor_seconds, ring_step_seconds, simulate
 
     cm = cost if isinstance(cost, CostModel) else CostModel.load(cost)
     sources = sources or paper_sources(total=total)
@@ -109,6 +111,7 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
         for bname, lens in paper_batches(scale, total, sources=sources).items():
             for mname in masks:
                 batch = bench_batch(lens, MASKS[mname], heads)
+                floor_ms = batch_floor_seconds(batch, topology.world_size, cm) * 1e3
                 best: dict[str, dict] = {}
                 for pname in planners:
                     for bs in ([block_sizes[0]] if pname in fixed else block_sizes):
@@ -127,7 +130,7 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
                         st = plan.stats()
                         row = {"scale": scale, "batch": bname, "mask": mname, "planner": pname, "block_size": bs,
                                "fwd_ms": sim.forward.makespan_s * 1e3, "bwd_ms": sim.backward.makespan_s * 1e3,
-                               "total_ms": sim.makespan_s * 1e3, "ideal_ms": sim.ideal_s * 1e3,
+                               "total_ms": sim.makespan_s * 1e3, "ideal_ms": sim.ideal_s * 1e3, "floor_ms": floor_ms,
                                "comm_bytes": st["comm_bytes"], "inter_node_bytes": st["inter_node_bytes"],
                                "compute_imbalance": st["compute_imbalance"],
                                "memory_imbalance": st["memory_imbalance"], "plan_seconds": plan_s,
@@ -143,6 +146,7 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
                     if pname == "dcp" and baselines:
                         row["speedup_vs_best_baseline"] = min(baselines) / row["total_ms"]
                     row["ratio_to_ideal"] = row["total_ms"] / row["ideal_ms"] if row["ideal_ms"] else None
+                    row["ratio_to_floor"] = row["total_ms"] / floor_ms if floor_ms else None
                     rows.append(row)
                     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}),
                           file=out, flush=True)
@@ -154,7 +158,7 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
 def _paper_table(rows: list[dict], planners: list[str], masks: list[str], out) -> None:
     print("\nSimulated attention time, forward + backward ms (speedup over ring, memory imbalance = max/mean "
           "resident tokens); best block size per planner\n", file=out)
-    print("| scale | batch | mask | " + " | ".join(planners) + " | dcp vs best baseline | dcp / ideal | imbalance "
+    print("| scale | batch | mask | " + " | ".join(planners) + " | dcp vs best baseline | dcp / floor | imbalance "
           "dcp (compute/memory) |", file=out)
     print("|---|---|---|" + "---|" * (len(planners) + 3), file=out)
     keys = sorted({(r["scale"], r["batch"], r["mask"]) for r in rows},
@@ -166,7 +170,7 @@ def _paper_table(rows: list[dict], planners: list[str], masks: list[str], out) -
             cells.append(f"{r['fwd_ms']:.2f}+{r['bwd_ms']:.2f} ({r['speedup_vs_ring']:.2f}x, mem {r['memory_imbalance']:.2f})"
                          if r else "-")
         d = next((r for r in rows if (r["scale"], r["batch"], r["mask"], r["planner"]) == (*key, "dcp")), None)
-        extra = (f"{d.get('speedup_vs_best_baseline', float('nan')):.2f}x | {d['ratio_to_ideal']:.2f} | "
+        extra = (f"{d.get('speedup_vs_best_baseline', float('nan')):.2f}x | {d['ratio_to_floor']:.2f} | "
                  f"{d['compute_imbalance']:.2f}/{d['memory_imbalance']:.2f}") if d else "- | - | -"
         print(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + f" | {extra} |", file=out)
     ring = [r for r in rows if "formula_ms" in r]
@@ -184,3 +188,8 @@ def _paper_table(rows: list[dict], planners: list[str], masks: list[str], out) -
                 ri = [r["ratio_to_ideal"] for r in sel]
                 print(f"{'sparse masks' if sparse else 'causal'}: dcp speedup over ring {min(sp):.2f}-{max(sp):.2f}x, "
                       f"ratio to ideal {min(ri):.2f}-{max(ri):.2f}", file=out)
+        heavy = [r for r in dcp if r["mask"] == "causal" and r["floor_ms"] >= 5.0]
+        if heavy:
+            rf = [r["ratio_to_floor"] for r in heavy]
+            print(f"causal batches with a compute floor >= 5 ms: dcp / floor {min(rf):.2f}-{max(rf):.2f} "
+                  f"({sum(x <= 1.25 for x in rf)}/{len(rf)} within 1.25x)", file=out)

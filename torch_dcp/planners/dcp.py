@@ -36,10 +36,10 @@ The estimate (:func:`estimate_seconds`: the busiest rank's compute or link time,
 longer) only orders; the simulator decides. :func:`dcp_candidates` returns every distinct
 placement it tried (or the ``shortlist`` best by estimate), best estimate first, and the
 compute-balanced one with the fewest bytes (the ``"bytes"`` objective's choice), followed by
-ring attention's and Megatron's own plans (``rivals``, when their resident tokens meet the same
-memory bound), and :func:`torch_dcp.plan` simulates every candidate on the cost model (skipping
-those whose compute or link floor is above the fastest so far) and keeps the fastest, so a dcp
-plan is never slower than ring attention's on the simulator that reports results (the fastest
+ring attention's, Megatron's and all-gather CP's own plans (``rivals``, when their resident
+tokens meet the same memory bound), and :func:`torch_dcp.plan` simulates every candidate on the
+cost model (skipping those whose kernel or link floor is above the fastest so far) and keeps
+the fastest, so a dcp plan is never slower than theirs on the simulator that reports results (the fastest
 placement is then also timed with a local tail, :func:`torch_dcp.schedule.assign_divisions`,
 kept where faster). The estimate
 sees neither the phases nor the relays, and ranks the fastest plans low: on the paper's
@@ -62,12 +62,13 @@ import numpy as np
 from ..batch import BatchSpec
 from ..topology import Topology
 from ..workload import Buf, Workload, item_token_bytes
+from .allgather import plan_allgather
 from .base import Placement, Routing
 from .megatron import plan_megatron
 from .ring import plan_ring
 
 #: planners whose placements dcp's time objective also offers (:func:`dcp_candidates`)
-_RIVALS = {"ring": plan_ring, "megatron": plan_megatron}
+_RIVALS = {"ring": plan_ring, "megatron": plan_megatron, "allgather": plan_allgather}
 
 __all__ = ["plan_dcp", "dcp_candidates", "DCPHypergraph", "estimate_seconds"]
 
@@ -260,7 +261,7 @@ def dcp_candidates(
     flops_per_second: float = 1.6e14,
     node_routes: bool = True,
     shortlist: int | None = None,
-    rivals: tuple[str, ...] = ("ring", "megatron"),
+    rivals: tuple[str, ...] = ("ring", "megatron", "allgather"),
 ) -> list[Placement]:
     """DCP hypergraph placements, best first (see module docstring).
 
@@ -287,10 +288,10 @@ def dcp_candidates(
             to return (default ``None``: all of them), followed by the bytes objective's choice
             (duplicates dropped); ``"bytes"`` returns only its choice.
         rivals: with ``"time"``, the placements of these planners (``"ring"``,
-            ``"megatron"``) follow the shortlist, labelled ``"dcp:<name>"``, when their resident
-            bytes are within ``1 + eps_memory`` of the mean as dcp's own are; :func:`torch_dcp.plan`
-            times every candidate with the simulator and keeps the fastest, so dcp's plan is
-            never slower than theirs (on the simulator's cost model).
+            ``"megatron"``, ``"allgather"``) follow the shortlist, labelled ``"dcp:<name>"``,
+            when their resident bytes are within ``1 + eps_memory`` of the mean as dcp's own
+            are; :func:`torch_dcp.plan` times every candidate with the simulator and keeps the
+            fastest, so dcp's plan is never slower than theirs (on the simulator's cost model).
 
     Returns:
         Placements (at least one), the planner's own best first.
