@@ -9,6 +9,8 @@ the visible pairs.
 from __future__ import annotations
 
 import enum
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -65,6 +67,11 @@ FWD_FLOPS_PER_PAIR = 4
 #: Backward FLOPs per visible pair, per head and head-dim element: recomputed QK^T (2),
 #: dV (2), dP (2), dQ (2), dK (2) -- 2.5x forward, as FlashAttention counts.
 BWD_FLOPS_PER_PAIR = 10
+
+#: the last few uniform workloads, ``(id(batch), block_size) -> (weak reference, workload)``:
+#: one plan builds the workload of a batch for every candidate layout (a workload is immutable)
+_UNIFORM: "OrderedDict[tuple[int, int], tuple[weakref.ref, Workload]]" = OrderedDict()
+_UNIFORM_KEEP = 8
 
 
 def item_token_bytes(batch: BatchSpec) -> dict[tuple[bool, str], int]:
@@ -173,12 +180,18 @@ class Workload:
     @classmethod
     def uniform(cls, batch: BatchSpec, block_size: int) -> "Workload":
         """Blocks of ``block_size`` tokens per document; the last block of a document may be
-        shorter.
+        shorter. The same batch object and block size give the same (immutable) workload
+        object while it is among the last few built.
 
         Raises:
             ValueError: ``block_size`` is not an integer in ``1 .. MAX_TOKENS``.
         """
         block_size = check_block_size(block_size)
+        key = (id(batch), int(block_size))
+        hit = _UNIFORM.get(key)
+        if hit is not None and hit[0]() is batch:
+            _UNIFORM.move_to_end(key)
+            return hit[1]
         lens = batch.doc_lens
         nb = -(-lens // block_size)
         doc = np.repeat(np.arange(batch.n_docs), nb)
@@ -186,7 +199,11 @@ class Workload:
         idx = np.arange(nb.sum()) - np.repeat(first, nb)
         start = idx * block_size
         end = np.minimum(start + block_size, lens[doc])
-        return cls(batch, doc, start, end, block_size=int(block_size))
+        wl = cls(batch, doc, start, end, block_size=int(block_size))
+        _UNIFORM[key] = (weakref.ref(batch), wl)
+        while len(_UNIFORM) > _UNIFORM_KEEP:
+            _UNIFORM.popitem(last=False)
+        return wl
 
     @classmethod
     def from_spans(cls, batch: BatchSpec, block_doc: Any, block_start: Any, block_end: Any) -> "Workload":

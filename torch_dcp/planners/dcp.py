@@ -351,12 +351,12 @@ def dcp_candidates(
     # candidates: the partitioner's, and the block layouts of the greedy, FCP and Megatron
     # planners and of a zig-zag split (ring attention's layout on these blocks) as fallbacks
     # the partitioner must beat; each is rebalanced
-    from .fcp import plan_fcp
+    from .fcp import fcp_layout
     from .greedy import plan_greedy
 
     megatron = plan_megatron(batch, topology)  # a block layout to start from, and a rival
     candidates = partitions + [plan_greedy(batch, topology, block_size).block_rank,
-                               plan_fcp(batch, topology, block_size).block_rank, _zigzag(wl, w),
+                               fcp_layout(batch, topology, block_size)[1], _zigzag(wl, w),
                                _on_blocks(megatron, wl)]
     # with the time objective, greedy layouts at looser compute bounds too: they keep more
     # documents whole, often the fastest plans where links are the bottleneck (the estimate

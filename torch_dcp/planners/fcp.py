@@ -23,7 +23,7 @@ from ..topology import Topology
 from ..workload import Buf, Workload, item_token_bytes
 from .base import Placement
 
-__all__ = ["plan_fcp", "congestion_free_rounds"]
+__all__ = ["plan_fcp", "fcp_layout", "congestion_free_rounds"]
 
 #: FLOPs one byte of traffic is worth in the assignment score (the talk's GPU-Y cluster:
 #: (FLOP/s) / (byte/s) = 2500).
@@ -68,6 +68,30 @@ def plan_fcp(batch: BatchSpec, topology: Topology, block_size: int = 1024, eps_m
     Raises:
         ValueError: bad ``block_size`` or a negative ``eps_memory``.
     """
+    wl, home = fcp_layout(batch, topology, block_size, eps_memory)
+    nb, w = wl.n_blocks, topology.world_size
+    tile_rank = home[wl.tile_q]
+    # congestion-free rounds of the key/value transfers; a tile runs in the round after its
+    # input arrives
+    remote = home[wl.tile_kv] != tile_rank
+    pair_code = tile_rank[remote] * nb + wl.tile_kv[remote]
+    uniq, inv = np.unique(pair_code, return_inverse=True)
+    dst, blk = uniq // nb, uniq % nb
+    rounds = congestion_free_rounds(home[blk], dst)
+    tile_round = np.zeros(wl.n_tiles, np.int64)
+    tile_round[np.nonzero(remote)[0]] = rounds[inv.reshape(-1)] + 1
+    return Placement(wl, w, home, tile_rank, planner="fcp", tile_round=tile_round)
+
+
+def fcp_layout(batch: BatchSpec, topology: Topology, block_size: int = 1024,
+               eps_memory: float = 0.1) -> tuple[Workload, np.ndarray]:
+    """FCP's block layout alone (no transfer rounds): the uniform workload and every block's
+    rank, int64 ``[n_blocks]`` (longest-processing-time order, locality-aware, memory within
+    ``1 + eps_memory`` of the mean where it fits).
+
+    Raises:
+        ValueError: bad ``block_size`` or a negative ``eps_memory``.
+    """
     if eps_memory < 0:
         raise ValueError(f"eps_memory must be >= 0, got {eps_memory}")
     w = topology.world_size
@@ -104,14 +128,4 @@ def plan_fcp(batch: BatchSpec, topology: Topology, block_size: int = 1024, eps_m
         home[b] = r
         load[r] += row_flops[b]
         tokens[r] += wl.block_len[b]
-    tile_rank = home[wl.tile_q]
-    # congestion-free rounds of the key/value transfers; a tile runs in the round after its
-    # input arrives
-    remote = home[wl.tile_kv] != tile_rank
-    pair_code = tile_rank[remote] * nb + wl.tile_kv[remote]
-    uniq, inv = np.unique(pair_code, return_inverse=True)
-    dst, blk = uniq // nb, uniq % nb
-    rounds = congestion_free_rounds(home[blk], dst)
-    tile_round = np.zeros(wl.n_tiles, np.int64)
-    tile_round[np.nonzero(remote)[0]] = rounds[inv.reshape(-1)] + 1
-    return Placement(wl, w, home, tile_rank, planner="fcp", tile_round=tile_round)
+    return wl, home
