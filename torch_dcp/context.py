@@ -35,7 +35,7 @@ from .batch import BatchSpec
 from .executor import RankExecutor, TorchDistributedTransport, make_executor
 from .executor.groups import host_group, transfer_group
 from .executor.transport import TransferError, TransferTimeoutError, as_timedelta, is_timeout
-from .executor.device_plan import DevicePlan
+from .executor.device_plan import DevicePlan, host_to_device
 from .executor.kernels import DivisionKernel, get_kernel
 from .plan import Plan
 from .topology import Topology
@@ -243,7 +243,7 @@ def context_parallel(
     executor = make_executor(plan, rank, transport, kernel=kernel, device_plan=device_plan)
     executor.prepare(device)  # the device plan is built (unless given) and uploaded here, not in the first SDPA call
     ctx = DCPContext(mesh, plan, executor)
-    idx = torch.from_numpy(plan.token_indices(rank)).to(device)
+    idx = host_to_device(torch.from_numpy(plan.token_indices(rank)), device)
     originals = [None if any(b is x for x in no_restore) else b.clone() for b in buffers]
     from torch.distributed.tensor import DTensor
 

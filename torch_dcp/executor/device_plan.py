@@ -39,7 +39,21 @@ from .division import build_division
 if TYPE_CHECKING:  # pragma: no cover
     from .kernels import DivisionKernel
 
-__all__ = ["DevicePlan", "PassPlan", "Rows"]
+__all__ = ["DevicePlan", "PassPlan", "Rows", "host_to_device"]
+
+
+def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device`` without the host waiting for the device: on CUDA
+    through pinned memory with a non-blocking copy (a copy from pageable memory would block
+    the host until the device's stream reached it); pinned only where a CUDA driver is there
+    (a CUDA build of PyTorch without one, e.g. under ``FakeTensorMode``, has no pinned
+    memory). ``host`` itself on CPU."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda" and torch.cuda.is_available():
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 _NAMES = itertools.count()  # unique array names
 
@@ -301,10 +315,7 @@ class DevicePlan:
             device = torch.device("cuda", torch.cuda.current_device())
         if device in self._uploads:
             return self._uploads[device]
-        src = self.host
-        if device.type == "cuda":
-            src = src.pin_memory()
-        buf = src.to(device, non_blocking=True) if device.type != "cpu" else src
+        buf = host_to_device(self.host, device)
         views: dict[str, torch.Tensor] = {}
         for name, (off, dt, shape) in self._layout.items():
             nb = int(np.prod(shape, dtype=np.int64)) * dt.itemsize

@@ -1,0 +1,108 @@
+"""The user's path on CUDA without a GPU: ``context_parallel`` around a model's attention on
+PyTorch's ``fake`` process-group backend, every tensor a fake ``cuda`` tensor
+(``FakeTensorMode`` raises on any host read of device data, so the entry's plan check, the
+buffers' sharding and every op of the step are shown not to read the device).
+
+Needs a CUDA build of torch (no GPU, no driver); skipped on a CPU build. Each case runs in a
+subprocess of its own (its own default process group). What fake mode cannot run without a
+driver, and the nearest check here:
+
+* the autograd engine: ``Tensor.backward`` on CUDA tensors asks the driver for the device's
+  primary context (``hasPrimaryContext``), so the backward runs as autograd would call it, the
+  ``torch_dcp::attention_backward`` op on the forward's saved outputs (the executor's own
+  backward; the gradients through autograd are checked exact on gloo in ``test_context``);
+* FSDP2: its forward creates CUDA streams (driver); ``test_context`` and ``test_torchtitan`` run
+  FSDP2 with torch_dcp on gloo.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.fake_cuda,
+              pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch (no GPU needed)")]
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import torch_dcp
+    from torch_dcp import BatchSpec, Topology
+    from torch_dcp.benchmarks.common import MASKS
+
+    world, mask, kernel, dtype, hp = int(sys.argv[1]), sys.argv[2], sys.argv[3], getattr(torch, sys.argv[4]), sys.argv[5]
+    dist.init_process_group("fake", store=FakeStore(), rank=world - 1, world_size=world)
+    mesh = DeviceMesh("cuda", list(range(world)))  # its rank table is host data: built outside fake mode
+    lens = [3001, 700, 4999, 300, 1003, 17]
+    H, H_KV, D, DIM, VOCAB = 8, 2, 64, 128, 97
+    batch = BatchSpec(lens, MASKS[mask], n_heads=H, n_kv_heads=H_KV, head_dim=D, dtype=str(dtype).split(".")[1])
+    topo = Topology(n_nodes=max(1, world // 4), ranks_per_node=min(world, 4))
+    plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=512, head_parallel=hp if hp == "auto" else int(hp))
+
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, DIM)
+            self.qkv = nn.Linear(DIM, (H + 2 * H_KV) * D, dtype=dtype)
+            self.out = nn.Linear(H * D, VOCAB, dtype=dtype)
+
+        def forward(self, ids):
+            x = self.emb(ids).to(dtype)
+            q, k, v = self.qkv(x).split([H * D, H_KV * D, H_KV * D], dim=-1)
+            q, k, v = (t.unflatten(-1, (-1, D)).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return self.out(y.transpose(1, 2).flatten(2))
+
+
+    with FakeTensorMode():
+        with torch.device("cuda"):
+            model = Attention()
+        ids = torch.randint(0, VOCAB, (1, batch.total_tokens), device="cuda")
+        labels = torch.randint(0, VOCAB, (1, batch.total_tokens), device="cuda")
+        with torch_dcp.context_parallel(mesh, buffers=[ids, labels], buffer_seq_dims=[1, 1], no_restore_buffers=[ids, labels],
+                                        plan=plan, kernel=kernel) as ctx:
+            s = plan.local_tokens(world - 1)
+            logits = model(ids)  # the user's path: SDPA inside the context
+            assert logits.device.type == "cuda" and logits.shape == (1, s, VOCAB), logits.shape
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            assert loss.device.type == "cuda"
+            # the op's backward as autograd calls it (the engine itself needs a driver)
+            q = torch.empty(1, H, s, D, device="cuda", dtype=dtype)
+            k = torch.empty(1, H_KV, s, D, device="cuda", dtype=dtype)
+            v = torch.empty(1, H_KV, s, D, device="cuda", dtype=dtype)
+            out, lse, state = torch.ops.torch_dcp.attention(q, k, v, None, True, True)
+            dq, dk, dv = torch.ops.torch_dcp.attention_backward(torch.empty_like(out), q, k, v, out, lse, state, None)
+            for t, like in ((out, q), (dq, q), (dk, k), (dv, v)):
+                assert t.device.type == "cuda" and t.dtype == dtype and t.shape == like.shape, (t.shape, like.shape)
+    dist.destroy_process_group()
+    print("OK", type(plan).__name__, getattr(plan, "head_parallel", 1))
+    """
+)
+
+
+def _run(*args: str) -> str:
+    res = subprocess.run([sys.executable, "-c", SCRIPT, *args], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-3000:] + res.stderr[-6000:]
+    return res.stdout
+
+
+@pytest.mark.parametrize("world,hp", [(4, "1"), (4, "2"), (8, "auto")])
+@pytest.mark.parametrize("kernel", ["auto", "varlen", "flex"])
+def test_context_step_on_fake_cuda(world, hp, kernel):
+    _run(str(world), "causal", kernel, "bfloat16", hp)
+
+
+@pytest.mark.parametrize("mask", ["lambda", "shared_question"])
+def test_context_masks_and_fp16_on_fake_cuda(mask):
+    _run("4", mask, "auto", "float16", "1")
