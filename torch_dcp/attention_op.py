@@ -5,8 +5,8 @@ Inside :func:`torch_dcp.context_parallel` the wrapped ``F.scaled_dot_product_att
 chosen (flash, efficient, cuDNN, CPU flash or the MATH decomposition) does not matter. Two ops
 are defined once, at import:
 
-- ``torch_dcp::attention(Tensor query, Tensor key, Tensor value, float? scale=None)
-  -> (Tensor out, Tensor lse, Tensor state)``
+- ``torch_dcp::attention(Tensor query, Tensor key, Tensor value, float? scale=None,
+  bool? is_causal=None, bool enable_gqa=False) -> (Tensor out, Tensor lse, Tensor state)``
 - ``torch_dcp::attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value,
   Tensor out, Tensor lse, Tensor state, float? scale=None) -> (Tensor grad_query,
   Tensor grad_key, Tensor grad_value)``
@@ -19,9 +19,21 @@ uint8 tensor: empty for an ordinary plan, the head-sharded Q, K, V, O and LSE of
 plan (:meth:`~torch_dcp.executor.heads.HeadParallelExecutor.forward_keeping`). The mask is the
 plan's (the BatchSpec's mask spec inside every document).
 
+``is_causal`` and ``enable_gqa`` are SDPA's arguments, for the form of the call that
+``torch.compile`` records (the SDPA wrapper calls it so while Dynamo traces): with ``is_causal``
+given, the real implementation first checks the call against the bound context's plan (the
+check :func:`use_executor` binds; the SDPA wrapper's checks and messages, raised before any
+communication) and keeps no state (``state`` is empty: a head-parallel backward moves Q, K, V,
+O and the LSE again). So every output's size is a function of the input shapes alone, and one
+compiled graph serves every step's plan; nothing plan-specific is read at trace time. With
+``is_causal=None`` (the eager wrapper, direct calls) nothing is checked beyond the executor's
+own shape checks and the state is kept.
+
 Each op has
 - a real implementation on plain tensors (this rank's local shards): it runs the executor bound
-  by :func:`use_executor` (the active context's), and raises ``RuntimeError`` when none is;
+  by :func:`use_executor` (the active context's), and raises ``RuntimeError`` when none is,
+  ``ValueError`` for shapes or dtypes the plan does not have (or, in the traced form, a call
+  the bound check refuses);
 - a fake implementation (shapes, strides and dtypes only, no executor), for FakeTensor tracing;
 - for ``attention``, autograd whose backward calls ``attention_backward`` (``lse`` is not
   differentiable);
@@ -34,7 +46,7 @@ Each op has
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -43,23 +55,32 @@ from .executor import RankExecutor
 __all__ = ["attention_forward", "attention_backward", "use_executor", "dtensor_handlers", "lse_dtype", "as_dtensor"]
 
 _executor: RankExecutor | None = None
+#: ``check(query, key, value, is_causal, enable_gqa)``: the bound context's check of an SDPA call
+_check: Callable[..., None] | None = None
 
 
 @contextlib.contextmanager
-def use_executor(executor: RankExecutor) -> Iterator[RankExecutor]:
+def use_executor(executor: RankExecutor, check: Callable[..., None] | None = None) -> Iterator[RankExecutor]:
     """Bind ``executor`` as the one the ``torch_dcp`` ops run, for the body (restored on exit).
+
+    Args:
+        executor: this rank's executor.
+        check: ``check(query, key, value, is_causal, enable_gqa)``, run by ``torch_dcp::attention``
+            on calls that give ``is_causal`` (the traced form) before the executor; it raises
+            ``ValueError`` for a call that contradicts the plan. ``None``: no check beyond the
+            executor's own.
 
     Raises:
         RuntimeError: another executor is bound (contexts do not nest).
     """
-    global _executor
+    global _executor, _check
     if _executor is not None:
         raise RuntimeError("torch_dcp: an executor is already bound to torch_dcp::attention (contexts do not nest)")
-    _executor = executor
+    _executor, _check = executor, check
     try:
         yield executor
     finally:
-        _executor = None
+        _executor, _check = None, None
 
 
 def _bound() -> RankExecutor:
@@ -86,22 +107,27 @@ def _sdpa_layout(t: torch.Tensor) -> torch.Tensor:
 
 
 def attention_forward(executor: RankExecutor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      scale: float | None = None, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Forward attention of this rank's tokens with ``executor``, in SDPA's layout.
 
     Args:
         query: ``[1, H, S_local, D]``; key, value: ``[1, H_kv, S_local, D]`` or
             ``[1, H, S_local, D]``; plain tensors, dtype the plan's.
         scale: softmax scale (default ``1 / sqrt(D)``).
+        keep: keep the executor's state for the backward (``False``: an empty state).
 
     Returns:
         ``(out [1, H, S_local, D] in query.dtype, lse [1, H, S_local] float32, float64 for
-        float64 inputs, state [executor.state_nbytes(H_kv)] uint8)``.
+        float64 inputs, state [executor.state_nbytes(H_kv)] uint8, empty without keep)``.
 
     Raises:
         ValueError: shapes or dtype that do not match the executor's plan.
     """
-    out, lse, state = executor.forward_keeping(_rows("query", query), _rows("key", key), _rows("value", value), scale)
+    rows = (_rows("query", query), _rows("key", key), _rows("value", value))
+    if keep:
+        out, lse, state = executor.forward_keeping(*rows, scale)
+    else:
+        (out, lse), state = executor.forward(*rows, scale), query.new_empty(0, dtype=torch.uint8)
     return _sdpa_layout(out), _sdpa_layout(lse.to(lse_dtype(query.dtype))), state
 
 
@@ -132,9 +158,18 @@ def attention_backward(executor: RankExecutor, grad_out: torch.Tensor, query: to
 
 # ---------------------------------------------------------------------------- the ops
 @torch.library.custom_op("torch_dcp::attention", mutates_args=(),
-                         schema="(Tensor query, Tensor key, Tensor value, float? scale=None) -> (Tensor, Tensor, Tensor)")
-def _attention_op(query, key, value, scale=None):
-    return attention_forward(_bound(), query, key, value, scale)
+                         schema="(Tensor query, Tensor key, Tensor value, float? scale=None, bool? is_causal=None, "
+                                "bool enable_gqa=False) -> (Tensor, Tensor, Tensor)")
+def _attention_op(query, key, value, scale=None, is_causal=None, enable_gqa=False):
+    executor = _bound()
+    _check_traced(query, key, value, is_causal, enable_gqa)
+    return attention_forward(executor, query, key, value, scale, keep=is_causal is None)
+
+
+def _check_traced(query, key, value, is_causal, enable_gqa) -> None:
+    """The bound context's check of a call in the traced form (``is_causal`` given)."""
+    if is_causal is not None and _check is not None:
+        _check(query, key, value, is_causal, enable_gqa)
 
 
 @torch.library.custom_op("torch_dcp::attention_backward", mutates_args=(),
@@ -153,11 +188,12 @@ def _empty_rows(like: torch.Tensor, heads: int, dtype: torch.dtype | None = None
 
 
 @_attention_op.register_fake
-def _attention_fake(query, key, value, scale=None):
+def _attention_fake(query, key, value, scale=None, is_causal=None, enable_gqa=False):
     for name, t in (("query", query), ("key", key), ("value", value)):
         _rows(name, t)
-    # the state's size is the bound executor's (a function of the plan, never of data); none outside a context
-    n_state = 0 if _executor is None else _executor.state_nbytes(key.shape[1])
+    # the state's size is the bound executor's (a function of the plan, never of data); none outside a context,
+    # none in the traced form (is_causal given), whose graph must not depend on the plan
+    n_state = 0 if _executor is None or is_causal is not None else _executor.state_nbytes(key.shape[1])
     return (_empty_rows(query, query.shape[1]), _empty_rows(query, query.shape[1], lse_dtype(query.dtype), False),
             query.new_empty(n_state, dtype=torch.uint8))
 
@@ -168,7 +204,7 @@ def _attention_backward_fake(grad_out, query, key, value, out, lse, state, scale
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, scale = inputs
+    query, key, value, scale = inputs[:4]
     out, lse, state = output
     ctx.mark_non_differentiable(lse, state)
     ctx.save_for_backward(query, key, value, out, lse, state)
@@ -178,7 +214,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse, grad_state):
     query, key, value, out, lse, state = ctx.saved_tensors
     dq, dk, dv = torch.ops.torch_dcp.attention_backward(grad_out, query, key, value, out, lse, state, ctx.scale)
-    return dq, dk, dv, None
+    return dq, dk, dv, None, None, None
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -234,12 +270,12 @@ def check_placements(op_name: str, tensors: dict[str, Any]) -> None:
                              f"(placements (Shard(2),) on the one-dimensional DCP mesh), got {tuple(t.placements)}")
 
 
-def _state_dtensor(executor: Any, state: torch.Tensor, ref: Any, kv_heads: int) -> Any:
+def _state_dtensor(executor: Any, state: torch.Tensor, ref: Any, kv_heads: int, keep: bool = True) -> Any:
     """The executor's state as a DTensor sharded on its only dimension (``Shard(0)``), of the
-    global size every rank computes alike (the sum over ranks, from the plan)."""
+    global size every rank computes alike (the sum over ranks, from the plan; 0 without keep)."""
     from torch.distributed.tensor import Shard
 
-    total = executor.state_nbytes(kv_heads, every_rank=True)
+    total = executor.state_nbytes(kv_heads, every_rank=True) if keep else 0
     return as_dtensor(state, ref.device_mesh, [Shard(0)], (total,))
 
 
@@ -248,8 +284,11 @@ def _dtensor_attention(op_call: Any, args: tuple, kwargs: dict) -> Any:
     check_placements("torch_dcp::attention", {n: a[n] for n in ("query", "key", "value")})
     q = a["query"]
     executor = _bound()
-    out, lse, state = attention_forward(executor, local(q), local(a["key"]), local(a["value"]), a["scale"])
-    return like(out, q), like(lse, q, tuple(q.shape[:3])), _state_dtensor(executor, state, q, a["key"].shape[1])
+    ql, kl, vl = local(q), local(a["key"]), local(a["value"])
+    _check_traced(ql, kl, vl, a["is_causal"], a["enable_gqa"])
+    keep = a["is_causal"] is None
+    out, lse, state = attention_forward(executor, ql, kl, vl, a["scale"], keep=keep)
+    return like(out, q), like(lse, q, tuple(q.shape[:3])), _state_dtensor(executor, state, q, a["key"].shape[1], keep)
 
 
 def _dtensor_attention_backward(op_call: Any, args: tuple, kwargs: dict) -> Any:

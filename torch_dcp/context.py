@@ -16,6 +16,15 @@ attention is intercepted in two levels:
    backward ops) for callers that reach those ops with DTensors directly.
 
 Everything is restored on exit, also when the body raises.
+
+``torch.compile``: while Dynamo traces the wrapper it checks what does not depend on the plan
+(``attn_mask``, dropout, plain 4-D tensors, ``enable_gqa``) and records one
+``torch_dcp::attention`` call on the plain tensors, with ``is_causal`` and ``enable_gqa``; the op
+checks the rest against the plan bound when the graph runs, before any communication, with the
+eager wrapper's messages. Nothing plan-specific is read while tracing, and the wrapper is the
+same function in every context, so the graph has no break inside the attention and is not
+recompiled for the next step's plan. (A plan-independent error found while tracing with
+``fullgraph=True`` reaches the caller as Dynamo's ``Unsupported``, naming the ``ValueError``.)
 """
 
 from __future__ import annotations
@@ -180,7 +189,9 @@ def context_parallel(
             contradicts the plan (an ``attn_mask``, dropout, ``is_causal`` against the mask,
             a sequence length that is not this rank's, another dtype, head count or head_dim
             than the BatchSpec's, DTensor inputs; see :func:`_check_call`), raised on every
-            rank before any communication, so the process group stays usable.
+            rank before any communication, so the process group stays usable (in a compiled
+            model: when the graph runs, or while Dynamo traces it for the checks that do not
+            depend on the plan, see the module's docstring).
         RuntimeError: another torch_dcp or PyTorch context-parallel context is active, or the
             ranks hold different plans (raised on every rank at entry).
         TransferError: a wait inside the context failed: a peer's connection closed (it

@@ -40,7 +40,14 @@ run without context parallelism. Parallelism is torchtitan's ``parallelize_llama
 HSDP over the data-parallel dimensions, activation checkpointing) with torchtitan's own context
 parallelism off. Refused at start-up, each with a message naming the key: tensor, pipeline,
 context and expert parallelism, the ``spmd_types``/``full_dtensor`` backends, CUDA graphs,
-``torch.compile`` of the model, validation and the chunked loss (see :func:`check_config`).
+validation and the chunked loss (see :func:`check_config`).
+
+``--compile.enable`` works as in torchtitan: each transformer block is compiled (``fullgraph=True``,
+``--compile.backend``: inductor, aot_eager or eager) and the attention inside it is one opaque
+``torch_dcp::attention`` op in the graph, which runs the step's plan when the graph runs; the
+graphs do not depend on the plan (a rank's token count is a dynamic size after the first
+recompilation), so the per-step plans do not recompile them. In compiled blocks a head-parallel
+plan's backward moves Q, K, V, O and the LSE again instead of keeping them from the forward.
 
 This module imports torchtitan (``pip install 'torch-dcp[torchtitan]'``); ``import torch_dcp``
 does not import this module.
@@ -91,10 +98,10 @@ class DCPConfig:
     """dcp only: time (candidates timed on the simulator, compute balance may loosen to 2x where links are the
     bottleneck) or bytes (compute within 1.1 of the mean, fewest bytes moved)."""
 
-    head_parallel: str = "1"
+    head_parallel: str = "default"
     """Ranks of a head group trading heads by all-to-all before the plan runs over the groups (DeepSpeed-Ulysses
-    inside a node): a positive integer dividing the heads and the ranks per node, or auto (dcp only: it keeps the
-    fastest N on the simulator)."""
+    inside a node): a positive integer dividing the heads and the ranks per node, auto (dcp only: it keeps the
+    fastest N on the simulator) or default (auto for dcp's time objective, else 1)."""
 
     kernel: str = "auto"
     """Attention kernel of the executor: auto, flex, varlen, sdpa or reference."""
@@ -116,7 +123,8 @@ class DCPConfig:
         """Options of the planner beyond block size and divisions (dcp's objective, the head parallelism)."""
         out: dict = {"objective": self.objective} if self.planner == "dcp" else {}
         hp = str(self.head_parallel)
-        out["head_parallel"] = hp if hp == "auto" else int(hp)
+        if hp != "default":
+            out["head_parallel"] = hp if hp == "auto" else int(hp)
         return out
 
     def validate(self) -> None:
@@ -132,8 +140,9 @@ class DCPConfig:
         if self.objective not in ("time", "bytes"):
             raise ValueError(f"--dcp.objective must be time or bytes, got {self.objective!r}")
         hp = str(self.head_parallel)
-        if hp != "auto" and not (hp.isdigit() and int(hp) > 0):
-            raise ValueError(f"--dcp.head-parallel must be auto or a positive integer, got {self.head_parallel!r}")
+        if hp not in ("auto", "default") and not (hp.isdigit() and int(hp) > 0):
+            raise ValueError(f"--dcp.head-parallel must be default, auto or a positive integer, got "
+                             f"{self.head_parallel!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"--dcp.kernel: unknown kernel {self.kernel!r}; choose one of {list(KERNELS)}")
         if not self.timeout > 0:
@@ -167,9 +176,6 @@ def check_config(config: "DCPTrainer.Config") -> None:
     if not config.training.disable_cuda_graphs:
         raise ValueError("--training.disable_cuda_graphs must be set with torch_dcp: CUDA graphs need fixed shapes "
                          "and a rank's token count changes every step")
-    if config.compile.enable and "model" in config.compile.components:
-        raise ValueError("--compile.enable with 'model' in --compile.components is not supported with torch_dcp "
-                         "(the attention's per-step plan is not traceable); compile only the loss, or turn it off")
     if config.validator.enable:
         raise ValueError("--validator.enable is not supported with torch_dcp (validation would attend across "
                          "documents without a plan); turn it off")
