@@ -35,11 +35,14 @@ output, which never travels): its softmax ``exp(S - LSE)`` is then the global on
 division's pairs and its ``rowsum(dO * O')`` the global ``delta``, so ``dS = P * (dO V^T - delta)``
 is the FlashAttention-2 backward (Dao, 2023, Algorithm 2) of the global attention, as ring
 attention calls it per step. The LSE gradient absorbs the rounding of ``O'`` to the input dtype.
-The op takes the identity ``score_mod``'s forward and joint graphs, built once per device and
-dtype as flex's own autograd builds them (torch 2.11 requires both; tested with 2.11 and 2.13,
-eager and traced by ``torch.compile``). That op is internal to PyTorch: if its first call on a
-device type fails (another torch version), the kernel warns once and falls back to the
-recomputing backward below (``recompute=True``; the default on CPU).
+The op takes the identity ``score_mod``'s forward and joint graphs, built once per dtype as
+flex's own autograd builds them (torch 2.11 requires both; tested with 2.11 and 2.13, eager and
+traced by ``torch.compile``), on the meta device whatever the inputs' device: the joint graph of
+the identity returns the score's gradient as is, on any device, and tracing it runs the autograd
+engine, which on CUDA tensors asks the driver for a context (so it could not be built for fake
+CUDA tensors without a GPU). That op is internal to PyTorch: if its first call on a device type
+fails (another torch version), the kernel warns once and falls back to the recomputing backward
+below (``recompute=True``; the default on CPU).
 
 Recomputing backward: the partial forward is recomputed with autograd and back-propagated with
 ``grad_out = c * dO`` and ``grad_lse = c * (rowsum(dO * O_p) - delta)``, ``c = exp(LSE_p -
@@ -52,13 +55,27 @@ Devices:
 
 * CUDA: ``torch.compile(flex_attention)`` (compiled once per process, dynamic shapes after the
   first recompile), inputs in their own dtype (bf16 stays bf16; partials are cast to the
-  accumulation dtype for the merge); the backward op compiled the same way.
+  accumulation dtype for the merge); the backward op compiled the same way -- as far as Dynamo
+  goes: it takes flex's backward op with pre-traced graphs only as compiled autograd passes them
+  (from a dictionary), so the graph breaks at the op, which runs eagerly (PyTorch's dense
+  implementation; seen on an H100 with torch 2.11). Passed that way, the op compiled to
+  Inductor's Triton backward, whose gradients from these inputs were wrong (relative error ~1e2).
 * CPU: eager ``flex_attention`` for the forward (PyTorch's unfused implementation: it
   materialises the ``[H, N_q, N_k]`` scores); inputs are cast to the accumulation dtype.
   The backward recomputes by default: FlexAttention's autograd has no CPU backward, and the
   backward op's eager dense implementation (exact too, ``recompute=False``) is slower than the
   stand-in (the flex tests take about 1.4x as long with it). Meant for tests; use the ``"sdpa"``
   kernel for CPU runs.
+* Fake tensors (``FakeTensorMode``, e.g. ``device="cuda"`` tensors on a machine without a GPU):
+  shapes and dtypes only. Inductor (the default compiler) is skipped: its lowering of flex
+  queries the real device, and the higher-order ops' fake implementations that eager flex runs
+  give the outputs' shapes and dtypes the compiled kernels would. ``compile="aot_eager"`` (any
+  ``torch.compile`` backend name) traces the forward, and the backward op up to flex's backward
+  op (the graph breaks there, as on CUDA), with Dynamo and AOTAutograd instead, fake tensors too.
+  The backward is flex's backward op (nothing recorded in the per-device fallback state: a fake
+  call proves nothing about the kernel); the recomputing
+  backward cannot run on fake CUDA tensors without a GPU: it needs the autograd engine, which
+  asks the CUDA driver for a context.
 """
 
 from __future__ import annotations
@@ -98,8 +115,9 @@ except ImportError:  # pragma: no cover
 
 _USE_AUX = (flex_attention is not None and AuxRequest is not None
             and "return_aux" in inspect.signature(flex_attention).parameters)
+#: compiled functions: "flex" / "backward" with Inductor, "flex:<backend>" / "backward:<backend>" else
 _COMPILED: dict[str, Callable] = {}
-_SCORE_GRAPHS: dict[tuple[str, torch.dtype], tuple[Callable, Callable]] = {}
+_SCORE_GRAPHS: dict[torch.dtype, tuple[Callable, Callable]] = {}
 #: per device type, whether the backward op ran there (absent: not tried yet in this process)
 _DIRECT_BACKWARD: dict[str, bool] = {}
 _LN2 = math.log(2.0)
@@ -110,23 +128,32 @@ def flex_available() -> bool:
     return flex_attention is not None
 
 
-def _compiled_flex() -> Callable:
-    if "flex" not in _COMPILED:
-        _COMPILED["flex"] = torch.compile(flex_attention)
-    return _COMPILED["flex"]
+def _is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (``FakeTensorMode``: metadata only, no data or device)."""
+    return torch._subclasses.fake_tensor.is_fake(t)
 
 
-def _score_graphs(q: torch.Tensor) -> tuple[Callable, Callable]:
-    """``(forward graph, joint graph)`` of the identity ``score_mod`` for ``q``'s device and
-    dtype, as flex's own autograd builds them (torch 2.11 needs both; later versions build the
-    joint graph when given None). Built once per (device type, dtype)."""
-    key = (q.device.type, q.dtype)
-    if key not in _SCORE_GRAPHS:
-        with torch.device(q.device):
-            example = (q.new_zeros((), requires_grad=True),
-                       *(q.new_zeros((), dtype=torch.int) for _ in range(4)))
-            _SCORE_GRAPHS[key] = _create_fw_bw_graph(_identity, example, ())
-    return _SCORE_GRAPHS[key]
+def _compiled(name: str, fn: Callable, backend: str) -> Callable:
+    """``torch.compile(fn, backend=backend)``, compiled once per process (dynamic shapes after the
+    first recompile)."""
+    key = name if backend == "inductor" else f"{name}:{backend}"
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn, backend=backend)
+    return _COMPILED[key]
+
+
+def _score_graphs(dtype: torch.dtype) -> tuple[Callable, Callable]:
+    """``(forward graph, joint graph)`` of the identity ``score_mod`` for scores of ``dtype``, as
+    flex's own autograd builds them (torch 2.11 needs both; later versions build the joint graph
+    when given None). Built once per dtype, on the meta device: the graphs hold no device, and
+    tracing the joint graph runs the autograd engine, which on CUDA tensors (fake ones too) asks
+    the driver for a context."""
+    if dtype not in _SCORE_GRAPHS:
+        with torch.device("meta"):
+            example = (torch.zeros((), dtype=dtype, requires_grad=True),
+                       *(torch.zeros((), dtype=torch.int) for _ in range(4)))
+            _SCORE_GRAPHS[dtype] = _create_fw_bw_graph(_identity, example, ())
+    return _SCORE_GRAPHS[dtype]
 
 
 def _backward_op(q, k, v, out, lse2, grad_out, grad_lse2, block_mask, scale, fw_graph, joint_graph):
@@ -135,12 +162,6 @@ def _backward_op(q, k, v, out, lse2, grad_out, grad_lse2, block_mask, scale, fw_
     options = _apply_kernel_options(q, k, v, True, None)
     return _flex_backward_op(q, k, v, out, lse2, grad_out, grad_lse2, fw_graph, joint_graph, block_mask.as_tuple(),
                              scale, options, (), ())[:3]
-
-
-def _compiled_backward_op() -> Callable:
-    if "backward" not in _COMPILED:
-        _COMPILED["backward"] = torch.compile(_backward_op)
-    return _COMPILED["backward"]
 
 
 @contextlib.contextmanager
@@ -291,13 +312,16 @@ class _FlexMeta:
 
             def seen(q_idx, kc):
                 return form(qcode[q_idx], kc)
-        else:  # the query's key ranges, as codes of its document
+        else:  # the query's key ranges, as codes of its document ([N_q_pad * R], row-major)
             starts, ends, R = a["starts"], a["ends"], self.n_ranges
 
             def seen(q_idx, kc):
-                hit = (kc >= starts[q_idx, 0]) & (kc < ends[q_idx, 0])
+                # tensor indices only: traced by torch.compile, the 0 of starts[q_idx, 0] became a
+                # tensor made at trace time on the device (a real allocation even for fake tensors)
+                row = q_idx * R
+                hit = (kc >= starts[row]) & (kc < ends[row])
                 for r in range(1, R):
-                    hit = hit | ((kc >= starts[q_idx, r]) & (kc < ends[q_idx, r]))
+                    hit = hit | ((kc >= starts[row + r]) & (kc < ends[row + r]))
                 return hit
 
         if tile_check:
@@ -338,8 +362,11 @@ class FlexKernel:
 
     Args:
         block_size: flex tile size in rows (``BLOCK_SIZE`` of the ``BlockMask``; default 128).
-        compile: use ``torch.compile(flex_attention)``; default: on CUDA only (the compiled CPU
-            kernel returns no LSE).
+        compile: use ``torch.compile(flex_attention)`` (and the backward op compiled): True for
+            Inductor, a ``torch.compile`` backend name (e.g. ``"aot_eager"``: traced, run
+            eagerly; fake tensors too) for that backend, False for eager flex; default: Inductor on
+            CUDA only (the compiled CPU kernel returns no LSE). Inductor is skipped for fake
+            tensors (see the module docstring).
         recompute: recompute each division's forward in the backward instead of calling flex's
             backward op with the final LSE (see the module docstring); default: on CPU only,
             where PyTorch's dense implementation of that op is the slower of the two.
@@ -351,7 +378,7 @@ class FlexKernel:
 
     name = "flex"
 
-    def __init__(self, block_size: int = 128, compile: bool | None = None, recompute: bool | None = None):
+    def __init__(self, block_size: int = 128, compile: bool | str | None = None, recompute: bool | None = None):
         if flex_attention is None:
             raise RuntimeError("FlexKernel needs torch.nn.attention.flex_attention (torch >= 2.5)")
         if block_size <= 0:
@@ -372,8 +399,8 @@ class FlexKernel:
                   "kcode": _pad(_codes(div.k_doc, div.k_pos), nk_pad, _PAD_KEY)}
         if spec is None:  # ranges as codes of the query's document; padding queries: empty ranges
             base = div.q_doc.astype(np.int64)[:, None] << 32
-            arrays["starts"] = _pad(base + div.key_starts, nq_pad, 0)
-            arrays["ends"] = _pad(base + div.key_ends, nq_pad, 0)
+            arrays["starts"] = _pad(base + div.key_starts, nq_pad, 0).reshape(-1)  # [N_q_pad * R]
+            arrays["ends"] = _pad(base + div.key_ends, nq_pad, 0).reshape(-1)
         tile_check = _tile_check_needed(div)
         if tile_check:
             G, J = div.n_groups, div.n_key_blocks
@@ -392,12 +419,18 @@ class FlexKernel:
         return _FlexMeta(arrays, static)
 
     # ------------------------------------------------------------------ device side
-    def _compiled(self, device: torch.device) -> bool:
-        return self.compile if self.compile is not None else device.type == "cuda"
+    def _backend(self, t: torch.Tensor) -> str | None:
+        """The ``torch.compile`` backend for inputs like ``t``, or None: eager."""
+        c = self.compile if self.compile is not None else t.device.type == "cuda"
+        if c is False:
+            return None
+        backend = "inductor" if c is True else str(c)
+        return None if backend == "inductor" and _is_fake(t) else backend  # Inductor needs a real device
 
     def _flex(self, q4, k4, v4, meta: _FlexMeta, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """flex_attention with the LSE (natural log), either API spelling."""
-        fn = _compiled_flex() if self._compiled(q4.device) else flex_attention
+        backend = self._backend(q4)
+        fn = _compiled("flex", flex_attention, backend) if backend is not None else flex_attention
         kw = dict(block_mask=meta.block_mask, scale=scale, enable_gqa=q4.shape[1] != k4.shape[1])
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
@@ -447,7 +480,7 @@ class FlexKernel:
         recompute = self.recompute if self.recompute is not None else dev == "cpu"
         if recompute or _flex_backward_op is None or not _DIRECT_BACKWARD.get(dev, True):
             return self._backward_recompute(q, k, v, do, lse, delta, meta, scale, acc_dtype)
-        if dev in _DIRECT_BACKWARD:
+        if dev in _DIRECT_BACKWARD or _is_fake(q):  # fake: no fallback (it needs real CUDA), nothing learnt
             return self._backward_direct(q, k, v, do, lse, delta, meta, scale, acc_dtype)
         try:  # first call on this device type: the op is internal to PyTorch and may differ
             grads = self._backward_direct(q, k, v, do, lse, delta, meta, scale, acc_dtype)
@@ -470,11 +503,12 @@ class FlexKernel:
         lse4 = torch.where(torch.isfinite(lse4), lse4, torch.zeros_like(lse4))  # rows that see nothing: P = 0
         # the op forms delta as rowsum(dO * O'); its LSE gradient removes what rounding O' added
         glse = (do4.to(acc) * o4.to(acc)).sum(-1) - delta.to(acc).transpose(0, 1).unsqueeze(0)
-        fn = _compiled_backward_op() if self._compiled(q4.device) else _backward_op
+        backend = self._backend(q4)
+        fn = _compiled("backward", _backward_op, backend) if backend is not None else _backward_op
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*flex_attention.*")
             dq, dk, dv = fn(q4, k4, v4, o4, lse4 / _LN2, do4, (glse * _LN2).to(stat), meta.block_mask, scale,
-                            *_score_graphs(q4))
+                            *_score_graphs(q4.dtype))
         return (dq[0, :, :meta.n_q].transpose(0, 1).to(acc), dk[0, :, :meta.n_k].transpose(0, 1).to(acc),
                 dv[0, :, :meta.n_k].transpose(0, 1).to(acc))
 

@@ -8,7 +8,9 @@
   launches per reduction, whatever its number of blocks (one gather and one write when every
   row has one partial). On CUDA with Triton installed, the LSE merge of ``p >= 2`` partials is
   instead one launch that reads every partial once
-  (:func:`~torch_dcp.executor.triton_merge.merge_lse_triton`).
+  (:func:`~torch_dcp.executor.triton_merge.merge_lse_triton`, the ``torch_dcp::merge_lse``
+  operator: under ``FakeTensorMode`` -- fake CUDA tensors, no GPU needed -- it runs its fake
+  implementation, and ``torch.compile`` traces into it).
 * :func:`reduce_loop` -- one step per destination block; the reference.
 
 LSE merge (``op=LSE_MERGE``): ``lse = log sum_i exp(lse_i)``, ``o = sum_i exp(lse_i - lse) o_i``;
@@ -61,6 +63,8 @@ def _write(dst: torch.Tensor, rows: Any, compute) -> None:
 
 
 def _use_triton(t: torch.Tensor, use_triton: bool | None) -> bool:
+    """``use_triton`` if given, else whether ``t`` is on CUDA (a fake CUDA tensor counts: the
+    device is taken as is, not queried) and Triton can run there."""
     if use_triton is not None:
         return use_triton
     if not t.is_cuda:

@@ -12,13 +12,30 @@ Partials with LSE ``-inf`` weigh nothing (their outputs are not read); a row who
 have LSE ``-inf`` gets output 0 and LSE ``-inf``. Accumulation is in float32 (float64 for
 float64 sources). On CPU tensors the kernel runs only under ``TRITON_INTERPRET=1`` (slow; for
 tests).
+
+The launch is the ``torch_dcp::merge_lse`` operator, defined at import where Triton is
+importable (nothing is registered where it is not), with :func:`torch.library.triton_op` and
+:func:`torch.library.wrap_triton`::
+
+    torch_dcp::merge_lse(Tensor src_o, Tensor src_lse, Tensor(a2!) dst_o, Tensor(a3!) dst_lse,
+                         Tensor? src_idx, Tensor? dst_idx, SymInt src_start, SymInt dst_start,
+                         SymInt n, SymInt p) -> ()
+
+so that it is an operator PyTorch sees: under ``FakeTensorMode`` (CUDA tensors without a GPU or
+driver) it runs its fake implementation -- the same Python body, whose launch is then a
+``triton_kernel_wrapper_mutation`` call that only marks ``dst_o`` and ``dst_lse`` written --
+and ``torch.compile`` traces into it (the kernel appears in the graph as a user-defined Triton
+kernel). :func:`merge_lse_triton` validates the arguments and calls it -- or, on plain tensors
+with no dispatch mode active and outside ``torch.compile``, where nothing can see the operator,
+launches the kernel as the operator's implementation would, without its Python dispatch (about
+60 us a call on an H100 host, as much as a small merge takes).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -28,13 +45,17 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     triton = tl = None
 
-__all__ = ["triton_available", "merge_lse_triton"]
+__all__ = ["triton_available", "merge_lse_triton", "OP_NAME"]
 
+#: the operator's name (``torch.ops.torch_dcp.merge_lse``), registered where Triton is importable
+OP_NAME = "torch_dcp::merge_lse"
 _TILE = 1024  # elements of one program's [heads, head_dim] tile: 4 KiB of float32 per partial
 
 
+@torch.compiler.assume_constant_result
 def _interpret() -> bool:
-    """Whether Triton runs kernels in its interpreter (read at each call, as ``triton.jit`` does)."""
+    """Whether Triton runs kernels in its interpreter (read at each call, as ``triton.jit`` does;
+    a constant for ``torch.compile``, which cannot trace Triton's reading of the environment)."""
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
@@ -44,7 +65,8 @@ def _interpret() -> bool:
 def triton_available(device: torch.device | str | None = None) -> bool:
     """Whether :func:`merge_lse_triton` can run on ``device``: Triton is importable and the
     device is CUDA, or Triton's interpreter is on (``TRITON_INTERPRET=1``). ``device`` None:
-    whether a CUDA device is available."""
+    whether a CUDA device is available. A CUDA device given is taken as is (not queried): under
+    ``FakeTensorMode`` a fake CUDA tensor's device counts without a GPU."""
     if triton is None:
         return False
     if _interpret():
@@ -113,10 +135,10 @@ def _kernel() -> Any:
 def _rows(rows: Any, count: int, total: int, name: str, device: torch.device) -> tuple[int, torch.Tensor | None]:
     """``(start, None)`` for a unit-step slice, ``(0, int64 indices)`` otherwise; checks counts."""
     if isinstance(rows, slice):
-        start, stop, step = rows.indices(total)
-        if step == 1 and stop - start == count:
-            return start, None
-        rows = torch.arange(start, stop, step, device=device)
+        r = range(total)[rows]  # as slice.indices(total), which torch.compile cannot trace
+        if r.step == 1 and len(r) == count:
+            return r.start, None
+        rows = torch.arange(r.start, r.stop, r.step, device=device)
     if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.numel() != count:
         got = tuple(rows.shape) if isinstance(rows, torch.Tensor) else rows
         raise ValueError(f"{name}: expected a slice or a 1-D index tensor of {count} rows, got {got}")
@@ -128,12 +150,79 @@ def _rows(rows: Any, count: int, total: int, name: str, device: torch.device) ->
 def _align(t: torch.Tensor) -> int:
     """A power of two (up to 16 bytes' worth of elements) dividing ``t``'s row and head strides:
     every ``D``-vector starts that many elements past an aligned base (vectorized accesses)."""
-    return math.gcd(max(1, 16 // t.element_size()), t.stride(0), t.stride(1))
+    return math.gcd(max(1, 16 // t.element_size()), int(t.stride(0)), int(t.stride(1)))
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a fake tensor (``FakeTensorMode``: metadata only, no storage)."""
+    return isinstance(t, torch._subclasses.fake_tensor.FakeTensor)
+
+
+def _plain(*tensors: torch.Tensor) -> bool:
+    """Whether the merge may launch without the operator: plain tensors (no fake or other
+    subclass) and no dispatch mode active (no fake mode, tracer, profiler mode to see the op)."""
+    return all(type(t) is torch.Tensor for t in tensors) and torch._C._len_torch_dispatch_stack() == 0
+
+
+def _merge_lse(src_o: torch.Tensor, src_lse: torch.Tensor, dst_o: torch.Tensor, dst_lse: torch.Tensor,
+               src_idx: Optional[torch.Tensor], dst_idx: Optional[torch.Tensor],
+               src_start: int, dst_start: int, n: int, p: int) -> None:
+    """The body of ``torch_dcp::merge_lse`` (arguments checked by :func:`merge_lse_triton`): one
+    launch of ``n x ceil(H / BLOCK_H)`` programs, writing ``dst_o`` and ``dst_lse`` in place.
+
+    Args:
+        src_o ``[R, H, D]``, src_lse ``[R, H]``, dst_o ``[R', H, D]``, dst_lse ``[R', H]``: as in
+            :func:`merge_lse_triton`.
+        src_idx: the ``n * p`` source rows (int32/int64, contiguous), or None: rows
+            ``src_start .. src_start + n * p``. dst_idx: the ``n`` destination rows, or None:
+            rows ``dst_start .. dst_start + n``.
+        n, p: destination rows (``n >= 1``) and partials per row (``p >= 1``).
+
+    Also the operator's fake implementation (``triton_op`` registers the body as such): under
+    ``FakeTensorMode`` or while traced the launch goes through :func:`torch.library.wrap_triton`
+    and computes nothing. Triton's interpreter (``TRITON_INTERPRET=1``, CPU tests) has no such
+    wrapper: there the kernel runs directly on real tensors and is skipped on fake ones.
+
+    Raises:
+        RuntimeError: traced (``torch.compile``, ``make_fx``) while Triton's interpreter is on.
+    """
+    _launch(src_o, src_lse, dst_o, dst_lse, src_idx, dst_idx, src_start, dst_start, n, p, wrap=True)
+
+
+def _launch(src_o, src_lse, dst_o, dst_lse, src_idx, dst_idx, src_start, dst_start, n, p, wrap: bool) -> None:
+    """The launch (arguments as :func:`_merge_lse`'s), through :func:`torch.library.wrap_triton`
+    where ``wrap`` (the operator's body: traceable) or straight to the kernel."""
+    _, H, D = src_o.shape
+    block_d = triton.next_power_of_2(int(D))
+    block_h = min(triton.next_power_of_2(int(H)), max(1, _TILE // block_d))
+    dummy = src_lse  # pointer argument of an unused index (never loaded)
+    args = (src_o, src_lse, dst_o, dst_lse, dummy if src_idx is None else src_idx,
+            dummy if dst_idx is None else dst_idx, p, src_start, dst_start, H,
+            *src_o.stride(), *src_lse.stride(), *dst_o.stride(), *dst_lse.stride())
+    consts = dict(SRC_IDX=src_idx is not None, DST_IDX=dst_idx is not None, SA=_align(src_o), DA=_align(dst_o),
+                  ACC=tl.float64 if src_o.dtype == torch.float64 else tl.float32, D=int(D),
+                  BLOCK_H=block_h, BLOCK_D=block_d, num_warps=max(1, min(8, block_h * block_d // 256)))
+    grid = (n, triton.cdiv(H, block_h))
+    kernel = _kernel()
+    if not _interpret():
+        (torch.library.wrap_triton(kernel) if wrap else kernel)[grid](*args, **consts)
+    elif _is_fake(src_o):
+        return  # the interpreter needs data; a fake launch only marks dst_o and dst_lse written
+    elif type(src_o) is not torch.Tensor:
+        raise RuntimeError("torch_dcp::merge_lse cannot be traced while Triton's interpreter is on "
+                           "(TRITON_INTERPRET=1): the interpreter runs on real tensors only")
+    else:
+        kernel[grid](*args, **consts)
+
+
+if triton is not None:
+    torch.library.triton_op(OP_NAME, mutates_args={"dst_o", "dst_lse"})(_merge_lse)
 
 
 def merge_lse_triton(src_o: torch.Tensor, src_lse: torch.Tensor, dst_o: torch.Tensor, dst_lse: torch.Tensor,
                      src_rows: Any, dst_rows: Any, n: int, p: int) -> None:
-    """Merge ``p`` partials into each of ``n`` destination rows in one launch.
+    """Merge ``p`` partials into each of ``n`` destination rows in one launch (the
+    ``torch_dcp::merge_lse`` operator; fake and traceable, see the module docstring).
 
     Args:
         src_o: partial outputs ``[R, H, D]``, float32 or float64 (float16/bfloat16 accepted,
@@ -170,12 +259,8 @@ def merge_lse_triton(src_o: torch.Tensor, src_lse: torch.Tensor, dst_o: torch.Te
         raise ValueError(f"merge_lse_triton: p must be >= 1, got {p}")
     src_start, src_idx = _rows(src_rows, n * p, src_o.shape[0], "src_rows", dev)
     dst_start, dst_idx = _rows(dst_rows, n, dst_o.shape[0], "dst_rows", dev)
-    block_d = triton.next_power_of_2(D)
-    block_h = min(triton.next_power_of_2(H), max(1, _TILE // block_d))
-    acc = tl.float64 if src_o.dtype == torch.float64 else tl.float32
-    dummy = src_lse  # pointer argument of an unused index (never loaded)
-    _kernel()[(n, triton.cdiv(H, block_h))](
-        src_o, src_lse, dst_o, dst_lse, dummy if src_idx is None else src_idx, dummy if dst_idx is None else dst_idx,
-        p, src_start, dst_start, H, *src_o.stride(), *src_lse.stride(), *dst_o.stride(), *dst_lse.stride(),
-        SRC_IDX=src_idx is not None, DST_IDX=dst_idx is not None, SA=_align(src_o), DA=_align(dst_o), ACC=acc,
-        D=D, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=max(1, min(8, block_h * block_d // 256)))
+    args = (src_o, src_lse, dst_o, dst_lse, src_idx, dst_idx, src_start, dst_start, n, p)
+    if not torch.compiler.is_compiling() and _plain(src_o, src_lse, dst_o, dst_lse):
+        _launch(*args, wrap=False)  # what the operator runs here, without its Python dispatch (~60 us)
+    else:
+        torch.ops.torch_dcp.merge_lse(*args)

@@ -37,9 +37,10 @@ under the same window semantics (exact; for tests).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -49,7 +50,8 @@ from .division import Division
 from .kernels import KernelLayout, ReferenceKernel, out_with_delta
 from .reduce import add_rows, merge_partials, put_rows, take_rows
 
-__all__ = ["Segment", "plan_segments", "VarlenKernel", "flash_varlen_available"]
+__all__ = ["Segment", "plan_segments", "VarlenKernel", "flash_varlen_available", "cuda_capability",
+           "assume_cuda_capability"]
 
 _BIG = np.iinfo(np.int64).max
 
@@ -65,15 +67,54 @@ class Segment(NamedTuple):
     wr: int
 
 
+#: the compute capability every CUDA device is taken to have, set by :func:`assume_cuda_capability`
+_ASSUMED_CAPABILITY: tuple[int, int] | None = None
+
+
+@contextlib.contextmanager
+def assume_cuda_capability(capability: tuple[int, int]) -> Iterator[None]:
+    """Within the block, torch_dcp's kernel choices take every CUDA device to have compute
+    ``capability`` (``(major, minor)``, e.g. ``(9, 0)`` for an H100) instead of asking the driver:
+    for dry runs under ``FakeTensorMode`` with ``device="cuda"`` tensors where no GPU or driver
+    exists (fake tensors have no capability), so that they take the path such a GPU would. It
+    sets a process-wide value (not per thread), restored on exit.
+
+    Raises:
+        ValueError: ``capability`` is not two non-negative ints.
+    """
+    global _ASSUMED_CAPABILITY
+    cap = tuple(capability)
+    if len(cap) != 2 or not all(isinstance(x, int) and x >= 0 for x in cap):
+        raise ValueError(f"capability must be (major, minor), two non-negative ints, got {capability!r}")
+    old, _ASSUMED_CAPABILITY = _ASSUMED_CAPABILITY, cap
+    try:
+        yield
+    finally:
+        _ASSUMED_CAPABILITY = old
+
+
+def cuda_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """Compute capability ``(major, minor)`` of a CUDA ``device``: the assumed one inside
+    :func:`assume_cuda_capability`, else the real device's where CUDA is available, else None
+    (no driver or GPU: nothing to ask; e.g. fake CUDA tensors on a CPU-only machine)."""
+    if _ASSUMED_CAPABILITY is not None:
+        return _ASSUMED_CAPABILITY
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(torch.device(device)))
+
+
 def flash_varlen_available(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether ``aten._flash_attention_forward`` can run these inputs: CUDA (compute capability
-    8.0 or newer), fp16/bf16, ``head_dim`` a multiple of 8 up to 256."""
+    8.0 or newer, see :func:`cuda_capability`; an unknown capability counts as too old),
+    fp16/bf16, ``head_dim`` a multiple of 8 up to 256."""
     device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available() or dtype not in (torch.float16, torch.bfloat16):
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return False
     if head_dim % 8 or head_dim > 256:
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 8
+    cap = cuda_capability(device)
+    return cap is not None and cap[0] >= 8
 
 
 # ---------------------------------------------------------------------------------------- host side

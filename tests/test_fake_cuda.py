@@ -1,0 +1,251 @@
+"""The executor's CUDA path proven without a GPU: ``FakeTensorMode`` with ``device="cuda"`` tensors.
+
+Needs a CUDA *build* of PyTorch (``torch.version.cuda`` set; skipped on a CPU build), no GPU and
+no driver. Every tensor is a fake CUDA tensor (shapes, dtypes and devices, no data), so these
+tests catch device mixing, dtype errors, host tensors inside kernels and host reads of device
+data (``.item()`` / ``.tolist()``: a fake tensor has no data to read) on the path a GPU takes:
+
+* ``emulate`` forward and backward with the varlen flash kernel, FlexAttention and the automatic
+  choice, on plans of the DCP planner (block size 1024, GQA 8/2, head_dim 128, odd document
+  lengths). The kernels' capability check is told the GPU (``assume_cuda_capability((9, 0))``,
+  an H100): fake tensors have no compute capability, and no driver is there to ask.
+* the Triton LSE merge, the ``torch_dcp::merge_lse`` operator (``torch.library.triton_op``):
+  under fake mode it runs its fake implementation, and ``torch.compile(backend="aot_eager",
+  fullgraph=True)`` traces into it (the kernel is in the graph).
+* FlexAttention traced by ``torch.compile`` inside the executor (``FlexKernel(compile="aot_eager")``:
+  Dynamo and AOTAutograd trace the forward with the plan's block masks, and the backward op up
+  to flex's backward higher-order op, where Dynamo breaks the graph and runs the op eagerly).
+  This found a host-side tensor of ours: the ``mask_mod`` of masks without a closed form indexed
+  its range tables as ``starts[q_idx, 0]``; traced, that ``0`` became a tensor made at trace time
+  on the device (a real CUDA allocation, "Found no NVIDIA driver" under fake mode). The tables are
+  now flat and indexed by tensors only.
+
+What cannot run without a GPU, each checked to fail for that reason only:
+
+* Inductor's code generation (the default compiler of FlexKernel on CUDA): its lowering of flex
+  queries the device (``Found no NVIDIA driver``). FlexKernel skips Inductor for fake tensors
+  (flex's higher-order ops then give the outputs' shapes through their fake implementations);
+  the ``aot_eager`` test above is the nearest check of the compiled path.
+* the autograd engine on CUDA tensors, fake ones too: ``GraphTask::stash_current_streams`` asks
+  the driver whether device 0 has a primary context (``hasPrimaryContext expects a valid device
+  index``). This was the cause of flex's "RuntimeError when making fake tensor call": FlexKernel
+  built the identity ``score_mod``'s joint graph (``torch.autograd.grad`` on scalars) on the
+  inputs' device for its backward op, failed, fell back to recomputing the forward with
+  autograd, and flex's own autograd traces that graph the same way. FlexKernel now builds it on
+  the meta device (the graph holds no device), so its default backward (flex's backward op with
+  the final LSE) runs under fake mode; the recomputing backward (``recompute=True``)
+  differentiates through flex and cannot.
+
+``aten._pin_memory`` has no fake implementation in torch 2.11: uploads pin their host buffer
+only where a CUDA driver is there (:func:`~torch_dcp.executor.device_plan.host_to_device`), so
+none happens here. :class:`_DryRun` (a dispatch mode above fake mode) counts the operators the
+executor runs. No function of torch is patched.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import warnings
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_dcp
+from torch_dcp import BatchSpec, Topology
+from torch_dcp import masks as M
+from torch_dcp.executor import FlexKernel, emulate
+from torch_dcp.executor.triton_merge import triton_available
+from torch_dcp.executor.varlen import assume_cuda_capability
+
+pytestmark = [
+    pytest.mark.fake_cuda,
+    pytest.mark.skipif(torch.version.cuda is None,
+                       reason="needs a CUDA build of PyTorch (this build has torch.version.cuda None); no GPU needed"),
+]
+needs_triton = pytest.mark.skipif(not triton_available("cuda"),
+                                  reason="triton is not installed")
+
+H, HKV, D = 8, 2, 128
+LENS = (1537, 301, 6049, 777)  # odd lengths, blocks of 1024: documents straddle blocks; at W = 4 the
+# long document's causal work is split across ranks (their partials merged)
+MASKS = {"causal": M.Causal(), "lambda": M.Lambda(sink=64, window=1500),
+         "shared_question": M.SharedQuestion(question_frac=0.2, n_answers=4)}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+FLASH = "aten._flash_attention_forward.default"
+MERGE = "torch_dcp.merge_lse.default"
+# kernel x mask, each with one (dtype, world size): every pair of values of two of the four
+# factors appears at least once (a pairwise cover of 3 x 3 x 2 x 2 in 9 cases)
+CASES = [("varlen", "causal", "bfloat16", 4), ("varlen", "lambda", "float16", 1),
+         ("varlen", "shared_question", "bfloat16", 1), ("flex", "causal", "float16", 4),
+         ("flex", "lambda", "bfloat16", 1), ("flex", "shared_question", "bfloat16", 4),
+         (None, "causal", "float16", 1), (None, "lambda", "bfloat16", 4), (None, "shared_question", "float16", 4)]
+
+
+class _DryRun(TorchDispatchMode):
+    """Above ``FakeTensorMode``: counts the operators dispatched (``seen[str(op)]``, higher-order
+    ops too). Compiled regions run as usual (``ignore_compile_internals``)."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self):
+        super().__init__()
+        self.seen: collections.Counter[str] = collections.Counter()
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(mask: str, dtype: str, world: int):
+    batch = BatchSpec(list(LENS), MASKS[mask], n_heads=H, n_kv_heads=HKV, head_dim=D, dtype=dtype)
+    return torch_dcp.plan(batch, Topology(n_nodes=1, ranks_per_node=world), planner="dcp", block_size=1024)
+
+
+def _dry_run(plan, kernel, dtype: torch.dtype):
+    """``emulate`` forward and backward on fake CUDA tensors: ``(outputs, operators seen)``."""
+    T = plan.batch.total_tokens
+    with assume_cuda_capability((9, 0)), FakeTensorMode(allow_non_fake_inputs=True), _DryRun() as mode:
+        q, g = (torch.empty(T, H, D, device="cuda", dtype=dtype) for _ in range(2))
+        k, v = (torch.empty(T, HKV, D, device="cuda", dtype=dtype) for _ in range(2))
+        got = emulate(plan, q, k, v, g, kernel=kernel)
+    for t, like in zip(got, (q, q, k, v)):  # out, dq, dk, dv
+        assert t.device == torch.device("cuda", 0) and t.dtype == dtype and t.shape == like.shape
+    return got, mode.seen
+
+
+@pytest.mark.parametrize("kernel,mask,dtype,world", CASES)
+def test_emulate_forward_backward(kernel, mask, dtype, world):
+    plan = _plan(mask, dtype, world)
+    _, seen = _dry_run(plan, kernel, DTYPES[dtype])
+    flex = seen["flex_attention"] + seen["flex_attention_backward"]
+    if kernel == "varlen":  # every division as flash varlen calls, nothing else
+        assert seen[FLASH] and seen["aten._flash_attention_backward.default"] and not flex
+    elif kernel == "flex":  # flex's forward and its backward op (the default, nothing recomputed)
+        assert seen["flex_attention"] and seen["flex_attention_backward"] and not seen[FLASH]
+    else:  # the automatic choice: varlen where the division is expressible (all of these)
+        assert seen[FLASH]
+    if mask == "causal" and world > 1 and triton_available("cuda"):
+        assert seen[MERGE]  # the long document's partials from several ranks, merged by the Triton op
+
+
+def test_flex_traced_by_torch_compile():
+    """``FlexKernel(compile="aot_eager")``: Dynamo and AOTAutograd trace flex's forward inside the
+    executor with the plan's block masks and mask_mod, and the backward op up to flex's backward
+    higher-order op (the compiled path up to Inductor, which needs a driver: see the next test).
+    Dynamo takes that op with pre-traced score graphs only from compiled autograd: the graph
+    breaks there, and the op runs eagerly -- here its fake implementation, on a GPU PyTorch's
+    dense one (as with Inductor: measured on an H100, torch 2.11). The breaks are at that op only,
+    also when recompiled (a second plan: other shapes, dtype and mask)."""
+    from torch._dynamo.utils import counters
+
+    import torch_dcp.executor.flex as flex_mod
+
+    torch._dynamo.reset()  # nothing compiled earlier in this process reused
+    graphs, breaks = counters["stats"]["unique_graphs"], collections.Counter(counters["graph_break"])
+    _dry_run(_plan("lambda", "float16", 1), FlexKernel(compile="aot_eager"), torch.float16)
+    assert "flex:aot_eager" in flex_mod._COMPILED and "backward:aot_eager" in flex_mod._COMPILED
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # the forward (no tensor op before flex's backward op)
+    _, seen = _dry_run(_plan("shared_question", "bfloat16", 4), FlexKernel(compile="aot_eager"), torch.bfloat16)
+    assert counters["stats"]["unique_graphs"] == graphs + 2  # the forward, recompiled
+    new = collections.Counter(counters["graph_break"]) - breaks
+    assert new and all("FlexAttentionBackward" in reason for reason in new), list(new)
+    assert seen["flex_attention"] and seen["flex_attention_backward"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what fails without a GPU")
+def test_what_needs_a_gpu():
+    """Inductor's lowering of flex and the autograd engine on CUDA tensors need the driver: the
+    two pieces that cannot run under fake mode here, each failing for that reason only."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with FakeTensorMode():
+        q = torch.empty(1, H, 256, D, device="cuda", dtype=torch.bfloat16)
+        with pytest.raises(Exception, match="no NVIDIA driver"):
+            torch.compile(flex_attention)(q, q, q)  # Inductor: the default compiler of FlexKernel on CUDA
+        x = torch.empty(3, device="cuda", requires_grad=True)
+        with pytest.raises(RuntimeError, match="hasPrimaryContext"):
+            torch.autograd.grad((x * 2).sum(), x)  # the engine asks the driver for device 0's context
+    # so FlexKernel's recomputing backward, which differentiates through flex, cannot run
+    with warnings.catch_warnings(), pytest.raises(Exception) as err:
+        warnings.simplefilter("ignore")
+        _dry_run(_plan("causal", "bfloat16", 1), FlexKernel(recompute=True), torch.bfloat16)
+    chain, e = [], err.value
+    while e is not None:
+        chain.append(str(e))
+        e = e.__cause__ or e.__context__
+    assert any("hasPrimaryContext" in m for m in chain)
+
+
+# ------------------------------------------------------------------------ the Triton merge op
+def _merge_args(fake: FakeTensorMode, n=6, p=3, h=H, d=D):
+    with fake:
+        src_o = torch.empty(n * p + 1, h, d, device="cuda")
+        src_lse = torch.empty(n * p + 1, h, device="cuda")
+        dst_o = torch.empty(n + 2, h, d, device="cuda", dtype=torch.bfloat16)
+        dst_lse = torch.empty(n + 2, h, device="cuda")
+        rows = torch.randperm(n * p, device="cuda")
+    return src_o, src_lse, dst_o, dst_lse, rows, n, p
+
+
+@needs_triton
+def test_merge_op_under_fake_mode():
+    from torch_dcp.executor.triton_merge import OP_NAME, merge_lse_triton
+
+    assert OP_NAME == "torch_dcp::merge_lse" and hasattr(torch.ops.torch_dcp, "merge_lse")
+    fake = FakeTensorMode()
+    src_o, src_lse, dst_o, dst_lse, rows, n, p = _merge_args(fake)
+    # index tensors or slices, a reversed slice (an index tensor made on the device)
+    cases = [(rows, slice(1, 1 + n)), (slice(0, n * p), rows[:n] % n), (slice(n * p - 1, None, -1), slice(0, n))]
+    with fake, _DryRun() as mode:
+        for s_rows, d_rows in cases:
+            merge_lse_triton(src_o, src_lse, dst_o, dst_lse, s_rows, d_rows, n, p)
+        with pytest.raises(ValueError, match="src_rows"):
+            merge_lse_triton(src_o, src_lse, dst_o, dst_lse, slice(0, n * p - 1), slice(0, n), n, p)
+    # the op's fake implementation ran (a launch of the kernel would have needed the driver)
+    assert mode.seen[MERGE] == 3
+    assert dst_o.dtype == torch.bfloat16 and dst_o.device.type == "cuda"  # written in place
+
+
+@needs_triton
+def test_merge_op_traced_by_torch_compile():
+    """``torch.compile(fullgraph=True, backend="aot_eager")`` of a function calling the merge: one
+    graph, and AOTAutograd decomposes the op into its Triton kernel (a user-defined kernel in the
+    graph). Without a driver AOTAutograd cannot compile the kernel to find which arguments it
+    writes, and takes every tensor argument as written (a warning in the log)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from torch_dcp.executor.triton_merge import merge_lse_triton
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def merge(src_o, src_lse, dst_o, dst_lse, rows):
+        merge_lse_triton(src_o, src_lse, dst_o, dst_lse, rows, slice(0, rows.shape[0] // 3), rows.shape[0] // 3, 3)
+        return dst_o * 2, dst_lse
+
+    fake = FakeTensorMode()
+    src_o, src_lse, dst_o, dst_lse, rows, n, p = _merge_args(fake)
+    compiled = torch.compile(merge, backend=aot_autograd(fw_compiler=capture), fullgraph=True)
+    with fake:
+        out, lse = compiled(src_o, src_lse, dst_o, dst_lse, rows)
+    assert out.shape == dst_o.shape and out.dtype == torch.bfloat16 and out.device.type == "cuda"
+    assert lse.shape == (n + 2, H) and lse.dtype == torch.float32
+    code = "\n".join(g.code for g in graphs)
+    assert len(graphs) == 1 and "triton_kernel_wrapper_functional" in code
+    # and the op itself in a Dynamo graph (aot_eager: traced, run eagerly on the fake tensors)
+    torch._dynamo.reset()
+    eager = torch.compile(merge, backend="aot_eager", fullgraph=True)
+    with fake:
+        out, _ = eager(src_o, src_lse, dst_o, dst_lse, rows)
+    assert out.shape == dst_o.shape and out.device.type == "cuda"
