@@ -136,6 +136,17 @@ def test_emulate_forward_backward(kernel, mask, dtype, world):
         assert seen[MERGE]  # the long document's partials from several ranks, merged by the Triton op
 
 
+def test_emulate_4x8_with_head_parallelism():
+    """A 4 x 8 plan (dcp's default: head parallelism chosen by simulation), every rank emulated:
+    all-to-alls, outer plan and kernels on CUDA with no host read."""
+    batch = BatchSpec(list(LENS) * 3, MASKS["causal"], n_heads=H, n_kv_heads=HKV, head_dim=D, dtype="bfloat16")
+    for hp in ("auto", 2):
+        plan = torch_dcp.plan(batch, Topology(n_nodes=4, ranks_per_node=8), planner="dcp", block_size=1024,
+                              head_parallel=hp)
+        _, seen = _dry_run(plan, None, torch.bfloat16)
+        assert seen[FLASH]
+
+
 def test_flex_traced_by_torch_compile():
     """``FlexKernel(compile="aot_eager")``: Dynamo and AOTAutograd trace flex's forward inside the
     executor with the plan's block masks and mask_mod, and the backward op up to flex's backward
