@@ -41,6 +41,7 @@ SCRIPT = textwrap.dedent(
     from torch_dcp.benchmarks.common import MASKS
 
     world, mask, kernel, dtype, hp = int(sys.argv[1]), sys.argv[2], sys.argv[3], getattr(torch, sys.argv[4]), sys.argv[5]
+    compiled = len(sys.argv) > 6 and sys.argv[6] == "compile"
     dist.init_process_group("fake", store=FakeStore(), rank=world - 1, world_size=world)
     mesh = DeviceMesh("cuda", list(range(world)))  # its rank table is host data: built outside fake mode
     lens = [3001, 700, 4999, 300, 1003, 17]
@@ -73,7 +74,8 @@ SCRIPT = textwrap.dedent(
         with torch_dcp.context_parallel(mesh, buffers=[ids, labels], buffer_seq_dims=[1, 1], no_restore_buffers=[ids, labels],
                                         plan=plan, kernel=kernel) as ctx:
             s = plan.local_tokens(world - 1)
-            logits = model(ids)  # the user's path: SDPA inside the context
+            run = torch.compile(model, backend="eager", fullgraph=True) if compiled else model
+            logits = run(ids)  # the user's path: SDPA inside the context (traced whole when compiled)
             assert logits.device.type == "cuda" and logits.shape == (1, s, VOCAB), logits.shape
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
             assert loss.device.type == "cuda"
@@ -106,3 +108,11 @@ def test_context_step_on_fake_cuda(world, hp, kernel):
 @pytest.mark.parametrize("mask", ["lambda", "shared_question"])
 def test_context_masks_and_fp16_on_fake_cuda(mask):
     _run("4", mask, "auto", "float16", "1")
+
+
+def test_compiled_model_on_fake_cuda():
+    """``torch.compile(fullgraph=True)`` of the model inside the context: Dynamo traces the
+    attention as one ``torch_dcp::attention`` call on fake CUDA tensors (no graph break: fullgraph
+    raises on one). Dynamo's ``eager`` backend: AOTAutograd traces the joint graph with the
+    autograd engine, which needs a driver (``aot_eager`` is checked on CPU in ``test_compile``)."""
+    _run("4", "causal", "auto", "bfloat16", "2", "compile")
