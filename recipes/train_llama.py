@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 import torch_dcp
 from torch_dcp.data import PlanningConfig, PlanningLoader, byte_tokenize, load_documents, pack_batches, planning_pool
+from torch_dcp.executor.device_plan import host_to_device
 
 MASKS = {
     "causal": lambda: torch_dcp.Causal(),
@@ -160,17 +161,25 @@ class Transformer(nn.Module):
 # ---------------------------------------------------------------------- data
 def global_batch(docs: list[np.ndarray], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """Token ids, next-token labels (-100 at each document's last token) and document-local
-    positions of a packed batch, each ``[1, T]``."""
+    positions of a packed batch, each ``[1, T]``: built on the host, one copy each to ``device``
+    (pinned and non-blocking on CUDA: the host does not wait for the GPU)."""
     lens = [len(d) for d in docs]
-    tokens = torch.from_numpy(np.concatenate(docs)).to(device)
-    labels = torch.full_like(tokens, -100)
-    positions = torch.empty_like(tokens)
-    off = 0
-    for n in lens:
-        labels[off:off + n - 1] = tokens[off + 1:off + n]
-        positions[off:off + n] = torch.arange(n, device=device)
-        off += n
-    return tokens[None], labels[None], positions[None], lens
+    tokens = np.concatenate(docs).astype(np.int64)
+    labels = np.full_like(tokens, -100)
+    positions = np.concatenate([np.arange(n) for n in lens]).astype(np.int64)
+    last = np.cumsum(lens) - 1
+    keep = np.ones(len(tokens), bool)
+    keep[last] = False
+    labels[:-1][keep[:-1]] = tokens[1:][keep[:-1]]
+    return (*(host_to_device(torch.from_numpy(a)[None], device) for a in (tokens, labels, positions)), lens)
+
+
+def step_loss(model: nn.Module, tokens, labels, positions, n_tokens: int, attn_mask=None) -> torch.Tensor:
+    """This rank's share of the global mean next-token loss: the sum over its tokens divided by
+    ``n_tokens``, the global count of labels (known on the host: no read of the device)."""
+    logits = model(tokens, positions, attn_mask)
+    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    return loss_sum / n_tokens
 
 
 def dense_doc_mask(batch: torch_dcp.BatchSpec, device) -> torch.Tensor:
@@ -344,13 +353,11 @@ class Job:
         if self.pool is not None:
             self.pool.shutdown(cancel_futures=True)
 
-    def step(self, tokens, labels, positions, ctx, attn_mask=None) -> tuple[float, float]:
-        """Forward, backward and optimizer step; returns (global mean loss, grad norm)."""
-        n_tokens = int((labels != -100).sum())  # identical on every rank: the global batch
+    def step(self, tokens, labels, positions, ctx, n_tokens: int, attn_mask=None) -> tuple[float, float]:
+        """Forward, backward and optimizer step; returns (global mean loss, grad norm).
+        ``n_tokens``: the global batch's count of labels (the same on every rank)."""
         with ctx:
-            logits = self.model(tokens, positions, attn_mask)
-            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
-            loss = loss_sum / n_tokens
+            loss = step_loss(self.model, tokens, labels, positions, n_tokens, attn_mask)
             # FSDP2 averages gradients over the mesh; each rank's loss already is its share of
             # the global mean, so scale by the world size to get the sum of the shares
             (loss * self.world).backward()
@@ -386,7 +393,7 @@ class Job:
             ctx = torch_dcp.context_parallel(self.mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1],
                                              no_restore_buffers={tokens, labels, positions}, plan=pb.plan,
                                              device_plan=pb.device_plan)
-            loss, grad_norm = self.step(tokens, labels, positions, ctx)
+            loss, grad_norm = self.step(tokens, labels, positions, ctx, sum(lens) - len(lens))
             rows.append(self._finish(row, loss, grad_norm, lens, t0, emit))
 
     def run_other(self, emit) -> list[dict]:
@@ -410,7 +417,7 @@ class Job:
             else:
                 attn_mask = dense_doc_mask(spec, self.device)
                 ctx = nullcontext()
-            loss, grad_norm = self.step(tokens, labels, positions, ctx, attn_mask)
+            loss, grad_norm = self.step(tokens, labels, positions, ctx, sum(lens) - len(lens), attn_mask)
             rows.append(self._finish(row, loss, grad_norm, lens, t0, emit))
         return rows
 

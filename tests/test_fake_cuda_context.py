@@ -116,3 +116,49 @@ def test_compiled_model_on_fake_cuda():
     raises on one). Dynamo's ``eager`` backend: AOTAutograd traces the joint graph with the
     autograd engine, which needs a driver (``aot_eager`` is checked on CPU in ``test_compile``)."""
     _run("4", "causal", "auto", "bfloat16", "2", "compile")
+
+
+MAIN_JOB = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import torch_dcp
+    sys.path.insert(0, "recipes")
+    from train_llama import MASKS, ModelArgs, Transformer, global_batch, step_loss
+
+    world = int(sys.argv[1])
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=world)
+    mesh = DeviceMesh("cuda", list(range(world)))
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 256, n) for n in (900, 37, 2100, 401, 5)]
+    margs = ModelArgs()
+    with FakeTensorMode():
+        with torch.device("cuda"):
+            model = Transformer(margs)
+        tokens, labels, positions, lens = global_batch(docs, torch.device("cuda"))
+        spec = torch_dcp.BatchSpec(lens, MASKS["causal"](), n_heads=margs.n_heads, n_kv_heads=margs.n_kv_heads,
+                                   head_dim=margs.head_dim, dtype="float32")
+        with torch_dcp.context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1],
+                                        no_restore_buffers=[tokens, labels, positions], batch=spec, planner="dcp",
+                                        block_size=256) as ctx:
+            loss = step_loss(model, tokens, labels, positions, sum(lens) - len(lens))
+            assert loss.device.type == "cuda" and loss.shape == ()
+    dist.destroy_process_group()
+    print("OK")
+    """
+)
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_main_job_step_forward_on_fake_cuda(world):
+    """The main job's (``recipes/train_llama.py``) batch upload, context entry and loss on fake
+    CUDA tensors: no host read (its backward and optimizer step need the autograd engine and
+    FSDP2's streams, a driver: run on gloo by ``test_train``)."""
+    res = subprocess.run([sys.executable, "-c", MAIN_JOB, str(world)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-3000:] + res.stderr[-6000:]
