@@ -1,18 +1,22 @@
 """Run a function on ``world`` gloo ranks in spawned processes (CPU), with results in files.
 
 Each rank writes ``ok{rank}`` when ``fn(rank, world, mesh)`` returns and ``err{rank}`` (the
-traceback) when it raises; :func:`run_ranks` asserts every rank finished cleanly. A rank leaves
-with ``os._exit`` after destroying its process group: PyTorch's C++ teardown at interpreter exit
-sometimes aborts ("terminate called without an active exception", SIGABRT) after all the work
-is done and the group is gone, which would fail a test that passed. Inside ``fn``,
-:func:`fresh_group` replaces the rank's process group with a new one (recovery after a fault).
+traceback) when it raises; :func:`run_ranks` asserts every rank finished cleanly, and that every
+rank's process exited 0. A rank tears its groups down with :func:`torch_dcp.shutdown` (a store
+barrier unless ``barrier=False``, torch_dcp's and DTensor's references dropped, every group
+destroyed and freed while the interpreter is whole) and then leaves through the interpreter's
+ordinary exit, where gloo's teardown would abort ("terminate called without an active
+exception", SIGABRT) were a group still alive; only where the teardown reports something still
+alive (:func:`torch_dcp.teardown.leftovers`, written to ``left{rank}``) does the rank leave with
+:func:`torch_dcp.teardown.exit_process` (status 0: its result is already in ``ok``/``err``).
+A failed barrier (a peer that never reached its teardown) is an error of the rank. Inside
+``fn``, :func:`fresh_group` replaces the rank's process group with a new one (recovery after a
+fault).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import os
 import time
 import traceback
 from pathlib import Path
@@ -27,8 +31,9 @@ def run_ranks(fn: Callable, world: int, tmp_path: Path, timeout: float = 300.0, 
               barrier: bool = True) -> None:
     """Run ``fn(rank, world, mesh)`` on every rank; fail (killing the ranks) after ``timeout`` s.
     Ranks in ``dies`` are expected to end their process abruptly (``os._exit(0)``) inside ``fn``.
-    ``barrier=False`` for tests that leave the group unusable on purpose (a collective that timed
-    out stays queued in gloo, and the next one would pair with it)."""
+    ``barrier=False`` for tests whose ranks do not all reach their teardown (a rank that dies, or
+    one left behind on purpose): the teardown then skips its barrier. A rank process that exits
+    non-zero (e.g. aborted by the interpreter's teardown) fails the run (``ctx.join`` raises)."""
     ctx = mp.spawn(_entry, args=(fn, world, str(tmp_path), barrier), nprocs=world, join=False)
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
@@ -67,20 +72,24 @@ def fresh_group(rank: int, world: int, name: str) -> object:
 
 def _entry(rank: int, fn: Callable, world: int, tmp: str, barrier: bool) -> None:
     global run_dir
+    import torch_dcp
 
     torch.set_num_threads(1)  # world processes share 2 cores: more threads each only oversubscribe them
     run_dir = tmp
     try:
-        mesh = _init(rank, world, "init")
-        fn(rank, world, mesh)
+        fn(rank, world, _init(rank, world, "init"))  # the mesh is fn's: freed when fn returns
         open(f"{tmp}/ok{rank}", "w").close()
     except BaseException:
         with open(f"{tmp}/err{rank}", "w") as f:
             f.write(traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            if barrier:
-                with contextlib.suppress(Exception):
-                    dist.barrier()  # no rank tears its group down while a peer still talks to it
-            dist.destroy_process_group()
-    os._exit(0)
+    left = []
+    try:
+        # barrier: no rank tears its group down while a peer still talks to it
+        left = torch_dcp.shutdown(barrier=barrier, timeout=120.0)
+    except Exception:
+        with open(f"{tmp}/err{rank}", "a") as f:
+            f.write(traceback.format_exc())
+    if left:
+        with open(f"{tmp}/left{rank}", "w") as f:
+            f.write("\n".join(left) + "\n")
+        torch_dcp.teardown.exit_process(0)

@@ -19,6 +19,7 @@ from .executor import RankExecutor, dcp_attention, emulate
 from .masks import BlockwiseCausal, Causal, Full, Lambda, Ranges, SharedQuestion
 from .plan import Plan, PlanError
 from .simulate import SimResult, simulate
+from .teardown import shutdown
 from .planners import Placement
 from .topology import Topology
 from .workload import Workload
@@ -29,6 +30,7 @@ __all__ = [
     "masks",
     "plan",
     "simulate",
+    "shutdown",
     "SimResult",
     "CostModel",
     "context_parallel",
