@@ -30,6 +30,11 @@ LOCAL_TAIL = 0.25
 #: paper's batches (4 x 8 and 1 x 8, A100 and H100, GQA 8/2 and 32/8, causal and lambda) the
 #: fastest plan so found was within 1 % of timing them all, for about half the planning time
 HEAD_PARALLEL_SHORTLIST = 8
+#: candidates simulated, the best by :func:`torch_dcp.estimate.estimate_seconds` (the rivals'
+#: plans and the bytes objective's are simulated too): on the paper's batches (4 x 8 and 1 x 8,
+#: A100 and H100, GQA 8/2 and 32/8, causal and lambda) the best of the three was within 0.6 %
+#: of simulating them all (``python -m torch_dcp.benchmarks scale --calibrate``)
+SIMULATED = 3
 
 
 def plan(
@@ -112,35 +117,50 @@ def plan(
     timed: list[tuple[str, float]] = []
     if len(plans) > 1:
         from .cost import CostModel
-        from .simulate import floor_seconds, simulate
 
         cm = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model or "a100")
-        chosen, best = plans[0], float("inf")
-
-        def consider(p: Plan | HeadParallelPlan, floor: float) -> float:
-            nonlocal chosen, best
-            # a candidate whose floor is above the best simulated time cannot win
-            t = simulate(p, cm).makespan_s if floor < best else float("nan")
-            if t < best:
-                chosen, best = p, t
-            return t
-
-        # lowest floor first, so that fewer candidates need simulating (a tie keeps the earlier);
-        # listed in the candidates' own order
-        floors = [floor_seconds(p, cm) for p in plans]
-        times = [0.0] * len(plans)
-        for i in sorted(range(len(plans)), key=floors.__getitem__):
-            times[i] = consider(plans[i], floors[i])
-        timed = [(p.planner, t) for p, t in zip(plans, times)]
-        tail = _local_tail(chosen)
-        if tail is not None:
-            label = f"{chosen.planner} (local tail)"
-            timed.append((label, consider(tail, floor_seconds(tail, cm))))
+        chosen, timed = _fastest(plans, cm, SIMULATED)
     else:
         chosen = plans[0]
     chosen.plan_seconds = time.perf_counter() - t0
     chosen.candidates = timed
     return chosen
+
+
+def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel",
+             simulated: int) -> "tuple[Plan | HeadParallelPlan, list[tuple[str, float]]]":
+    """The fastest of ``plans`` on the simulator, and ``(label, simulated seconds)`` of every
+    candidate (NaN: not simulated). Every candidate is estimated
+    (:func:`torch_dcp.estimate.estimate_seconds`); the ``simulated`` best by estimate are
+    simulated, and so is every rival's plan and the bytes objective's (labels with ``":"``),
+    so the plan returned is never slower than theirs; a candidate whose floor
+    (:func:`torch_dcp.simulate.floor_seconds`) lies above a simulated time is skipped, since
+    it cannot win. The winner is then also timed with a local tail (:func:`_local_tail`)."""
+    from .estimate import estimate_seconds
+    from .simulate import floor_seconds, simulate
+
+    chosen, best = plans[0], float("inf")
+
+    def consider(p: "Plan | HeadParallelPlan", floor: float) -> float:
+        nonlocal chosen, best
+        t = simulate(p, cm).makespan_s if floor < best else float("nan")
+        if t < best:
+            chosen, best = p, t
+        return t
+
+    floors = [floor_seconds(p, cm) for p in plans]
+    estimates = [max(estimate_seconds(p, cm), f) for p, f in zip(plans, floors)]  # no run beats its floor
+    times = [float("nan")] * len(plans)
+    # best estimate first (a tie keeps the earlier); the protected ones after the shortlist
+    order = sorted(range(len(plans)), key=estimates.__getitem__)
+    for k, i in enumerate(order):
+        if k < simulated or ":" in plans[i].planner:
+            times[i] = consider(plans[i], floors[i])
+    timed = [(p.planner, t) for p, t in zip(plans, times)]
+    tail = _local_tail(chosen)
+    if tail is not None:
+        timed.append((f"{chosen.planner} (local tail)", consider(tail, floor_seconds(tail, cm))))
+    return chosen, timed
 
 
 def _head_sizes(batch: BatchSpec, topology: Topology, planner: str, head_parallel: Any,

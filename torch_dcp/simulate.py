@@ -36,7 +36,7 @@ from .batch import BatchSpec
 from .workload import Buf, Workload, item_token_bytes
 
 __all__ = ["simulate", "SimResult", "PassResult", "ring_step_seconds", "floor_seconds", "compute_floor_seconds",
-           "kernel_floor_seconds", "link_floor_seconds", "batch_floor_seconds"]
+           "kernel_floor_seconds", "division_launch_seconds", "link_floor_seconds", "batch_floor_seconds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,30 +330,34 @@ def compute_floor_seconds(plan: Plan, cost_model: CostModel | None = None, backw
     return float(seconds.max())
 
 
-def kernel_floor_seconds(plan: Plan, cost_model: CostModel | None = None, backward: bool | None = None) -> float:
-    """The busiest rank's attention launches, each timed by the cost model as :func:`simulate`
-    times it (one launch per division: its tiles' FLOPs at the throughput of its work per
-    launch, plus the launch overhead), copies and reductions left out (seconds). A lower bound
-    of the rank's busy time, so of the pass's makespan; at least :func:`compute_floor_seconds`.
-
-    Args:
-        backward: ``None`` (default): forward + backward; ``False`` / ``True``: one pass.
-    """
+def division_launch_seconds(plan: Plan, cost_model: CostModel | None = None, backward: bool = False) -> np.ndarray:
+    """Seconds of every rank's attention launch in every division of one pass, as
+    :func:`simulate` times them (a division's tiles' FLOPs at the throughput of its work per
+    launch, plus the launch overhead; 0 for a division without tiles): float64
+    ``[world_size, divisions]``."""
     cm = cost_model or CostModel.a100()
     wl, b, w, t = plan.workload, plan.batch, plan.world_size, plan.divisions
     key = plan.placement.tile_rank.astype(np.int64) * t + np.asarray(plan.tile_division, np.int64)
     pairs = np.bincount(key, weights=wl.tile_pairs, minlength=w * t) * b.n_heads
     masked = np.bincount(key, weights=~np.asarray(wl.tile_full, bool), minlength=w * t) > 0
     table = cm.table_for(b.head_dim, b.dtype)
-    seconds = np.zeros(w)
-    for bw in (False, True):
-        if backward is not None and bw != backward:
-            continue
-        flops = np.bincount(key, weights=wl.tile_flops_bwd if bw else wl.tile_flops_fwd, minlength=w * t)
-        tf = table.tflops_array(np.sqrt(pairs), bw, masked)
-        launch = np.where(flops > 0, flops / (tf * 1e12) + cm.launch_overhead, 0.0)
-        seconds += launch.reshape(w, t).sum(axis=1)
-    return float(seconds.max(initial=0.0))
+    flops = np.bincount(key, weights=wl.tile_flops_bwd if backward else wl.tile_flops_fwd, minlength=w * t)
+    tf = table.tflops_array(np.sqrt(pairs), backward, masked)
+    return np.where(flops > 0, flops / (tf * 1e12) + cm.launch_overhead, 0.0).reshape(w, t)
+
+
+def kernel_floor_seconds(plan: Plan, cost_model: CostModel | None = None, backward: bool | None = None) -> float:
+    """The busiest rank's attention launches, each timed by the cost model as :func:`simulate`
+    times it (:func:`division_launch_seconds`), copies and reductions left out (seconds). A
+    lower bound of the rank's busy time, so of the pass's makespan; at least
+    :func:`compute_floor_seconds`.
+
+    Args:
+        backward: ``None`` (default): forward + backward; ``False`` / ``True``: one pass.
+    """
+    passes = (False, True) if backward is None else (backward,)
+    seconds = sum(division_launch_seconds(plan, cost_model, bw).sum(axis=1) for bw in passes)
+    return float(np.max(seconds, initial=0.0))
 
 
 def floor_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None) -> float:

@@ -33,21 +33,20 @@ transfers than it saves. Memory (token) balance is kept at ``1 + eps_memory`` ei
 token-level layers of a training step depend on it.
 
 The estimate (:func:`estimate_seconds`: the busiest rank's compute or link time, whichever is
-longer) only orders; the simulator decides. :func:`dcp_candidates` returns every distinct
-placement it tried (or the ``shortlist`` best by estimate), best estimate first, and the
-compute-balanced one with the fewest bytes (the ``"bytes"`` objective's choice), followed by
-ring attention's, Megatron's and all-gather CP's own plans (``rivals``, when their resident
-tokens meet the same memory bound), and :func:`torch_dcp.plan` simulates every candidate on the
-cost model (skipping those whose kernel or link floor is above the fastest so far) and keeps
-the fastest, so a dcp plan is never slower than theirs on the simulator that reports results (the fastest
-placement is then also timed with a local tail, :func:`torch_dcp.schedule.assign_divisions`,
-kept where faster). The estimate
-sees neither the phases nor the relays, and ranks the fastest plans low: on the paper's
-microbenchmark batches (``python -m torch_dcp.benchmarks paper``), timing every candidate,
-the extra greedy layouts among them, instead of the three best by estimate cuts dcp's
-simulated time by up to 52 % (A100 cluster, long-tail causal at scale 0.5: 3.75 to 1.93 ms;
-DGX H100, the same batch: 1.79 to 0.75 ms), for 3-5x the planning time (median 2.7 s per
-32-rank plan on the A100 batches, 4.5 s on DGX H100, two runs sharing 2 CPU cores).
+longer) only orders the placements of one call. :func:`dcp_candidates` returns every distinct
+placement it tried (or the ``shortlist`` best by that estimate), best estimate first, and the
+compute-balanced one with the fewest bytes (the ``"bytes"`` objective's choice, labelled
+``"dcp:bytes"``), followed by ring attention's, Megatron's and all-gather CP's own plans
+(``rivals``, labelled ``"dcp:ring"`` etc., when their resident tokens meet the same memory
+bound). :func:`torch_dcp.plan` estimates every candidate's time division by division
+(:func:`torch_dcp.estimate.estimate_seconds`, which sees the phases and the links), simulates
+the best few by that estimate and every labelled rival (skipping those whose floor is above the
+fastest so far), and keeps the fastest, so a dcp plan is never slower than the rivals' or the
+bytes objective's on the simulator (the fastest placement is then also timed with a local tail,
+:func:`torch_dcp.schedule.assign_divisions`, kept where faster). Timing the extra greedy
+layouts among the candidates cuts dcp's simulated time by up to 52 % on the paper's
+microbenchmark batches (``python -m torch_dcp.benchmarks paper``; A100 cluster, long-tail
+causal at scale 0.5: 3.75 to 1.93 ms).
 
 Solver: Mt-KaHyPar (deterministic preset, one thread, fixed seed): the same batch and seed
 give the same placement, hence the same ``Plan.digest()``.
@@ -393,12 +392,16 @@ def dcp_candidates(
     # the time objective's shortlist by estimate, and the bytes objective's choice (the estimate
     # only ranks: the simulator may prefer the balanced plan)
     ranked = [part for _, _, part in tried][:shortlist] if objective == "time" else []  # None: all
-    ranked.append(min(balanced, key=lambda x: x[:2])[2])
+    fewest = min(balanced, key=lambda x: x[:2])[2]
+    ranked.append(fewest)
     chosen: list[np.ndarray] = []
     for part in ranked:
         if not any(np.array_equal(part, c) for c in chosen):
             chosen.append(part)
-    out = [Placement(wl, w, p[blocks], p[tiles], planner="dcp", routing=routing) for p in chosen]
+    # the bytes objective's choice is labelled among the time objective's candidates (a rival
+    # that torch_dcp.plan always times)
+    label = {True: "dcp:bytes" if objective == "time" else "dcp", False: "dcp"}
+    out = [Placement(wl, w, p[blocks], p[tiles], planner=label[np.array_equal(p, fewest)], routing=routing) for p in chosen]
     if objective == "time":
         for name in rivals:
             rival = megatron if name == "megatron" else _RIVALS[name](batch, topology)
