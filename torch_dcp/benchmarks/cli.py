@@ -3,8 +3,8 @@
 (:mod:`~torch_dcp.benchmarks.balance`), ``readiness`` (:mod:`~torch_dcp.benchmarks.readiness`), ``routes``
 (:mod:`~torch_dcp.benchmarks.routes`), ``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`),
 ``kernels reduce|table|division|plan`` (:mod:`~torch_dcp.benchmarks.kernels`), ``ops``
-(:mod:`~torch_dcp.benchmarks.ops`), ``step`` (:mod:`~torch_dcp.benchmarks.step`) and ``loader``
-(:mod:`~torch_dcp.benchmarks.loader`)."""
+(:mod:`~torch_dcp.benchmarks.ops`), ``step`` (:mod:`~torch_dcp.benchmarks.step`), ``loader``
+(:mod:`~torch_dcp.benchmarks.loader`) and ``scale`` (:mod:`~torch_dcp.benchmarks.scale`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import argparse
 import json
 
 from ..topology import TOPOLOGY_PRESETS, Topology
-from . import balance, common, kernels, loader, ops, pictures, planners, readiness, routes, step, sweeps
+from . import balance, common, kernels, loader, ops, pictures, planners, readiness, routes, scale, step, sweeps
 from .common import MASKS
 
 __all__ = ["main", "parser"]
@@ -166,6 +166,10 @@ def parser() -> argparse.ArgumentParser:
                         "a training job needs", description=loader.__doc__, formatter_class=raw)
     loader.add_arguments(lo)
     lo.set_defaults(run=lambda a: loader.run(a) and 0)
+    sc = sub.add_parser("scale", help="dcp's default plan at 131K/32 up to 4M/1024 ranks: planning time, memory, "
+                        "simulated time against the rivals", description=scale.__doc__, formatter_class=raw)
+    scale.add_arguments(sc)
+    sc.set_defaults(run=scale.run)
     return p
 
 

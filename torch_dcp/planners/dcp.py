@@ -69,12 +69,26 @@ from .ring import plan_ring
 #: planners whose placements dcp's time objective also offers (:func:`dcp_candidates`)
 _RIVALS = {"ring": plan_ring, "megatron": plan_megatron, "allgather": plan_allgather}
 
-__all__ = ["plan_dcp", "dcp_candidates", "DCPHypergraph", "estimate_seconds"]
+__all__ = ["plan_dcp", "dcp_candidates", "DCPHypergraph", "estimate_seconds", "zigzag_tiles_bound", "RIVAL_TILE_BUDGET"]
 
 #: compute bounds (max/mean - 1) of the extra greedy layouts the time objective starts from
 _GREEDY_BOUNDS = (0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
 
 _WEIGHT_SCALE = 1 << 20
+
+#: rivals laid out zig-zag (every document cut into ``2W`` chunks), and the most tiles such a
+#: rival may hold to be built among the candidates (:func:`zigzag_tiles_bound`): ring attention
+#: on 1M tokens / 256 ranks holds tens of millions (85 s and 12.9 GB to plan on one core)
+_ZIGZAG_RIVALS = ("ring", "allgather")
+RIVAL_TILE_BUDGET = 1 << 22
+
+
+def zigzag_tiles_bound(batch: BatchSpec, world_size: int) -> int:
+    """At most how many tiles the zig-zag layout of ``batch`` over ``world_size`` ranks has
+    (ring attention's and all-gather CP's: every document in ``min(2W, length)`` chunks, every
+    pair of its chunks a tile at most)."""
+    chunks = np.minimum(2 * world_size, np.asarray(batch.doc_lens, np.int64))
+    return int((chunks * chunks).sum())
 
 
 class DCPHypergraph:
@@ -289,7 +303,8 @@ def dcp_candidates(
         rivals: with ``"time"``, the placements of these planners (``"ring"``,
             ``"megatron"``, ``"allgather"``) follow the shortlist, labelled ``"dcp:<name>"``,
             when their resident bytes are within ``1 + eps_memory`` of the mean as dcp's own
-            are; :func:`torch_dcp.plan` times every candidate with the simulator and keeps the
+            are (ring and all-gather only while their zig-zag layout holds at most
+            :data:`RIVAL_TILE_BUDGET` tiles, :func:`zigzag_tiles_bound`); :func:`torch_dcp.plan` times every candidate with the simulator and keeps the
             fastest, so dcp's plan is never slower than theirs (on the simulator's cost model).
 
     Returns:
@@ -404,6 +419,8 @@ def dcp_candidates(
     out = [Placement(wl, w, p[blocks], p[tiles], planner=label[np.array_equal(p, fewest)], routing=routing) for p in chosen]
     if objective == "time":
         for name in rivals:
+            if name in _ZIGZAG_RIVALS and zigzag_tiles_bound(batch, w) > RIVAL_TILE_BUDGET:
+                continue  # ring / all-gather CP at hundreds of ranks: a plan of minutes and GBs
             rival = megatron if name == "megatron" else _RIVALS[name](batch, topology)
             tokens = rival.rank_tokens()
             if tokens.max() <= (1.0 + eps_memory) * tokens.mean():
