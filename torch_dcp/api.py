@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,13 @@ HEAD_PARALLEL_SHORTLIST = 8
 #: A100 and H100, GQA 8/2 and 32/8, causal and lambda) the best of the three was within 0.6 %
 #: of simulating them all (``python -m torch_dcp.benchmarks scale --calibrate``)
 SIMULATED = 3
+#: outer plan parts (world size / N) up to which ``head_parallel="auto"`` runs dcp's full search
+#: at every ``N``; above, only at the largest ``N`` (with the fewest-bytes plan at ``N = 1``):
+#: at 1M tokens / 256 ranks no candidate at N = 1 came within its floor of the best at N = 8
+#: (nor N = 4 within 25 %),
+#: and the full search over 256 parts took most of a 67-s plan
+#: (``python -m torch_dcp.benchmarks scale``)
+FULL_SEARCH_PARTS = 32
 
 
 def plan(
@@ -75,7 +83,9 @@ def plan(
             (:mod:`torch_dcp.plan.heads`): ``N`` must divide ``n_heads`` and the ranks per
             node (or be a multiple of them dividing the world size), and ``N`` and
             ``n_kv_heads`` one the other. ``"auto"`` tries 1 and every valid ``N`` up to the ranks
-            per node (head groups inside a node) and keeps
+            per node (head groups inside a node; where the world size over ``N`` exceeds
+            :data:`FULL_SEARCH_PARTS`, only the largest ``N`` is searched in full, ``N = 1``
+            offers its fewest-bytes plan and the others are skipped) and keeps
             the fastest on the simulator (with ``"dcp"``; at ``N > 1`` its
             :data:`HEAD_PARALLEL_SHORTLIST` best placements by estimate, unless ``shortlist``
             is given); ``None`` (default): ``"auto"`` for
@@ -114,7 +124,9 @@ def plan(
     t0 = time.perf_counter()
     plans: list[Plan | HeadParallelPlan] = []
     for n in sizes:
-        plans += _plans_at(batch, topology, inner, n, block_size, divisions, planner, options)
+        search = _search_at(n, sizes, topology, options)
+        if search is not None:
+            plans += _plans_at(batch, topology, inner, n, block_size, divisions, planner, *search)
     timed: list[tuple[str, float]] = []
     if len(plans) > 1:
         from .cost import CostModel
@@ -183,15 +195,32 @@ def _head_sizes(batch: BatchSpec, topology: Topology, planner: str, head_paralle
     return [layout.size]
 
 
+def _search_at(n: int, sizes: list[int], topology: Topology,
+               options: dict[str, Any]) -> "tuple[dict[str, Any], str | None] | None":
+    """The planner options for head parallelism ``n`` among the ``sizes`` tried, and a label
+    for its placements (None: their own), or None to skip it. Every ``N`` gets the full search while its outer plan has at most
+    :data:`FULL_SEARCH_PARTS` parts. Above that, only the largest ``N`` does; ``N = 1`` offers
+    its fewest-bytes plan alone (labelled ``"dcp:bytes"``, always simulated, so the plan is
+    never slower than it), and the other ``N`` are skipped."""
+    if len(sizes) == 1 or topology.world_size // n <= FULL_SEARCH_PARTS or n == max(sizes):
+        return options, None
+    if n == 1:
+        return {**options, "objective": "bytes"}, "dcp:bytes"
+    return None
+
+
 def _plans_at(batch: BatchSpec, topology: Topology, planner: str, n: int, block_size: int, divisions: int | None,
-              label: str, options: dict[str, Any]) -> "list[Plan | HeadParallelPlan]":
-    """The divided candidates of ``planner`` with head parallelism ``n`` (wrapped when ``n > 1``)."""
+              label: str, options: dict[str, Any], relabel: str | None = None) -> "list[Plan | HeadParallelPlan]":
+    """The divided candidates of ``planner`` with head parallelism ``n`` (wrapped when ``n > 1``;
+    their placements labelled ``relabel`` where given)."""
     layout = HeadLayout.of(batch, n)
     ob, ot = layout.outer_batch(batch), layout.outer_topology(topology)
     offer = CANDIDATES.get(planner)
     if offer and n > 1 and "shortlist" not in options:
         options = {**options, "shortlist": HEAD_PARALLEL_SHORTLIST}
     placements = offer(ob, ot, block_size, **options) if offer else [get_planner(planner)(ob, ot, block_size, **options)]
+    if relabel:
+        placements = [dataclasses.replace(p, planner=relabel) for p in placements]
     n_tiles = placements[0].workload.n_tiles
     bound = max(1, n_tiles)  # a batch with no tiles still runs as one (empty) division
     if divisions is None:
