@@ -16,7 +16,7 @@ from torch_dcp.executor import DevicePlan, InProcessTransport, Mailbox, RankExec
 from torch_dcp.executor.reduce import merge_partials, reduce_loop
 from torch_dcp.plan import BlockwiseReduction, ReduceOp
 from torch_dcp.workload import Buf
-from reference import random_qkv, reference_with_grads
+from reference import needs_cuda, random_qkv, reference_with_grads
 from test_exact import BLOCK, _batch
 
 
@@ -250,7 +250,7 @@ def test_inputs_that_do_not_match_the_plan_are_named():
         assert (got.double() - want).abs().max() < 1e-5
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda("needs CUDA")
 @pytest.mark.parametrize("kernel,dtype", [("flex", "float32"), ("reference", "float32"), ("auto", "bfloat16"),
                                           ("varlen", "bfloat16")])
 def test_no_synchronisation_inside_a_cuda_step(kernel, dtype):
