@@ -75,7 +75,8 @@ class Stage:
         title: what it measures, one line.
         argv: the command, run with the checkout as working directory.
         timeout_s: seconds it may run before it and its children are killed (positive).
-        reader: key of :data:`READERS`: how figures are read from its stdout.
+        reader: key of :data:`READERS`: how figures are read from its output (stdout, then
+            stderr).
         needs_modules: modules that must be importable, else the stage is ``skipped``.
         needs_paths: files under the root that must exist, else ``skipped``.
     """
@@ -394,7 +395,7 @@ def run_stage(stage: Stage, root: Path, logs: Path, timeout_scale: float = 1.0,
     stderr = err_path.read_text(errors="replace")
     res = StageResult(stage.name, stage.title, cmd, status, rc, seconds, limit, stdout=stdout, stderr=stderr)
     try:
-        res.figures = READERS[stage.reader](stdout)
+        res.figures = READERS[stage.reader](stdout + "\n" + stderr)  # torchtitan logs to stderr
     except Exception as e:  # a reader must not cost the report: record why
         res.figures = {"reader_error": f"{type(e).__name__}: {e}"}
     if status != "passed":
