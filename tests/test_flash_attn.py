@@ -103,3 +103,26 @@ def test_flash_attn_fa2_on_fake_cuda():
         assert seen["flash_attn._flash_attn_varlen_forward.default"]
         assert seen["flash_attn._flash_attn_varlen_backward.default"]
         assert not seen["aten._flash_attention_forward.default"]
+
+
+def test_an_old_flash_attention_4_is_refused_with_the_reason():
+    """A ``flash_attn.cute`` whose forward returns no LSE and whose backward has no varlen
+    arguments (mid-2025 versions) counts as absent, saying to upgrade."""
+    from types import SimpleNamespace
+
+    from torch_dcp.executor.flash_attn import _check_fa4
+
+    def fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, softmax_scale=None, causal=False, window_size_left=None,
+            window_size_right=None):
+        raise AssertionError("not called")
+
+    def bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0, window_size_left=None,
+            window_size_right=None):
+        raise AssertionError("not called")
+
+    with pytest.raises(ImportError, match=r"_flash_attn_fwd lacks \['return_lse'\]: this flash-attn-4 is too old"):
+        _check_fa4(SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd))
+    with pytest.raises(ImportError, match=r"_flash_attn_bwd lacks \['cu_seqlens_k', 'cu_seqlens_q'\]"):
+        _check_fa4(SimpleNamespace(_flash_attn_fwd=lambda q, k, v, return_lse=False, cu_seqlens_q=None,
+                                   cu_seqlens_k=None, softmax_scale=None, causal=False, window_size_left=None,
+                                   window_size_right=None: None, _flash_attn_bwd=bwd))

@@ -26,6 +26,7 @@ FlexAttention through :class:`~torch_dcp.executor.kernels.AutoKernel`
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from importlib import metadata
@@ -73,10 +74,40 @@ def _module(backend: str) -> Any:
             if backend == "fa2" and not hasattr(getattr(torch.ops, "flash_attn", None), "_flash_attn_varlen_forward"):
                 raise ImportError("flash_attn has no torch.ops.flash_attn._flash_attn_varlen_forward "
                                   "(flash-attn 2.7 or newer registers it)")
+            if backend == "fa4":
+                _check_fa4(mod)
             _imported[backend] = mod
         except Exception as e:  # ImportError, or an extension built for another torch/CUDA (OSError, ...)
             _imported[backend] = e
     return _imported[backend]
+
+
+#: keyword arguments this kernel gives FlashAttention-4's forward and backward (varlen, windows, LSE)
+_FA4_NEEDS = {"_flash_attn_fwd": {"cu_seqlens_q", "cu_seqlens_k", "window_size_left", "window_size_right",
+                                  "return_lse", "softmax_scale", "causal"},
+              "_flash_attn_bwd": {"cu_seqlens_q", "cu_seqlens_k", "window_size_left", "window_size_right"}}
+
+
+def _check_fa4(mod: Any) -> None:
+    """Raises ImportError when ``flash_attn.cute``'s forward or backward lacks an argument the
+    kernel passes (versions before varlen backward and returned LSE)."""
+    for fn, needs in _FA4_NEEDS.items():
+        missing = needs - (_params(getattr(mod, fn)) if hasattr(mod, fn) else frozenset())
+        if missing:
+            raise ImportError(f"flash_attn.cute.interface.{fn} lacks {sorted(missing)}: this flash-attn-4 is too old "
+                              "(upgrade: pip install -U flash-attn-4)")
+
+
+@functools.lru_cache(maxsize=None)
+def _params(fn: Any) -> frozenset:
+    import inspect
+
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _fa4_seqlens(fn: Any, c: Any) -> dict[str, int]:
+    """``max_seqlen_q/k`` where the installed FA4 takes them (newer versions do)."""
+    return {k: v for k, v in (("max_seqlen_q", c.max_q), ("max_seqlen_k", c.max_k)) if k in _params(fn)}
 
 
 def flash_attn_backends() -> tuple[str, ...]:
@@ -158,10 +189,11 @@ class FlashAttnKernel(VarlenKernel):
         q, k, v = self._dense(q), self._dense(k), self._dense(v)
         causal = c.wl < 0 and c.wr == 0
         if backend == "fa4":
-            res = _module("fa4")._flash_attn_fwd(
-                q, k, v, cu_seqlens_q=c.cu_q, cu_seqlens_k=c.cu_k, max_seqlen_q=c.max_q, max_seqlen_k=c.max_k,
-                softmax_scale=scale, causal=causal, window_size_left=c.wl if c.wl >= 0 else None,
-                window_size_right=c.wr if c.wr >= 0 and not causal else None, return_lse=True)
+            fwd = _module("fa4")._flash_attn_fwd
+            res = fwd(q, k, v, cu_seqlens_q=c.cu_q, cu_seqlens_k=c.cu_k, softmax_scale=scale, causal=causal,
+                      window_size_left=c.wl if c.wl >= 0 else None,
+                      window_size_right=c.wr if c.wr >= 0 and not causal else None, return_lse=True,
+                      **_fa4_seqlens(fwd, c))
             out, lse = res[0], res[1]
         else:
             out, lse, *_ = torch.ops.flash_attn._flash_attn_varlen_forward(
@@ -178,10 +210,11 @@ class FlashAttnKernel(VarlenKernel):
         lse_hq = lse.to(torch.float32).t().contiguous()  # [H, total_q], the final LSE
         causal = c.wl < 0 and c.wr == 0
         if backend == "fa4":
-            dq, dk, dv = _module("fa4")._flash_attn_bwd(
-                q, k, v, out_like, do, lse_hq, scale, causal, window_size_left=c.wl if c.wl >= 0 else None,
-                window_size_right=c.wr if c.wr >= 0 and not causal else None, cu_seqlens_q=c.cu_q,
-                cu_seqlens_k=c.cu_k, max_seqlen_q=c.max_q, max_seqlen_k=c.max_k)[:3]
+            bwd = _module("fa4")._flash_attn_bwd
+            dq, dk, dv = bwd(q, k, v, out_like, do, lse_hq, scale, causal,
+                             window_size_left=c.wl if c.wl >= 0 else None,
+                             window_size_right=c.wr if c.wr >= 0 and not causal else None, cu_seqlens_q=c.cu_q,
+                             cu_seqlens_k=c.cu_k, **_fa4_seqlens(bwd, c))[:3]
             return dq, dk, dv
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         torch.ops.flash_attn._flash_attn_varlen_backward(
