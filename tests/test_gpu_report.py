@@ -153,7 +153,8 @@ def test_dry_run_lists_stages_and_commands(capsys):
     for s in gr.default_stages():
         assert f"  {s.name} " in out
     assert "-m torch_dcp.benchmarks step --device cuda --tokens 131072 --mask lambda --ranks 32" in out
-    assert "-m pytest -q -p no:cacheprovider -m cuda tests -k synchronisation" in out
+    assert "-m pytest -q -p no:cacheprovider -m cuda tests/test_executor.py -k synchronisation" in out
+    assert "-m pytest -q -p no:cacheprovider -m cuda tests -k 'not synchronisation'" in out
     assert "recipes/train_llama.py --cp-impl none" in out and "--nproc-per-node 1 recipes/train_llama.py" in out
     buf = io.StringIO()
     assert gr.main(["--dry-run", "--quick", "--stages", "step-causal,train-dcp", "--timeout-scale", "2"], out=buf) == 0

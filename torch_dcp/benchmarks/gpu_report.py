@@ -211,7 +211,7 @@ def default_stages(quick: bool = False, python: str = sys.executable) -> list[St
     fewer steps; without the λ step, the flash_attn division and torchtitan). Limits add up to
     at most :data:`FULL_BUDGET_S` (:data:`QUICK_BUDGET_S` with ``quick``), seconds."""
     bench = (python, "-m", "torch_dcp.benchmarks")
-    pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "tests")
+    pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda")
     tokens, ranks = ("32768", "8") if quick else ("131072", "32")
     step = (*bench, "step", "--device", "cuda", "--tokens", tokens)
     model = ("--tokens-per-step", "8192" if quick else "16384", "--max-doc-len", "4096", "--block-size", "1024",
@@ -226,10 +226,11 @@ def default_stages(quick: bool = False, python: str = sys.executable) -> list[St
     # (stage, full limit, quick limit or None: not among the short variants)
     table = [
         (Stage("sync", "no synchronisation inside a step's attention forward + backward (sync debug mode 'error')",
-               (*pytest, "-k", "synchronisation"), 25, "pytest", needs_paths=("tests",)), 25, 15),
+               (*pytest, "tests/test_executor.py", "-k", "synchronisation"), 25, "pytest", ("pytest", "hypothesis"), ("tests",)), 25, 15),
         (Stage("tests-cuda", "the suite's CUDA tests (pytest -m cuda)",
-               (*pytest, "-k", "not synchronisation" if not quick else "flash_attn or varlen or merge"), 60,
-               "pytest", needs_paths=("tests",)), 60, 20),
+               (*pytest, "tests", "-k", "not synchronisation") if not quick else
+               (*pytest, "tests/test_varlen.py", "tests/test_flash_attn.py", "tests/test_triton_merge.py"), 60,
+               "pytest", ("pytest", "hypothesis"), ("tests",)), 60, 20),
         (Stage("step-causal", f"step, causal, {tokens} tokens: W=1 vs dense flex and varlen flash; "
                f"{ranks}-rank busiest", (*step, "--mask", "causal", "--ranks", ranks), 60), 60, 30),
         (Stage("step-lambda", f"step, lambda, {tokens} tokens: W=1 vs dense flex; {ranks}-rank busiest",
