@@ -152,7 +152,7 @@ def test_dry_run_lists_stages_and_commands(capsys):
     assert out.startswith("gpu-report: 14 stages, run from ")
     for s in gr.default_stages():
         assert f"  {s.name} " in out
-    assert "-m torch_dcp.benchmarks step --device cuda --tokens 131072 --mask lambda --ranks 32" in out
+    assert "-m torch_dcp.benchmarks step --device cuda --tokens 131072 --repeat 3 --mask lambda --ranks 32" in out
     assert "-m pytest -q -p no:cacheprovider -m cuda tests/test_executor.py -k synchronisation" in out
     assert "-m pytest -q -p no:cacheprovider -m cuda tests -k 'not synchronisation'" in out
     assert "recipes/train_llama.py --cp-impl none" in out and "--nproc-per-node 1 recipes/train_llama.py" in out
@@ -160,7 +160,7 @@ def test_dry_run_lists_stages_and_commands(capsys):
     assert gr.main(["--dry-run", "--quick", "--stages", "step-causal,train-dcp", "--timeout-scale", "2"], out=buf) == 0
     text = buf.getvalue()
     assert "gpu-report --quick: 2 stages" in text and "limits adding up to 100 s" in text
-    assert "--tokens 32768 --mask causal --ranks 8" in text
+    assert "--tokens 32768 --repeat 3 --mask causal --ranks 8" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

@@ -213,7 +213,7 @@ def default_stages(quick: bool = False, python: str = sys.executable) -> list[St
     bench = (python, "-m", "torch_dcp.benchmarks")
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda")
     tokens, ranks = ("32768", "8") if quick else ("131072", "32")
-    step = (*bench, "step", "--device", "cuda", "--tokens", tokens)
+    step = (*bench, "step", "--device", "cuda", "--tokens", tokens, "--repeat", "3")
     model = ("--tokens-per-step", "8192" if quick else "16384", "--max-doc-len", "4096", "--block-size", "1024",
              "--divisions", "4", "--dim", "512", "--layers", "4", "--heads", "8", "--kv-heads", "2",
              "--ffn-hidden", "1408", "--steps", "5" if quick else "20")
