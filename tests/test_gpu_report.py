@@ -140,6 +140,10 @@ def test_stage_table_and_options():
         gr.Stage("x", "t", ("true",), 1, reader="xml")
     with pytest.raises(ValueError, match="stage name must be"):
         gr.Stage("a b", "t", ("true",), 1)
+    with pytest.raises(ValueError, match="how must be 'value' .* got 'ratio' with 1"):
+        gr.Target("x", (("a", "b"),), "ratio")
+    with pytest.raises(ValueError, match="op must be"):
+        gr.Target("x", (("a", "b"),), op="<")
     with pytest.raises(ValueError, match="stage names must be unique"):
         gr.run_report([gr.Stage("a", "t", ("true",), 1)] * 2, "unused", log=None)
     with pytest.raises(ValueError, match="timeout_scale must be positive"):

@@ -45,8 +45,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["Stage", "StageResult", "Target", "default_stages", "run_report", "write_report", "TARGETS",
-           "READERS", "add_arguments", "run", "main", "NoCudaError"]
+__all__ = ["Stage", "StageResult", "Target", "default_stages", "select", "run_stage", "run_report",
+           "evaluate_targets", "write_report", "machine", "TARGETS", "READERS", "add_arguments", "run", "main",
+           "NoCudaError"]
 
 #: the checkout the package sits in (recipes/ and tests/ beside torch_dcp/)
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,17 +114,14 @@ class StageResult:
 
 # ---------------------------------------------------------------------- figures from output
 def _json_lines(text: str) -> list[dict]:
+    """Every line of ``text`` that is a JSON object, parsed."""
     rows = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("{") and line.endswith("}"):
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-    return rows
+    for line in (x.strip() for x in text.splitlines()):
+        try:
+            rows.append(json.loads(line) if line.startswith("{") and line.endswith("}") else None)
+        except ValueError:
+            continue
+    return [r for r in rows if isinstance(r, dict)]
 
 
 def _scalars(row: dict) -> dict[str, Any]:
@@ -148,9 +146,7 @@ def _read_pytest(text: str) -> dict[str, Any]:
                 out["errors" if what.startswith("error") else what] = int(n)
             break
     if out:
-        out.setdefault("passed", 0)
-        out.setdefault("failed", 0)
-        out.setdefault("errors", 0)
+        out = {"passed": 0, "failed": 0, "errors": 0, **out}
         out["not_passed"] = out["failed"] + out["errors"]
     return out
 
@@ -279,6 +275,14 @@ class Target:
     op: str = "<="
     bound: float | None = None
     source: str = ""
+
+    def __post_init__(self):
+        n = {"value": 1, "ratio": 2, "rel_diff": 2}.get(self.how)
+        if n is None or len(self.reads) != n:
+            raise ValueError(f"target {self.figure!r}: how must be 'value' (one figure), 'ratio' or 'rel_diff' "
+                             f"(two), got {self.how!r} with {len(self.reads)}")
+        if self.op not in ("<=", ">=", "=="):
+            raise ValueError(f"target {self.figure!r}: op must be '<=', '>=' or '==', got {self.op!r}")
 
     def measure(self, figures: dict[str, dict[str, Any]]) -> float | None:
         """The measured value from ``figures`` (by stage name), None where a figure is missing."""
