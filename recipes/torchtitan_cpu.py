@@ -9,6 +9,7 @@ memory, in the processes this script starts).
     python recipes/torchtitan_cpu.py --nproc 2 --steps 5 --no-dcp        # the same run without CP
     python recipes/torchtitan_cpu.py --nproc 4 -- --dcp.planner greedy \
         --parallelism.data_parallel_replicate_degree 2 --parallelism.data_parallel_shard_degree 2
+    python recipes/torchtitan_cpu.py --device cuda --nproc 1 --steps 10  # on a GPU: the same assets, no shims
 
 Everything after ``--`` goes to torchtitan (``--dcp.planner greedy``, ``--training.seq_len
 512``, ...). The script writes the offline assets (a byte-level BPE tokenizer trained on the
@@ -279,9 +280,11 @@ def torchtitan_args(tokenizer: Path, dataset: Path, dump: Path, steps: int, dcp:
     ]
 
 
-def _rank_main(argv: list[str]) -> None:
-    """One rank: shims, then torchtitan's own entry point with ``argv``."""
-    apply_cpu_shims()
+def _rank_main(argv: list[str], shims: bool = True) -> None:
+    """One rank: the CPU shims (unless ``shims`` is False: ``--device cuda``, torchtitan's own
+    CUDA path), then torchtitan's own entry point with ``argv``."""
+    if shims:
+        apply_cpu_shims()
     import torch
 
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -303,15 +306,17 @@ def _rank_main(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Make the assets and run ``--nproc`` ranks; returns torchrun's exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "--rank":
-        _rank_main(argv[1:])
+    if argv and argv[0] in ("--rank", "--rank-cuda"):
+        _rank_main(argv[1:], shims=argv[0] == "--rank")
         return 0
     extra: list[str] = []
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2, help="ranks (gloo, one CPU thread each)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu: gloo with the CPU shims; cuda: one GPU per rank (NCCL), no shims")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (gloo, one CPU thread each; one GPU each on cuda)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--local-batch-size", type=int, default=2)
@@ -330,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           str(Path(__file__).resolve()), "--rank", *tt, *extra]
+           str(Path(__file__).resolve()), "--rank-cuda" if args.device == "cuda" else "--rank", *tt, *extra]
     return subprocess.call(cmd, env=env)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from torch_dcp import BatchSpec
@@ -50,3 +51,14 @@ def reference_with_grads(batch: BatchSpec, q, k, v, go):
     out = reference_attention(batch, q, k, v)
     out.backward(go.double())
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def needs_cuda(reason: str = "needs a CUDA device"):
+    """Decorator of a GPU test: marked ``cuda`` (``pytest -m cuda`` selects the suite's CUDA
+    tests, as ``benchmarks gpu-report`` does) and skipped where no CUDA device is available."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason=reason)
+
+    def mark(fn):
+        return pytest.mark.cuda(skip(fn))
+
+    return mark

@@ -141,15 +141,16 @@ def test_cost_table_from_file(tmp_path):
 
 
 def test_step_benchmark_small_cpu(capsys):
-    """``step`` on the CPU with tiny sizes: W=1 against the dense SDPA call, the busiest of 3
-    emulated ranks, the varlen baseline skipped with its reason; the executor's output and
-    gradients match the dense ones."""
+    """``step`` on the CPU with tiny sizes: W=1 against the dense SDPA call, the busiest of 4
+    emulated ranks (the flat plan: dcp alone would choose head parallelism for these heads), the
+    varlen baseline skipped with its reason; the executor's output and gradients match the dense
+    ones."""
     import json
 
     from torch_dcp.benchmarks.step import TARGETS
 
-    rc = main(["step", "--device", "cpu", "--tokens", "1536", "--mask", "lambda", "--heads", "2", "--kv-heads", "1",
-               "--head-dim", "16", "--block-size", "128", "--divisions", "2", "--ranks", "3", "--repeat", "1"])
+    rc = main(["step", "--device", "cpu", "--tokens", "1536", "--mask", "lambda", "--heads", "4", "--kv-heads", "2",
+               "--head-dim", "16", "--block-size", "128", "--divisions", "2", "--ranks", "4", "--repeat", "1"])
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()
     res = json.loads(lines[-1])
@@ -158,14 +159,14 @@ def test_step_benchmark_small_cpu(capsys):
                 "topology", "rank_s", "busiest_rank", "busiest_s", "compute_imbalance", "ideal_s",
                 "busiest_over_ideal", "ranks_err_out", "network_copies", "targets"):
         assert key in res, key
-    assert res["device"] == "cpu" and res["tokens"] == 1536 and res["mask"] == "lambda" and res["topology"] == "1x3"
+    assert res["device"] == "cpu" and res["tokens"] == 1536 and res["mask"] == "lambda" and res["topology"] == "1x4"
     assert res["exec_s"] > 0 and res["dense_s"] > 0 and res["exec_over_dense"] == res["exec_s"] / res["dense_s"]
     assert res["dense"].startswith("sdpa") and "CPU" in res["dense"]
     assert res["varlen_s"] is None and res["exec_over_varlen"] is None and "CUDA" in res["varlen"]
     assert max(res["err_out"], res["err_dq"], res["err_dk"], res["err_dv"], res["ranks_err_out"]) < 1e-4
-    assert len(res["rank_s"]) == 3 and min(res["rank_s"]) > 0 and res["busiest_s"] == max(res["rank_s"])
+    assert len(res["rank_s"]) == 4 and min(res["rank_s"]) > 0 and res["busiest_s"] == max(res["rank_s"])
     assert res["compute_imbalance"] >= 1.0
-    assert res["ideal_s"] == pytest.approx(res["dense_s"] / 3 * res["compute_imbalance"])
+    assert res["ideal_s"] == pytest.approx(res["dense_s"] / 4 * res["compute_imbalance"])
     assert res["targets"] == TARGETS
     text = "\n".join(lines)
     assert "n/a: flash varlen needs CUDA" in text and "busiest rank" in text and "max abs error" in text

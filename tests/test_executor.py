@@ -13,10 +13,11 @@ import torch
 import torch_dcp
 from torch_dcp.benchmarks.ops import count_ops
 from torch_dcp.executor import DevicePlan, InProcessTransport, Mailbox, RankExecutor, get_kernel
+from torch_dcp.executor.flash_attn import flash_attn_backends
 from torch_dcp.executor.reduce import merge_partials, reduce_loop
 from torch_dcp.plan import BlockwiseReduction, ReduceOp
 from torch_dcp.workload import Buf
-from reference import random_qkv, reference_with_grads
+from reference import needs_cuda, random_qkv, reference_with_grads
 from test_exact import BLOCK, _batch
 
 
@@ -250,10 +251,12 @@ def test_inputs_that_do_not_match_the_plan_are_named():
         assert (got.double() - want).abs().max() < 1e-5
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda("needs CUDA")
 @pytest.mark.parametrize("kernel,dtype", [("flex", "float32"), ("reference", "float32"), ("auto", "bfloat16"),
-                                          ("varlen", "bfloat16")])
+                                          ("varlen", "bfloat16"), ("flash_attn", "bfloat16")])
 def test_no_synchronisation_inside_a_cuda_step(kernel, dtype):
+    if kernel == "flash_attn" and not flash_attn_backends():
+        pytest.skip("flash-attn is not installed (pip install 'torch-dcp[flash]')")
     batch = _batch("causal", "gqa8/2-d32", dtype=dtype)
     plan = torch_dcp.plan(batch, 2, planner="dcp", block_size=BLOCK, divisions=2)
     q, k, v, go = (t.cuda() for t in random_qkv(batch, getattr(torch, dtype)))

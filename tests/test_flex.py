@@ -22,12 +22,12 @@ from torch_dcp.benchmarks.kernels import bench_reduce
 from torch_dcp.executor import get_kernel
 from torch_dcp.executor.division import build_division
 from torch_dcp.executor.flex import FlexKernel, division_tiles
-from torch_dcp.executor.kernels import SDPAKernel
+from torch_dcp.executor.kernels import AutoKernel, SDPAKernel
 from torch_dcp.plan import BlockwiseAttention
-from reference import random_qkv, reference_with_grads
+from reference import needs_cuda, random_qkv, reference_with_grads
 from test_exact import BLOCK, MASKS, _batch
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled FlexAttention, bf16)")
+cuda = needs_cuda("needs CUDA (compiled FlexAttention, bf16)")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -311,7 +311,9 @@ def test_flex_cuda_compiled_bf16(mask_name):
     batch = _batch(mask_name, "gqa8/2-d64", dtype="bfloat16")
     plan = torch_dcp.plan(batch, 4, planner="dcp", block_size=BLOCK, divisions=3)
     q, k, v, go = (t.cuda() for t in random_qkv(batch, torch.bfloat16))
-    kern = get_kernel("auto", device="cuda")
+    auto = get_kernel("auto", device="cuda")  # no dtype given: flex for every division, no varlen path
+    assert isinstance(auto, AutoKernel) and isinstance(auto.general, FlexKernel) and auto.fast is None
+    kern = get_kernel("flex")
     assert isinstance(kern, FlexKernel)
     got = torch_dcp.emulate(plan, q, k, v, go, kernel=kern)
     ref = reference_with_grads(batch, *(t.cpu() for t in (q, k, v, go)))

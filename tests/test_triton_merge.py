@@ -19,10 +19,11 @@ from torch_dcp.executor.executor import _Buffer, _Outputs  # noqa: E402
 from torch_dcp.executor.reduce import merge_partials, reduce_loop  # noqa: E402
 from torch_dcp.executor.triton_merge import merge_lse_triton, triton_available  # noqa: E402
 from torch_dcp.plan import ReduceOp  # noqa: E402
+from reference import needs_cuda  # noqa: E402
 from test_executor import _merge_index, _random_reduction  # noqa: E402
 
 LSE = ReduceOp.LSE_MERGE
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = needs_cuda("needs a CUDA device")
 
 
 @pytest.fixture

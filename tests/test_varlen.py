@@ -16,10 +16,10 @@ from torch_dcp import BatchSpec, Causal, Lambda
 from torch_dcp.executor import AutoKernel, ReferenceKernel, VarlenKernel, build_division, get_kernel
 from torch_dcp.executor.varlen import _calls, _coalesce, _fit, plan_segments
 from torch_dcp.plan import BlockwiseAttention
-from reference import random_qkv, reference_with_grads
+from reference import needs_cuda, random_qkv, reference_with_grads
 from test_exact import BLOCK, MASKS, _batch
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flash varlen, bf16)")
+cuda = needs_cuda("needs CUDA (flash varlen, bf16)")
 
 
 def _check(plan, batch, kernel, tol=1e-10, seed=0, dtype=torch.float64, device="cpu"):

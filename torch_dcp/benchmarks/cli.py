@@ -4,15 +4,18 @@
 (:mod:`~torch_dcp.benchmarks.routes`), ``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`),
 ``kernels reduce|table|division|plan`` (:mod:`~torch_dcp.benchmarks.kernels`), ``ops``
 (:mod:`~torch_dcp.benchmarks.ops`), ``step`` (:mod:`~torch_dcp.benchmarks.step`), ``loader``
-(:mod:`~torch_dcp.benchmarks.loader`) and ``scale`` (:mod:`~torch_dcp.benchmarks.scale`)."""
+(:mod:`~torch_dcp.benchmarks.loader`), ``scale`` (:mod:`~torch_dcp.benchmarks.scale`) and ``gpu-report``
+(:mod:`~torch_dcp.benchmarks.gpu_report`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from ..topology import TOPOLOGY_PRESETS, Topology
-from . import balance, common, kernels, loader, ops, pictures, planners, readiness, routes, scale, step, sweeps
+from . import (balance, common, gpu_report, kernels, loader, ops, pictures, planners, readiness, routes, scale, step,
+               sweeps)
 from .common import MASKS
 
 __all__ = ["main", "parser"]
@@ -170,6 +173,10 @@ def parser() -> argparse.ArgumentParser:
                         "simulated time against the rivals", description=scale.__doc__, formatter_class=raw)
     scale.add_arguments(sc)
     sc.set_defaults(run=scale.run)
+    gr = sub.add_parser("gpu-report", help="the whole GPU report: every GPU figure and its target, each stage in "
+                        "its own subprocess and time limit", description=gpu_report.__doc__, formatter_class=raw)
+    gpu_report.add_arguments(gr)
+    gr.set_defaults(run=_gpu_report, error=gr.error)
     return p
 
 
@@ -177,6 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run one benchmark command; returns the exit status."""
     args = parser().parse_args(argv)
     return args.run(args)
+
+
+def _gpu_report(args) -> int:
+    try:
+        return gpu_report.run(args)
+    except gpu_report.NoCudaError as e:
+        print(f"gpu-report: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        args.error(str(e))
 
 
 def _heads(args) -> tuple[int, int]:
@@ -263,6 +280,7 @@ def _reduce(a) -> int:
     tokens = a.tokens or (131072 if dev.type == "cuda" else 16384)
     res = kernels.bench_reduce(tokens, a.heads, a.head_dim, a.partials, a.block, a.op, a.dtype, str(dev), a.repeat,
                                a.copy_mb)
+    print(json.dumps({k: v for k, v in res.items() if isinstance(v, (int, float, str))}))
     print(f"{a.op}: {a.partials} partials -> {tokens} tokens x {a.heads} heads x {a.head_dim}, {a.dtype}, "
           f"blocks of {a.block}, on {common.device_name(dev)}")
     print(f"  loop      {res['loop_s'] * 1e3:10.3f} ms")

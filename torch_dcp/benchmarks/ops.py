@@ -219,7 +219,8 @@ def _plan(args: argparse.Namespace) -> torch_dcp.Plan:
     if args.topology:
         nodes, per = (int(x) for x in args.topology.lower().split("x"))
         topo = torch_dcp.Topology(n_nodes=nodes, ranks_per_node=per)
-    return torch_dcp.plan(batch, topo, planner=args.planner, block_size=args.block_size, divisions=args.divisions)
+    return torch_dcp.plan(batch, topo, planner=args.planner, block_size=args.block_size, divisions=args.divisions,
+                          head_parallel=1)  # the flat plan: one RankExecutor per rank
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -30,7 +30,8 @@ What is measured, all in one run on one batch (``--batch longtail`` by default:
   the documents' ``cu_seqlens`` (GQA native) and ``aten._flash_attention_backward``. A λ (sink +
   window) or other sparse mask has no single varlen call: n/a.
 * **busiest rank of W** (``--ranks W``, W > 1; ``NODESxRANKS`` topology with
-  ``--ranks-per-node``, 4 x 8 for 32): every rank's executor runs in this process on the
+  ``--ranks-per-node``, 4 x 8 for 32; the planner's flat plan, ``head_parallel=1``, whose
+  ranks run the executor on their own tokens): every rank's executor runs in this process on the
   in-process transport; each rank's forward + backward is timed on its own (the device
   synchronised around every stretch a rank runs, waits not counted). The emulated network's
   copies (the in-process transport's send copy and receive copy) are timed apart and excluded:
@@ -237,7 +238,8 @@ def _ranks(batch, args, dev, q, k, v, go) -> dict[str, Any]:
     from torch_dcp._interleave import interleave
 
     topo = _topology(args.ranks, args.ranks_per_node)
-    plan = torch_dcp.plan(batch, topo, planner=args.planner, block_size=args.block_size, divisions=args.divisions)
+    plan = torch_dcp.plan(batch, topo, planner=args.planner, block_size=args.block_size, divisions=args.divisions,
+                          head_parallel=1)  # the flat plan: each rank's executor on its own tokens
     W = plan.world_size
     mailbox = Mailbox()
     nets = [_NetworkTimed(mailbox, r, dev) for r in range(W)]

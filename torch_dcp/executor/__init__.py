@@ -3,6 +3,7 @@
 from .device_plan import DevicePlan
 from .division import Division, build_division
 from .executor import InstructionTime, RankExecutor, dcp_attention, emulate
+from .flash_attn import FlashAttnKernel
 from .flex import FlexKernel
 from .heads import HeadParallelExecutor
 from .make import EXECUTORS, make_executor
@@ -27,6 +28,7 @@ __all__ = [
     "SDPAKernel",
     "FlexKernel",
     "VarlenKernel",
+    "FlashAttnKernel",
     "AutoKernel",
     "get_kernel",
     "Division",

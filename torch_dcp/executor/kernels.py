@@ -322,14 +322,15 @@ class AutoKernel:
     Args:
         general: the kernel for divisions the fast path cannot express (any mask).
         fast: a kernel with ``try_prepare(div, min_rows) -> KernelLayout | None``, or None
-            (always ``general``).
+            (always ``general``): :class:`~torch_dcp.executor.varlen.VarlenKernel` or
+            :class:`~torch_dcp.executor.flash_attn.FlashAttnKernel`.
         min_rows: the fast path only where its segments average at least this many query rows.
+        name: the kernel's name (``"auto"``; ``"flash_attn"`` for :func:`get_kernel`'s
+            ``"flash_attn"``).
     """
 
-    name = "auto"
-
-    def __init__(self, general: DivisionKernel, fast: Any = None, min_rows: int = 32):
-        self.general, self.fast, self.min_rows = general, fast, int(min_rows)
+    def __init__(self, general: DivisionKernel, fast: Any = None, min_rows: int = 32, name: str = "auto"):
+        self.general, self.fast, self.min_rows, self.name = general, fast, int(min_rows), name
         self._by_name = {k.name: k for k in (general, fast) if k is not None}
 
     def prepare(self, div: Division) -> KernelLayout:
@@ -365,7 +366,23 @@ def _varlen_kernel():
     return VarlenKernel()
 
 
-_KERNELS = {"reference": ReferenceKernel, "sdpa": SDPAKernel, "flex": _flex_kernel, "varlen": _varlen_kernel}
+def _general_kernel() -> DivisionKernel:
+    from .flex import flex_available
+
+    return _flex_kernel() if flex_available() else ReferenceKernel()
+
+
+def _flash_attn_kernel() -> AutoKernel:
+    """flash-attn's varlen calls per division, FlexAttention where a division's mask is not a few
+    flash windows (raises :class:`~torch_dcp.executor.flash_attn.FlashAttnUnavailable` without
+    the package)."""
+    from .flash_attn import FlashAttnKernel
+
+    return AutoKernel(_general_kernel(), FlashAttnKernel(), name="flash_attn")
+
+
+_KERNELS = {"reference": ReferenceKernel, "sdpa": SDPAKernel, "flex": _flex_kernel, "varlen": _varlen_kernel,
+            "flash_attn": _flash_attn_kernel}
 
 #: Every kernel name :func:`get_kernel` accepts.
 KERNEL_NAMES: tuple[str, ...] = ("auto", *sorted(_KERNELS))
@@ -378,25 +395,34 @@ def get_kernel(kernel: "str | DivisionKernel | None", device: torch.device | str
     Names: ``"reference"`` (:class:`ReferenceKernel`), ``"sdpa"`` (:class:`SDPAKernel`),
     ``"flex"`` (:class:`~torch_dcp.executor.flex.FlexKernel`), ``"varlen"``
     (:class:`~torch_dcp.executor.varlen.VarlenKernel`; raises at plan time on masks it cannot
-    express), ``"auto"`` (same as None): on a CUDA ``device``, an :class:`AutoKernel` choosing per
-    division between varlen flash (when ``dtype``/``head_dim`` suit the flash kernel: fp16/bf16,
-    ``head_dim`` a multiple of 8 up to 256) and FlexAttention (when this torch has it; else
-    the reference kernel); on CPU, or with no device given, the fused SDPA kernel.
+    express), ``"flash_attn"`` (an :class:`AutoKernel` named ``flash_attn``: the varlen calls
+    through the flash-attn package, :class:`~torch_dcp.executor.flash_attn.FlashAttnKernel`,
+    FlexAttention for divisions they cannot express), ``"auto"`` (same as None): on a CUDA
+    ``device``, an :class:`AutoKernel` choosing per division between varlen flash (when
+    ``dtype``/``head_dim`` suit a flash kernel: fp16/bf16, ``head_dim`` a multiple of 8 up to
+    256; through flash-attn where it is installed and suits the GPU, else aten's) and
+    FlexAttention (when this torch has it; else the reference kernel); on CPU, or with no
+    device given, the fused SDPA kernel.
 
     Raises:
         ValueError: unknown kernel name.
-        RuntimeError: ``"flex"`` on a torch without FlexAttention.
+        RuntimeError: ``"flex"`` on a torch without FlexAttention;
+            :class:`~torch_dcp.executor.flash_attn.FlashAttnUnavailable` (a ``RuntimeError``):
+            ``"flash_attn"`` without the flash-attn package.
     """
     if kernel is None or kernel == "auto":
         if device is None or torch.device(device).type != "cuda":
             return SDPAKernel()
-        from .flex import flex_available
+        from .flash_attn import FlashAttnKernel, flash_attn_backend
         from .varlen import flash_varlen_available
 
-        general = _flex_kernel() if flex_available() else ReferenceKernel()
-        fast = _varlen_kernel() if dtype is not None and head_dim is not None and \
-            flash_varlen_available(device, dtype, head_dim) else None
-        return AutoKernel(general, fast)
+        fast = None
+        if dtype is not None and head_dim is not None:
+            if flash_attn_backend(device, dtype, head_dim) is not None:
+                fast = FlashAttnKernel()
+            elif flash_varlen_available(device, dtype, head_dim):
+                fast = _varlen_kernel()
+        return AutoKernel(_general_kernel(), fast)
     if isinstance(kernel, str):
         try:
             factory = _KERNELS[kernel]

@@ -104,7 +104,7 @@ class DCPConfig:
     fastest N on the simulator) or default (auto for dcp's time objective, else 1)."""
 
     kernel: str = "auto"
-    """Attention kernel of the executor: auto, flex, varlen, sdpa or reference."""
+    """Attention kernel of the executor: auto, flex, varlen, flash_attn, sdpa or reference."""
 
     check_plan: bool = False
     """Validate every plan (every tile once, inputs present, sends matched) before running it."""
