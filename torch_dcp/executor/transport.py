@@ -9,12 +9,13 @@ the in-process transport ever does), so several ranks can run in one process.
 from __future__ import annotations
 
 import datetime
+import threading
 from typing import Any, Generator, Sequence
 
 import torch
 
 __all__ = ["Transport", "InProcessTransport", "Mailbox", "TorchDistributedTransport", "TransferError",
-           "TransferTimeoutError", "as_timedelta", "is_timeout"]
+           "TransferTimeoutError", "PeerRefusedError", "RefusalChannel", "as_timedelta", "is_timeout"]
 
 #: messages of one (phase, peer) pair are told apart by their kind; tags stay below this
 TAGS_PER_PHASE = 16
@@ -41,6 +42,50 @@ class TransferError(RuntimeError):
 class TransferTimeoutError(TransferError, TimeoutError):
     """A rank waited longer than its timeout for peers' messages (a peer froze, failed before
     sending, or runs another plan); ``peers``: the ranks whose messages had not arrived."""
+
+
+class PeerRefusedError(TransferError):
+    """A peer refused an SDPA call of the step (posted on the :class:`RefusalChannel`) while
+    this rank waited for transfers; ``peers``: ``[the refusing rank]``, ``reason``: its message."""
+
+    def __init__(self, message: str, phase: int, peer: int, reason: str):
+        super().__init__(message, phase, [peer])
+        self.reason = reason
+
+
+class RefusalChannel:
+    """One context entry's refusal key in a ``torch.distributed`` Store: a rank that refuses
+    an SDPA call posts ``"<rank>:<reason>"`` under ``key`` before raising; peers waiting for
+    transfers poll it (:class:`TorchDistributedTransport`) and raise :class:`PeerRefusedError`.
+    Nothing is written unless a rank refuses.
+
+    Args:
+        store: the process group's Store (shared by every rank of the group).
+        key: the same on every rank of the group, different for every context entry.
+        rank: this rank in the group.
+    """
+
+    def __init__(self, store: Any, key: str, rank: int):
+        self.store, self.key, self.rank = store, key, rank
+
+    def post(self, reason: str) -> None:
+        """Tell the peers this rank refused (a failing store is ignored: the peers then see the
+        refusal as a timeout)."""
+        try:
+            self.store.set(self.key, f"{self.rank}:{reason}")
+        except Exception:  # pragma: no cover - the store is gone; the peers' waits stay bounded by their timeout
+            pass
+
+    def poll(self) -> "tuple[int, str] | None":
+        """``(rank, reason)`` of a refusal posted by a peer, or ``None`` (one non-blocking check)."""
+        if not self.store.check([self.key]):
+            return None
+        rank, _, reason = self.store.get(self.key).decode("utf-8", "replace").partition(":")
+        return (int(rank), reason) if int(rank) != self.rank else None
+
+
+#: how often (seconds) a rank waiting for transfers looks for a peer's refusal
+REFUSAL_POLL_S = 0.05
 
 
 def as_timedelta(timeout: "float | datetime.timedelta", what: str = "timeout") -> datetime.timedelta:
@@ -138,6 +183,11 @@ class TorchDistributedTransport(Transport):
         comm_group: the group the transfers are posted on (default: ``group``), with the
             same members; on a device backend, one whose own timeout bounds the transfers
             (:func:`~torch_dcp.executor.groups.transfer_group`).
+        refusals: on a CPU device, a :class:`RefusalChannel` polled every
+            :data:`REFUSAL_POLL_S` s while ``wait`` blocks (the transfers complete in a helper
+            thread): a peer's refusal raises :class:`PeerRefusedError` at once instead of a
+            timeout later. The point-to-point state of the group is then undefined (transfers
+            left pending); recover with a fresh group.
 
     On a CPU device ``wait`` blocks the host (gloo completes transfers on the host) and raises
     :class:`TransferTimeoutError` naming the phase and the peers whose messages had not arrived
@@ -149,7 +199,8 @@ class TorchDistributedTransport(Transport):
     """
 
     def __init__(self, group: Any = None, device: torch.device | str = "cpu",
-                 timeout: "float | datetime.timedelta | None" = None, comm_group: Any = None):
+                 timeout: "float | datetime.timedelta | None" = None, comm_group: Any = None,
+                 refusals: RefusalChannel | None = None):
         import torch.distributed as dist
 
         self.dist = dist
@@ -157,6 +208,7 @@ class TorchDistributedTransport(Transport):
         self.comm_group = group if comm_group is None else comm_group
         self.device = torch.device(device)
         self.timeout = None if timeout is None else as_timedelta(timeout)
+        self.refusals = refusals
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._global = {r: (r if group is None else dist.get_global_rank(group, r)) for r in range(self.world_size)}
@@ -184,6 +236,38 @@ class TorchDistributedTransport(Transport):
 
     def wait(self, handle):
         phase, reqs, peers, _keep = handle
+        if self.refusals is not None and self.host_waits and reqs:
+            self._wait_watching(phase, reqs, peers)
+        else:
+            self._wait_all(phase, reqs, peers)
+        return
+        yield  # pragma: no cover - makes this a generator that never blocks the caller
+
+    def _wait_watching(self, phase: int, reqs: list, peers: list[int]) -> None:
+        """:meth:`_wait_all` in a daemon thread while this one polls the refusal channel."""
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._wait_all(phase, reqs, peers)
+            except BaseException as err:  # handed to the waiting thread
+                failure.append(err)
+
+        waiter = threading.Thread(target=run, name=f"torch_dcp-wait-phase{phase}", daemon=True)
+        waiter.start()
+        while True:
+            waiter.join(REFUSAL_POLL_S)
+            if not waiter.is_alive():
+                if failure:
+                    raise failure[0]
+                return
+            refused = self.refusals.poll()
+            if refused is not None:
+                peer, reason = refused
+                raise PeerRefusedError(f"rank {self.rank}: phase {phase}: rank {peer} refused the SDPA call, so its "
+                                       f"transfers will not come: {reason}", phase, peer, reason)
+
+    def _wait_all(self, phase: int, reqs: list, peers: list[int]) -> None:
         for i, req in enumerate(reqs):
             try:
                 if self.timeout is None or not self.host_waits:
@@ -201,5 +285,3 @@ class TorchDistributedTransport(Transport):
                     f"rank {self.rank}: phase {phase}: no message from rank(s) {late} within "
                     f"{self.timeout.total_seconds():g} s (a peer froze, failed before sending, or runs another "
                     "plan)", phase, late) from None
-        return
-        yield  # pragma: no cover - makes this a generator that never blocks the caller
