@@ -48,8 +48,8 @@ class PeerRefusedError(TransferError):
     """A peer refused an SDPA call of the step (posted on the :class:`RefusalChannel`) while
     this rank waited for transfers; ``peers``: ``[the refusing rank]``, ``reason``: its message."""
 
-    def __init__(self, message: str, phase: int, peer: int, reason: str):
-        super().__init__(message, phase, [peer])
+    def __init__(self, message: str, phase: int, peers: list[int], reason: str = ""):
+        super().__init__(message, phase, peers)
         self.reason = reason
 
 
@@ -265,7 +265,7 @@ class TorchDistributedTransport(Transport):
             if refused is not None:
                 peer, reason = refused
                 raise PeerRefusedError(f"rank {self.rank}: phase {phase}: rank {peer} refused the SDPA call, so its "
-                                       f"transfers will not come: {reason}", phase, peer, reason)
+                                       f"transfers will not come: {reason}", phase, [peer], reason)
 
     def _wait_all(self, phase: int, reqs: list, peers: list[int]) -> None:
         for i, req in enumerate(reqs):
