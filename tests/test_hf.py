@@ -209,3 +209,64 @@ def test_hf_gloo(tmp_path):
     FSDP2) against one process; Mistral's sliding window and CPU autocast bf16 on 2 ranks; a
     refusal on one rank of 3 raised by all within 5 s."""
     run_ranks(_ranks, 3, tmp_path, timeout=300)
+
+
+def test_pack_labels_positions_and_count():
+    """pack: documents, a row with position ids and a row with cu_seqlens give the same batch;
+    labels are shifted inside each document (-100 at its end and where the labels were -100)."""
+    from torch_dcp.integrations import hf
+
+    docs = [torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10])]
+    p = hf.pack(docs, n_heads=4, n_kv_heads=2, head_dim=16)
+    assert p.input_ids.tolist() == [[5, 6, 7, 8, 9, 10]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 0, 0, 1]]
+    assert p.labels.tolist() == [[6, 7, -100, -100, 10, -100]]
+    assert p.num_items_in_batch == 3 and p.batch.doc_lens.tolist() == [3, 1, 2]
+    assert p.buffers[0] is p.input_ids and p.buffer_seq_dims == [1, 1, 1]
+    inputs = p.model_inputs()
+    assert inputs["labels"] is inputs["shift_labels"] is p.labels and inputs["num_items_in_batch"] == 3
+    row = torch.cat(docs)
+    for kw in (dict(position_ids=p.position_ids), dict(cu_seqlens=[0, 3, 4, 6])):
+        q = hf.pack(input_ids=row[None], n_heads=4, n_kv_heads=2, head_dim=16, **kw)
+        assert q.labels.tolist() == p.labels.tolist() and q.batch.doc_lens.tolist() == [3, 1, 2]
+    # prompt tokens masked by the caller's labels
+    q = hf.pack(docs, labels=[torch.tensor([-100, -100, 7]), torch.tensor([8]), torch.tensor([9, 10])],
+                n_heads=4, head_dim=16)
+    assert q.labels.tolist() == [[-100, 7, -100, -100, 10, -100]] and q.num_items_in_batch == 2
+    for kwargs, msg in ((dict(documents=docs, input_ids=row), "exactly one of documents"),
+                        (dict(input_ids=row), "exactly one of position_ids"),
+                        (dict(input_ids=row, position_ids=[0, 1, 3, 0, 0, 1]), "rise by 1"),
+                        (dict(input_ids=row, cu_seqlens=[0, 3, 5]), "cu_seqlens"),
+                        (dict(documents=[[1, 2], []]), "non-empty"),
+                        (dict(documents=docs, labels=[[1], [2], [3]]), "labels have 3 tokens")):
+        with pytest.raises(ValueError, match=msg):
+            hf.pack(**{"n_heads": 4, "head_dim": 16, **kwargs})
+    with pytest.raises(ValueError, match="config"):
+        hf.pack(docs)
+
+
+def test_config_masks_and_fallback():
+    """The mask of a config's layers; outside a context the backend is transformers' SDPA (its
+    document mask from restarting position ids included)."""
+    import transformers
+
+    from torch_dcp.integrations import hf
+
+    assert hf.batch_mask(transformers.MistralConfig(sliding_window=64)) == torch_dcp.Lambda(sink=0, window=64)
+    assert hf.batch_mask(transformers.LlamaConfig()) == torch_dcp.Causal()
+    mixed = transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=16,
+                                     max_window_layers=1, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    assert set(mixed.layer_types) == {"sliding_attention", "full_attention"}
+    assert hf.batch_mask(mixed) == torch_dcp.Causal()
+    hf.pack([torch.arange(16), torch.arange(5)], mixed)  # no document longer than the window: exact
+    with pytest.raises(ValueError, match="mixes sliding-window"):
+        hf.pack([torch.arange(17)], mixed)
+    assert hf.model_heads(mixed) == (4, 2, 16)
+    docs = _docs([40, 7, 25])
+    ids = torch.cat(docs)[None]
+    pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    with torch.no_grad():
+        want = _model(attn="sdpa")(ids, position_ids=pos).logits
+        got = _model()(ids, position_ids=pos).logits
+        whole = _model()(ids).logits  # one document: differs
+    assert torch.equal(got, want) and not torch.allclose(whole, want)

@@ -96,17 +96,17 @@ class DCPContext:
         self.refusals = refusals
 
     def refuse(self, reason: str) -> "typing.NoReturn":
-        """Refuse an SDPA call of this step: post ``reason`` on the refusal channel, so that
-        peers waiting for this rank's transfers raise
-        :class:`~torch_dcp.executor.PeerRefusedError` naming this rank and ``reason`` within
-        :data:`~torch_dcp.executor.transport.REFUSAL_POLL_S` s (not after ``timeout``), then
-        raise here.
+        """Refuse the next SDPA call of this step before making it (an integration's own
+        checks): post ``reason`` on the refusal channel, so that peers waiting for this rank's
+        transfers raise :class:`~torch_dcp.executor.PeerRefusedError` naming this rank and
+        ``reason`` within :data:`~torch_dcp.executor.transport.REFUSAL_POLL_S` s (not after
+        ``timeout``), then raise here. Every rank refusing the same call stays in step.
 
         Raises:
             ValueError: always, with ``reason``.
         """
         if self.refusals is not None:
-            self.refusals.post(reason)
+            self.refusals.post(reason, upcoming=True)
         raise ValueError(reason)
 
     def unshard(self, tensor: torch.Tensor, seq_dim: int = 0) -> torch.Tensor:
@@ -356,6 +356,8 @@ def _check_same_plan(plan: Plan, group: Any, rank: int, world: int, timeout: dat
 def _check_call(ctx: DCPContext | None, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> None:
     """:func:`_check_sdpa_call`; a refusal inside a context goes through
     :meth:`DCPContext.refuse`, so that peers waiting for this rank raise too."""
+    if ctx is not None and ctx.refusals is not None:
+        ctx.refusals.begin_call()
     try:
         _check_sdpa_call(ctx, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     except ValueError as err:

@@ -54,10 +54,13 @@ class PeerRefusedError(TransferError):
 
 
 class RefusalChannel:
-    """One context entry's refusal key in a ``torch.distributed`` Store: a rank that refuses
-    an SDPA call posts ``"<rank>:<reason>"`` under ``key`` before raising; peers waiting for
-    transfers poll it (:class:`TorchDistributedTransport`) and raise :class:`PeerRefusedError`.
-    Nothing is written unless a rank refuses.
+    """One context entry's refusals in a ``torch.distributed`` Store. The context counts its
+    SDPA calls (:meth:`begin_call`, alike on every rank); a rank that refuses call ``i`` posts
+    ``(i, rank, reason)`` before raising; a peer waiting for transfers polls the channel
+    (:class:`TorchDistributedTransport`) and raises :class:`PeerRefusedError` for a refusal of
+    a call it has reached and did not refuse itself (ranks that all refuse the same call stay
+    in step and go on). Nothing is written unless a rank refuses; a poll is one store
+    operation (more only after a refusal).
 
     Args:
         store: the process group's Store (shared by every rank of the group).
@@ -67,21 +70,38 @@ class RefusalChannel:
 
     def __init__(self, store: Any, key: str, rank: int):
         self.store, self.key, self.rank = store, key, rank
+        self.call = 0  # SDPA calls begun in this entry
+        self.refused: set[int] = set()  # calls this rank refused
+        self.posted: list[tuple[int, int, str]] = []  # (call, rank, reason) read from the store
+        self._read = 0
 
-    def post(self, reason: str) -> None:
-        """Tell the peers this rank refused (a failing store is ignored: the peers then see the
-        refusal as a timeout)."""
+    def begin_call(self) -> None:
+        """An SDPA call begins (before its checks)."""
+        self.call += 1
+
+    def post(self, reason: str, upcoming: bool = False) -> None:
+        """Tell the peers this rank refused the current call (``upcoming``: the next one, which
+        it will not begin). A failing store is ignored: the peers then see a timeout."""
+        call = self.call + 1 if upcoming else self.call
+        self.refused.add(call)
         try:
-            self.store.set(self.key, f"{self.rank}:{reason}")
+            n = self.store.add(f"{self.key}/n", 1)
+            self.store.set(f"{self.key}/{n}", f"{call}:{self.rank}:{reason}")
         except Exception:  # pragma: no cover - the store is gone; the peers' waits stay bounded by their timeout
             pass
 
     def poll(self) -> "tuple[int, str] | None":
-        """``(rank, reason)`` of a refusal posted by a peer, or ``None`` (one non-blocking check)."""
-        if not self.store.check([self.key]):
-            return None
-        rank, _, reason = self.store.get(self.key).decode("utf-8", "replace").partition(":")
-        return (int(rank), reason) if int(rank) != self.rank else None
+        """``(rank, reason)`` of a peer's refusal of a call this rank has begun and did not
+        refuse, or ``None``."""
+        n = self.store.add(f"{self.key}/n", 0)
+        while self._read < n:
+            self._read += 1
+            call, rank, reason = self.store.get(f"{self.key}/{self._read}").decode("utf-8", "replace").split(":", 2)
+            self.posted.append((int(call), int(rank), reason))
+        for call, rank, reason in self.posted:
+            if rank != self.rank and call <= self.call and call not in self.refused:
+                return rank, reason
+        return None
 
 
 #: how often (seconds) a rank waiting for transfers looks for a peer's refusal
