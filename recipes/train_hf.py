@@ -22,6 +22,7 @@ magnitude) of the step. ``--cp-impl none`` trains that one-process model alone.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -59,6 +60,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.parity is None:
         args.parity = args.cp_impl == "torch_dcp"
     return args
+
+
+@functools.lru_cache(maxsize=2)
+def documents(data: str | None) -> list:
+    """The run's documents as byte tokens (read once per process: scanning the standard library
+    takes seconds)."""
+    return [byte_tokenize(t) for t in load_documents(data)]
 
 
 def build_model(args: argparse.Namespace, attn: str) -> torch.nn.Module:
@@ -114,7 +122,7 @@ def train(args: argparse.Namespace, mesh=None, emit=print) -> list[dict]:
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     ref = build_model(args, "sdpa") if cp and args.parity else None
-    docs = [byte_tokenize(t) for t in load_documents(args.data)]
+    docs = documents(args.data)
     rows = []
     batches = pack_batches(docs, args.tokens_per_step, args.max_doc_len, seed=args.seed)
     for step, batch_docs in enumerate(itertools.islice(batches, args.steps)):

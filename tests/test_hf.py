@@ -162,6 +162,17 @@ def _two_ranks(rank, mesh, ref):
         print(f"[hf] autocast bf16 grad distance to fp32: torch_dcp {d_dcp:.3e}, SDPA without CP {d_sdpa:.3e} "
               f"(ratio {d_dcp / d_sdpa:.2f}); loss {loss:.6f} vs fp32 {ref[0]:.6f}", flush=True)
     assert d_dcp <= 1.5 * d_sdpa and _rel(loss, ref[0]) <= 1e-2
+    # forgotten position ids (transformers then uses 0..S_local-1): refused on every rank (last on
+    # this group: a rank whose tokens happen to have those positions waits in transfers and is told)
+    from torch_dcp.executor import PeerRefusedError
+    from torch_dcp.integrations import hf
+
+    model = _model()
+    packed = hf.pack(docs, model.config)
+    with pytest.raises((ValueError, PeerRefusedError), match="position_ids are not"):
+        with torch_dcp.context_parallel(mesh, buffers=packed.buffers, buffer_seq_dims=packed.buffer_seq_dims,
+                                        no_restore_buffers=set(packed.buffers), batch=packed.batch, planner="ring"):
+            model(**{k: v for k, v in packed.model_inputs().items() if k != "position_ids"})
 
 
 def _refusal(rank, mesh):

@@ -77,16 +77,18 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         is_causal: the layer's causality (default ``module.is_causal``, else True); it must
             agree with the batch's mask.
         sliding_window: the layer's window (query ``i`` sees keys ``j > i - window``), or None.
-        **kwargs: what else transformers passes (position ids, flash-attention metadata,
-            ``output_attentions``): unused, except ``softcap``, ``s_aux``/``sinks`` and
-            ``position_bias``, refused when not None.
+        **kwargs: what else transformers passes: ``position_ids`` ``[1, S_local]`` must be the
+            document-local positions of this rank's tokens (checked once per forward);
+            ``softcap``, ``s_aux``/``sinks`` and ``position_bias`` are refused when not None;
+            the rest (flash-attention metadata, ``output_attentions``) is unused.
 
     Returns:
         ``(out [1, S_local, H, D], None)`` (no attention weights).
 
     Raises:
         ValueError: inside a context, what torch_dcp cannot run exactly (dropout, soft-capping,
-            sinks, a position bias, a mask, a window the batch's mask does not have, or what
+            sinks, a position bias, a mask, a window the batch's mask does not have, position
+            ids that are not the documents' (forgotten: ``0..S_local-1``), or what
             the SDPA interception refuses: dtype, shapes, causality), posted to the peers first.
     """
     ctx = active_context()
@@ -104,7 +106,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is not None:
         ctx.refuse(f"{where}: the attention got a mask {list(attention_mask.shape)}; under torch_dcp the mask is the "
                    "BatchSpec's (pass no 4-D attention_mask to the model)")
-    reason = _window_mismatch(ctx, module, sliding_window)
+    reason = _window_mismatch(ctx, module, sliding_window) or _positions_mismatch(ctx, kwargs.get("position_ids"))
     if reason:
         ctx.refuse(f"{where}: {reason}")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -126,6 +128,33 @@ def _window_mismatch(ctx: DCPContext, module: torch.nn.Module, window: int | Non
             return (f"the layer attends fully, the batch's mask of document {d} ({n} tokens) is {m!r}: a model mixing "
                     "sliding-window and full layers runs under one plan only when no document is longer than the "
                     "window (one plan serves one mask)")
+    return None
+
+
+#: (context, position ids tensor, its version) last found right: a forward's layers share one tensor, checked once
+_positions_checked: tuple = (None, None, -1)
+
+
+def _positions_mismatch(ctx: DCPContext, position_ids: Any) -> str | None:
+    """Why the model's ``[1, S_local]`` position ids are not the document-local positions of
+    this rank's tokens (forgotten position ids become ``0..S_local-1``: RoPE silently wrong),
+    or ``None``. Read once per forward (one device-to-host copy)."""
+    global _positions_checked
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return None  # not given, or another layout (e.g. multimodal 3-D positions): nothing to compare
+    key = (ctx, position_ids, position_ids._version)
+    if all(a is b for a, b in zip(key[:2], _positions_checked[:2])) and key[2] == _positions_checked[2]:
+        return None
+    batch, idx = ctx.plan.batch, ctx.plan.token_indices(ctx.rank)
+    cu = batch.cu_seqlens
+    want = idx - cu[np.searchsorted(cu, idx, side="right") - 1]
+    got = position_ids[0].detach().cpu().numpy()
+    if got.shape != want.shape or not np.array_equal(got, want):
+        bad = int(np.argmax(got != want)) if got.shape == want.shape else 0
+        return (f"position_ids are not the document-local positions of rank {ctx.rank}'s tokens (local token {bad}: "
+                f"{got[bad] if got.size else None}, expected {want[bad] if want.size else None}); pass the batch's "
+                "position ids, sharded with the other buffers (torch_dcp.integrations.hf.pack)")
+    _positions_checked = key
     return None
 
 
