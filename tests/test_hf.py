@@ -63,7 +63,8 @@ def _set_scaling(model, scaling):
         layer.self_attn.scaling = scaling
 
 
-def _dcp_step(mesh, docs, planner, fsdp=False, kind="llama", autocast=False, scaling=None, **over):
+def _dcp_step(mesh, docs, planner, fsdp=False, kind="llama", autocast=False, scaling=None, checkpointing=False,
+              **over):
     """The natural call under torch_dcp: (global loss, {name: full gradient})."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -73,6 +74,8 @@ def _dcp_step(mesh, docs, planner, fsdp=False, kind="llama", autocast=False, sca
     model = _model(kind, **over)
     if scaling is not None:
         _set_scaling(model, scaling)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     world = mesh.size()
     if fsdp:
         for layer in model.model.layers:
@@ -119,23 +122,25 @@ def _report(rank, label, loss_rel, grad_rel):
 
 
 def _natural_call_cases(rank, world, mesh, ref):
-    """The natural call with the greedy and ring planners (the recipe runs dcp with FSDP2)."""
+    """The natural call with the greedy and ring planners (ring with gradient checkpointing; the
+    recipe runs dcp with FSDP2)."""
     docs = _docs()
-    for planner in ("greedy", "ring"):
-        loss, grads = _dcp_step(mesh, docs, planner, scaling=SCALING)
+    for planner in ("greedy", "ring"):  # ring with transformers' gradient checkpointing
+        loss, grads = _dcp_step(mesh, docs, planner, scaling=SCALING, checkpointing=planner == "ring")
         lr, gr = _rel(loss, ref[0]), _grad_rel(grads, ref[1])
         _report(rank, f"{world} {planner}", lr, gr)
         assert lr <= TOL and gr <= TOL, (planner, lr, gr)
 
 
-def _recipe(rank, world, mesh):
-    """recipes/train_hf.py: a transformers Llama, FSDP2, the dcp planner, real documents (a
-    1536-token document in a 2048-token batch: split over ranks), parity with one process."""
+def _recipe(rank, world, mesh, steps):
+    """recipes/train_hf.py: a transformers Llama, FSDP2, the dcp planner, real documents (this
+    package's sources: quicker to read than the standard library's; a 1536-token document in a
+    2048-token batch, split over ranks), parity with one process."""
     sys.path.insert(0, str(ROOT / "recipes"))
     import train_hf
 
-    args = train_hf.parse(["--steps", "2", "--tokens-per-step", "2048", "--max-doc-len", "1536", "--block-size", "128",
-                           "--dim", "64", "--ffn-hidden", "128"])
+    args = train_hf.parse(["--steps", str(steps), "--tokens-per-step", "2048", "--max-doc-len", "1536", "--block-size", "128",
+                           "--dim", "64", "--ffn-hidden", "128", "--data", str(ROOT / "torch_dcp")])
     rows = train_hf.train(args, mesh, emit=lambda row: None)
     for r in rows:
         _report(rank, f"{world} recipe dcp fsdp2 step {r['step']}", r["loss_rel"], r["grad_rel"])
@@ -146,7 +151,7 @@ def _recipe(rank, world, mesh):
 def _two_ranks(rank, mesh, ref):
     """Ranks 0 and 1 of the three, on a mesh of their own."""
     _natural_call_cases(rank, 2, mesh, ref)
-    _recipe(rank, 2, mesh)
+    _recipe(rank, 2, mesh, steps=2)
     # sliding-window layers (Mistral, window 128 < the longest documents): the Lambda mask
     docs = _docs()
     ref_w = _reference(docs, "mistral", sliding_window=128)
@@ -208,7 +213,7 @@ def _ranks(rank, world, mesh):
     pair = DeviceMesh("cpu", [0, 1])  # every rank takes part in creating its group
     ref = _reference(_docs(), scaling=SCALING)
     _natural_call_cases(rank, world, mesh, ref)
-    _recipe(rank, world, mesh)
+    _recipe(rank, world, mesh, steps=1)
     if rank < 2:
         _two_ranks(rank, pair, ref)
     _refusal(rank, mesh)  # last: the refusal leaves transfers pending on the group

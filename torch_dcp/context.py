@@ -377,7 +377,8 @@ def _check_sdpa_call(ctx: DCPContext | None, query, key, value, attn_mask, dropo
     traces it (the rest is checked by the op when it runs: :func:`_check_traced_call`)."""
     if attn_mask is not None:
         raise ValueError("torch_dcp: SDPA got an explicit attn_mask; under torch_dcp the mask is the BatchSpec's mask "
-                         "spec with document boundaries (remove attn_mask)")
+                         "spec with document boundaries (remove attn_mask; a transformers model: "
+                         "attn_implementation=\"torch_dcp\", from torch_dcp.integrations.hf)")
     if dropout_p:
         raise ValueError(f"torch_dcp: attention dropout (dropout_p={dropout_p}) is not supported")
     from torch.distributed.tensor import DTensor
@@ -400,7 +401,8 @@ def _check_sdpa_call(ctx: DCPContext | None, query, key, value, attn_mask, dropo
         _check_tensor(name, t, None, DTensor)
         if t.dtype != getattr(torch, b.dtype):
             raise ValueError(f"torch_dcp: SDPA {name} has dtype {t.dtype}, but the plan's BatchSpec dtype is {b.dtype} "
-                             "(autocast or a cast changed it? build the BatchSpec with the dtype attention runs in)")
+                             "(a cast changed it? build the BatchSpec with the dtype attention runs in: under torch.autocast, "
+                             "the autocast dtype)")
         if t.device != query.device:
             raise ValueError(f"torch_dcp: SDPA {name} is on {t.device}, query on {query.device}")
         if t.shape[2] != s_local:
