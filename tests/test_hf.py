@@ -35,10 +35,12 @@ def _model(kind="llama", attn="torch_dcp", seed=0, **over):
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=2048)
     common.update(over)
-    config = (transformers.MistralConfig if kind == "mistral" else transformers.LlamaConfig)(**common)
+    config_cls, cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                       "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+                       "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[kind]
+    config = config_cls(**common)
     config._attn_implementation = attn
     torch.manual_seed(seed)
-    cls = transformers.MistralForCausalLM if kind == "mistral" else transformers.LlamaForCausalLM
     return cls(config)
 
 
@@ -158,6 +160,14 @@ def _two_ranks(rank, mesh, ref):
     loss, grads = _dcp_step(mesh, docs, "greedy", kind="mistral", sliding_window=128)
     lr, gr = _rel(loss, ref_w[0]), _grad_rel(grads, ref_w[1])
     _report(rank, "2 mistral window 128", lr, gr)
+    assert lr <= TOL and gr <= TOL
+    # a Gemma-style mix (Qwen2: layer 0 full, layer 1 sliding over 64 tokens), documents within the window
+    short = _docs([40, 7, 64, 25, 60])
+    mix = dict(use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    ref_m = _reference(short, "qwen2", **mix)
+    loss, grads = _dcp_step(mesh, short, "ring", kind="qwen2", **mix)
+    lr, gr = _rel(loss, ref_m[0]), _grad_rel(grads, ref_m[1])
+    _report(rank, "2 qwen2 full + sliding 64", lr, gr)
     assert lr <= TOL and gr <= TOL
     # autocast bf16: as close to fp32 as autocast SDPA without CP
     one = _reference(docs, autocast=True, scaling=SCALING)

@@ -15,8 +15,9 @@ Inside :func:`torch_dcp.context_parallel` the mask function builds no mask (tran
 build a 4-D document mask from each rank's reordered positions on some ranks and not others) and
 the attention function runs ``F.scaled_dot_product_attention`` with the BatchSpec's mask: GQA
 without ``repeat_kv``, the module's ``scaling`` honoured, a layer's ``sliding_window`` checked
-against the batch's mask (:class:`~torch_dcp.Lambda` with ``window`` = the layer's window; a
-:class:`~torch_dcp.Causal` batch is accepted where no document is longer than the window).
+against the batch's mask (:class:`~torch_dcp.Lambda` with ``window`` = the layer's window, its
+``sink`` the BatchSpec's choice; any causal mask is accepted for documents no longer than the
+window, so Gemma-style mixes of sliding and full layers run while no document is longer).
 Attention dropout, soft-capping, attention sinks, a position bias, a 4-D mask and padding
 (a 2-D ``attention_mask`` with zeros) are refused through :meth:`~torch_dcp.DCPContext.refuse`,
 so peers waiting for the refusing rank raise too. Outside a context both fall back to
@@ -117,17 +118,27 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 def _window_mismatch(ctx: DCPContext, module: torch.nn.Module, window: int | None) -> str | None:
     """Why the layer's window (``None``: full attention) disagrees with the batch's masks, or
-    ``None`` when every document gets the layer's mask."""
+    ``None`` when every document gets the layer's mask (documents no longer than the window
+    get it under any causal mask)."""
     batch = ctx.plan.batch
-    for d in range(batch.n_docs):
-        n, m = int(batch.doc_lens[d]), batch.mask_of(d)
-        if window is not None and n > window and not (isinstance(m, Lambda) and m.window == window):
-            return (f"the layer has a sliding window of {window} tokens, document {d} ({n} tokens) has the mask {m!r}; "
-                    f"build the BatchSpec with Lambda(sink=0, window={window}) (batch_mask(config))")
-        if window is None and isinstance(m, Lambda) and n > m.window and _has_sliding_layers(module):
-            return (f"the layer attends fully, the batch's mask of document {d} ({n} tokens) is {m!r}: a model mixing "
-                    "sliding-window and full layers runs under one plan only when no document is longer than the "
-                    "window (one plan serves one mask)")
+    if window is not None:
+        fits = np.array([isinstance(m, Lambda) and m.window == window for m in batch.masks])
+        bad = np.nonzero((batch.doc_lens > window) & ~fits[batch.doc_mask])[0]
+        if len(bad):
+            d = int(bad[0])
+            return (f"the layer has a sliding window of {window} tokens, document {d} ({batch.doc_lens[d]} tokens) has "
+                    f"the mask {batch.mask_of(d)!r}; build the BatchSpec with Lambda(sink=0, window={window}) "
+                    "(batch_mask(config))")
+        return None
+    if not _has_sliding_layers(module):
+        return None
+    windows = np.array([m.window if isinstance(m, Lambda) else np.iinfo(np.int64).max for m in batch.masks])
+    bad = np.nonzero(batch.doc_lens > windows[batch.doc_mask])[0]
+    if len(bad):
+        d = int(bad[0])
+        return (f"the layer attends fully, the batch's mask of document {d} ({batch.doc_lens[d]} tokens) is "
+                f"{batch.mask_of(d)!r}: a model mixing sliding-window and full layers runs under one plan only when no "
+                "document is longer than the window (one plan serves one mask)")
     return None
 
 
