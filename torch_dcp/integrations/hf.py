@@ -121,25 +121,22 @@ def _window_mismatch(ctx: DCPContext, module: torch.nn.Module, window: int | Non
     ``None`` when every document gets the layer's mask (documents no longer than the window
     get it under any causal mask)."""
     batch = ctx.plan.batch
-    if window is not None:
-        fits = np.array([isinstance(m, Lambda) and m.window == window for m in batch.masks])
-        bad = np.nonzero((batch.doc_lens > window) & ~fits[batch.doc_mask])[0]
-        if len(bad):
-            d = int(bad[0])
-            return (f"the layer has a sliding window of {window} tokens, document {d} ({batch.doc_lens[d]} tokens) has "
-                    f"the mask {batch.mask_of(d)!r}; build the BatchSpec with Lambda(sink=0, window={window}) "
-                    "(batch_mask(config))")
+    whole = np.iinfo(np.int64).max
+    if window is not None:  # longest document each of the batch's masks serves as the layer's
+        limits = [whole if isinstance(m, Lambda) and m.window == window else window for m in batch.masks]
+        what, hint = (f"the layer has a sliding window of {window} tokens",
+                      f"build the BatchSpec with Lambda(sink=0, window={window}) (batch_mask(config))")
+    elif _has_sliding_layers(module):
+        limits = [m.window if isinstance(m, Lambda) else whole for m in batch.masks]
+        what, hint = ("the layer attends fully", "a model mixing sliding-window and full layers runs under one plan "
+                      "only when no document is longer than the window (one plan serves one mask)")
+    else:
         return None
-    if not _has_sliding_layers(module):
+    bad = np.nonzero(batch.doc_lens > np.array(limits, np.int64)[batch.doc_mask])[0]
+    if not len(bad):
         return None
-    windows = np.array([m.window if isinstance(m, Lambda) else np.iinfo(np.int64).max for m in batch.masks])
-    bad = np.nonzero(batch.doc_lens > windows[batch.doc_mask])[0]
-    if len(bad):
-        d = int(bad[0])
-        return (f"the layer attends fully, the batch's mask of document {d} ({batch.doc_lens[d]} tokens) is "
-                f"{batch.mask_of(d)!r}: a model mixing sliding-window and full layers runs under one plan only when no "
-                "document is longer than the window (one plan serves one mask)")
-    return None
+    d = int(bad[0])
+    return f"{what}, document {d} ({batch.doc_lens[d]} tokens) has the mask {batch.mask_of(d)!r}; {hint}"
 
 
 #: (context, position ids tensor, its version) last found right: a forward's layers share one tensor, checked once
