@@ -190,50 +190,65 @@ def _two_ranks(rank, mesh, ref):
             model(**{k: v for k, v in packed.model_inputs().items() if k != "position_ids"})
 
 
-def _refusal(rank, mesh):
-    """A refusal on rank 1 of 3 (attention dropout in training mode): every rank raises within
-    5 s (the context's timeout is 600 s), the peers naming rank 1 and its reason."""
-    from torch_dcp.executor import PeerRefusedError
+def _refusal(rank, mesh, group_mesh):
+    """Refusals on rank 1 of 3, every rank raising within 5 s (the contexts' timeout is 600 s),
+    the peers naming rank 1 and its reason: a float64 query refused by the SDPA interception
+    (on a group of its own), then attention dropout in training mode refused by the backend."""
+    import torch.nn.functional as F
+
     from torch_dcp.integrations import hf
 
+    batch = torch_dcp.BatchSpec(LENS, torch_dcp.Causal(), n_heads=4, n_kv_heads=2, head_dim=16, dtype="float32")
+    with torch_dcp.context_parallel(group_mesh, batch=batch, planner="ring", timeout=600) as ctx:
+        n = ctx.plan.local_tokens(rank)
+        q, kv = torch.randn(1, 4, n, 16), torch.randn(1, 2, n, 16)
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as info:
+            F.scaled_dot_product_attention(q.double() if rank == 1 else q, kv, kv, is_causal=True, enable_gqa=True)
+        _check_refused(rank, info.value, time.monotonic() - t0, "dtype torch.float64")
     model = _model(attention_dropout=0.1 if rank == 1 else 0.0)
     packed = hf.pack(_docs(), model.config)
-    t0 = None
-    with pytest.raises((ValueError, PeerRefusedError)) as info:
+    with pytest.raises(Exception) as info:
         with torch_dcp.context_parallel(mesh, buffers=packed.buffers, buffer_seq_dims=packed.buffer_seq_dims,
                                         no_restore_buffers=set(packed.buffers), batch=packed.batch, planner="ring",
                                         timeout=600):
             t0 = time.monotonic()
             model(**packed.model_inputs()).loss.backward()
-    took = time.monotonic() - t0
-    print(f"[hf] rank {rank}: refusal raised after {took:.2f} s: {type(info.value).__name__}: {info.value}",
-          flush=True)
-    assert took < 5.0
-    assert "dropout" in str(info.value)
+    _check_refused(rank, info.value, time.monotonic() - t0, "dropout")
+
+
+def _check_refused(rank, err, took, reason):
+    from torch_dcp.executor import PeerRefusedError
+
+    print(f"[hf] rank {rank}: refusal raised after {took:.2f} s: {type(err).__name__}: {err}", flush=True)
+    assert took < 5.0 and reason in str(err), (took, err)
     if rank == 1:
-        assert type(info.value) is ValueError
+        assert type(err) is ValueError, err
     else:
-        assert isinstance(info.value, PeerRefusedError) and info.value.peers == [1] and "rank 1" in str(info.value)
-        assert "dropout" in info.value.reason
+        assert isinstance(err, PeerRefusedError) and err.peers == [1] and "rank 1" in str(err), err
+        assert reason in err.reason
 
 
 def _ranks(rank, world, mesh):
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     pair = DeviceMesh("cpu", [0, 1])  # every rank takes part in creating its group
+    spare = DeviceMesh.from_group(dist.new_group([0, 1, 2]), "cpu")  # for a refusal: left with transfers pending
     ref = _reference(_docs(), scaling=SCALING)
     _natural_call_cases(rank, world, mesh, ref)
     _recipe(rank, world, mesh, steps=1)
     if rank < 2:
         _two_ranks(rank, pair, ref)
-    _refusal(rank, mesh)  # last: the refusal leaves transfers pending on the group
+    _refusal(rank, mesh, spare)  # last: a refusal leaves transfers pending on its group
 
 
 def test_hf_gloo(tmp_path):
     """On 3 gloo ranks, and on 2 of them: the natural call (restarting position ids, no
     attention_mask, attn_implementation="torch_dcp") with greedy and ring, the recipe (dcp,
     FSDP2) against one process; Mistral's sliding window and CPU autocast bf16 on 2 ranks; a
-    refusal on one rank of 3 raised by all within 5 s."""
+    refusal on one rank of 3 raised by all within 5 s (by the SDPA interception, and by the
+    backend)."""
     run_ranks(_ranks, 3, tmp_path, timeout=300)
 
 

@@ -9,6 +9,7 @@ the in-process transport ever does), so several ranks can run in one process.
 from __future__ import annotations
 
 import datetime
+import queue
 import threading
 from typing import Any, Generator, Sequence
 
@@ -108,6 +109,33 @@ class RefusalChannel:
 REFUSAL_POLL_S = 0.05
 
 
+class _Waiter:
+    """A daemon thread running the blocking waits handed to it, one at a time (one thread for
+    every wait of the process: no thread started per wait)."""
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="torch_dcp-waiter", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            fn, done, failure = self.jobs.get()
+            try:
+                fn()
+            except BaseException as err:  # handed to the waiting thread
+                failure.append(err)
+            done.set()
+
+    def submit(self, fn: Any) -> tuple[threading.Event, list]:
+        done, failure = threading.Event(), []
+        self.jobs.put((fn, done, failure))
+        return done, failure
+
+
+#: the process's waiter; replaced when a refusal leaves it blocked on a wait that will not complete
+_waiter: _Waiter | None = None
+
+
 def as_timedelta(timeout: "float | datetime.timedelta", what: str = "timeout") -> datetime.timedelta:
     """Seconds or a ``timedelta`` as a positive ``timedelta``.
 
@@ -204,7 +232,7 @@ class TorchDistributedTransport(Transport):
             same members; on a device backend, one whose own timeout bounds the transfers
             (:func:`~torch_dcp.executor.groups.transfer_group`).
         refusals: on a CPU device, a :class:`RefusalChannel` polled every
-            :data:`REFUSAL_POLL_S` s while ``wait`` blocks (the transfers complete in a helper
+            :data:`REFUSAL_POLL_S` s while ``wait`` blocks (the transfers complete in a waiter
             thread): a peer's refusal raises :class:`PeerRefusedError` at once instead of a
             timeout later. The point-to-point state of the group is then undefined (transfers
             left pending); recover with a fresh group.
@@ -264,28 +292,20 @@ class TorchDistributedTransport(Transport):
         yield  # pragma: no cover - makes this a generator that never blocks the caller
 
     def _wait_watching(self, phase: int, reqs: list, peers: list[int]) -> None:
-        """:meth:`_wait_all` in a daemon thread while this one polls the refusal channel."""
-        failure: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                self._wait_all(phase, reqs, peers)
-            except BaseException as err:  # handed to the waiting thread
-                failure.append(err)
-
-        waiter = threading.Thread(target=run, name=f"torch_dcp-wait-phase{phase}", daemon=True)
-        waiter.start()
-        while True:
-            waiter.join(REFUSAL_POLL_S)
-            if not waiter.is_alive():
-                if failure:
-                    raise failure[0]
-                return
+        """:meth:`_wait_all` in the waiter thread while this one polls the refusal channel."""
+        global _waiter
+        if _waiter is None:
+            _waiter = _Waiter()
+        done, failure = _waiter.submit(lambda: self._wait_all(phase, reqs, peers))
+        while not done.wait(REFUSAL_POLL_S):
             refused = self.refusals.poll()
             if refused is not None:
+                _waiter = None  # left blocked until the wait's timeout, or until the group closes
                 peer, reason = refused
                 raise PeerRefusedError(f"rank {self.rank}: phase {phase}: rank {peer} refused the SDPA call, so its "
                                        f"transfers will not come: {reason}", phase, [peer], reason)
+        if failure:
+            raise failure[0]
 
     def _wait_all(self, phase: int, reqs: list, peers: list[int]) -> None:
         for i, req in enumerate(reqs):
