@@ -86,7 +86,8 @@ def build_model(args: argparse.Namespace, attn: str) -> torch.nn.Module:
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter's whole gradient (FSDP2's sharded ones gathered: a collective)."""
-    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in model.named_parameters()}
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+            for n, p in model.named_parameters()}
 
 
 @torch.no_grad()

@@ -141,8 +141,8 @@ def _recipe(rank, world, mesh, steps):
     sys.path.insert(0, str(ROOT / "recipes"))
     import train_hf
 
-    args = train_hf.parse(["--steps", str(steps), "--tokens-per-step", "2048", "--max-doc-len", "1536", "--block-size", "128",
-                           "--dim", "64", "--ffn-hidden", "128", "--data", str(ROOT / "torch_dcp")])
+    args = train_hf.parse(["--steps", str(steps), "--tokens-per-step", "2048", "--max-doc-len", "1536",
+                           "--block-size", "128", "--dim", "64", "--ffn-hidden", "128", "--data", str(ROOT / "torch_dcp")])
     rows = train_hf.train(args, mesh, emit=lambda row: None)
     for r in rows:
         _report(rank, f"{world} recipe dcp fsdp2 step {r['step']}", r["loss_rel"], r["grad_rel"])

@@ -354,8 +354,9 @@ def _check_same_plan(plan: Plan, group: Any, rank: int, world: int, timeout: dat
 
 
 def _check_call(ctx: DCPContext | None, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> None:
-    """:func:`_check_sdpa_call`; a refusal inside a context goes through
-    :meth:`DCPContext.refuse`, so that peers waiting for this rank raise too."""
+    """:func:`_check_sdpa_call`, the call counted on the context's refusal channel; a refusal
+    inside a context is posted there before it is raised, so that peers waiting for this
+    rank's transfers raise too (:class:`~torch_dcp.executor.RefusalChannel`)."""
     if ctx is not None and ctx.refusals is not None:
         ctx.refusals.begin_call()
     try:
@@ -371,10 +372,10 @@ def _check_sdpa_call(ctx: DCPContext | None, query, key, value, attn_mask, dropo
     """Raise ``ValueError`` when an SDPA call contradicts the plan (never compute a silently
     wrong answer). Only local metadata and the plan are read, before any communication (a rank
     whose call differs from its peers' posts its refusal for them). ``ctx=None``: only what
-    does not depend on the plan (an
-    ``attn_mask``, dropout, inputs that are not plain ``[1, heads, S, head_dim]`` tensors on one
-    device, fewer key/value heads without ``enable_gqa``), what the wrapper checks while Dynamo
-    traces it (the rest is checked by the op when it runs: :func:`_check_traced_call`)."""
+    does not depend on the plan (an ``attn_mask``, dropout, inputs that are not plain
+    ``[1, heads, S, head_dim]`` tensors on one device, fewer key/value heads without
+    ``enable_gqa``), what the wrapper checks while Dynamo traces it (the rest is checked by
+    the op when it runs: :func:`_check_traced_call`)."""
     if attn_mask is not None:
         raise ValueError("torch_dcp: SDPA got an explicit attn_mask; under torch_dcp the mask is the BatchSpec's mask "
                          "spec with document boundaries (remove attn_mask; a transformers model: "
@@ -401,8 +402,8 @@ def _check_sdpa_call(ctx: DCPContext | None, query, key, value, attn_mask, dropo
         _check_tensor(name, t, None, DTensor)
         if t.dtype != getattr(torch, b.dtype):
             raise ValueError(f"torch_dcp: SDPA {name} has dtype {t.dtype}, but the plan's BatchSpec dtype is {b.dtype} "
-                             "(a cast changed it? build the BatchSpec with the dtype attention runs in: under torch.autocast, "
-                             "the autocast dtype)")
+                             "(a cast changed it? build the BatchSpec with the dtype attention runs in: under "
+                             "torch.autocast, the autocast dtype)")
         if t.device != query.device:
             raise ValueError(f"torch_dcp: SDPA {name} is on {t.device}, query on {query.device}")
         if t.shape[2] != s_local:
