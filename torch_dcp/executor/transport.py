@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+import time
 from typing import Any, Generator, Sequence
 
 import torch
@@ -111,29 +112,58 @@ REFUSAL_POLL_S = 0.05
 
 class _Waiter:
     """A daemon thread running the blocking waits handed to it, one at a time (one thread for
-    every wait of the process: no thread started per wait)."""
+    every wait of the process: no thread started per wait). It holds nothing between waits."""
 
     def __init__(self):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="torch_dcp-waiter", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="torch_dcp-waiter", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
         while True:
-            fn, done, failure = self.jobs.get()
+            job = self.jobs.get()
+            if job is None:
+                return
+            fn, done, failure = job
+            job = None
             try:
                 fn()
             except BaseException as err:  # handed to the waiting thread
                 failure.append(err)
             done.set()
+            fn = done = failure = None  # the transport and its group are not kept alive between waits
 
     def submit(self, fn: Any) -> tuple[threading.Event, list]:
         done, failure = threading.Event(), []
         self.jobs.put((fn, done, failure))
         return done, failure
 
+    def close(self) -> None:
+        """End the thread once its current wait (if any) returns."""
+        self.jobs.put(None)
 
-#: the process's waiter; replaced when a refusal leaves it blocked on a wait that will not complete
+
+#: the process's waiter, and those a refusal left blocked on a wait that will not complete
+#: (they end when it fails: at its timeout, or when the group is destroyed)
 _waiter: _Waiter | None = None
+_abandoned: list[_Waiter] = []
+
+
+def stop_waiters(timeout: float = 5.0) -> None:
+    """End the process's waiter threads (:func:`torch_dcp.shutdown` calls it after destroying
+    the groups, which unblocks a waiter a refusal left waiting), joining them at most
+    ``timeout`` seconds in all."""
+    global _waiter
+    if _waiter is not None:
+        _abandoned.append(_waiter)
+        _waiter.close()
+        _waiter = None
+    deadline = time.monotonic() + timeout
+    while _abandoned:
+        _abandoned[0].thread.join(max(0.0, deadline - time.monotonic()))
+        if _abandoned[0].thread.is_alive():
+            return
+        _abandoned.pop(0)
 
 
 def as_timedelta(timeout: "float | datetime.timedelta", what: str = "timeout") -> datetime.timedelta:
@@ -300,7 +330,9 @@ class TorchDistributedTransport(Transport):
         while not done.wait(REFUSAL_POLL_S):
             refused = self.refusals.poll()
             if refused is not None:
-                _waiter = None  # left blocked until the wait's timeout, or until the group closes
+                _waiter.close()  # left blocked until the wait's timeout, or until the group closes
+                _abandoned.append(_waiter)
+                _waiter = None
                 peer, reason = refused
                 raise PeerRefusedError(f"rank {self.rank}: phase {phase}: rank {peer} refused the SDPA call, so its "
                                        f"transfers will not come: {reason}", phase, [peer], reason)

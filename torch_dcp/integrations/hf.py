@@ -38,6 +38,7 @@ This module imports transformers (``pip install 'torch-dcp[hf]'``, ``transformer
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -139,8 +140,9 @@ def _window_mismatch(ctx: DCPContext, module: torch.nn.Module, window: int | Non
     return f"{what}, document {d} ({batch.doc_lens[d]} tokens) has the mask {batch.mask_of(d)!r}; {hint}"
 
 
-#: (context, position ids tensor, its version) last found right: a forward's layers share one tensor, checked once
-_positions_checked: tuple = (None, None, -1)
+#: weak references to the (context, position ids tensor) last found right, and the tensor's version: a
+#: forward's layers share one tensor, checked once (weak: nothing here keeps a context or its group alive)
+_positions_checked: tuple = (lambda: None, lambda: None, -1)
 
 
 def _positions_mismatch(ctx: DCPContext, position_ids: Any) -> str | None:
@@ -150,8 +152,8 @@ def _positions_mismatch(ctx: DCPContext, position_ids: Any) -> str | None:
     global _positions_checked
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
         return None  # not given, or another layout (e.g. multimodal 3-D positions): nothing to compare
-    key = (ctx, position_ids, position_ids._version)
-    if all(a is b for a, b in zip(key[:2], _positions_checked[:2])) and key[2] == _positions_checked[2]:
+    last_ctx, last_pos, version = _positions_checked
+    if last_ctx() is ctx and last_pos() is position_ids and version == position_ids._version:
         return None
     batch, idx = ctx.plan.batch, ctx.plan.token_indices(ctx.rank)
     cu = batch.cu_seqlens
@@ -162,7 +164,7 @@ def _positions_mismatch(ctx: DCPContext, position_ids: Any) -> str | None:
         return (f"position_ids are not the document-local positions of rank {ctx.rank}'s tokens (local token {bad}: "
                 f"{got[bad] if got.size else None}, expected {want[bad] if want.size else None}); pass the batch's "
                 "position ids, sharded with the other buffers (torch_dcp.integrations.hf.pack)")
-    _positions_checked = key
+    _positions_checked = (weakref.ref(ctx), weakref.ref(position_ids), position_ids._version)
     return None
 
 
