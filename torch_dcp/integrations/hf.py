@@ -18,8 +18,9 @@ without ``repeat_kv``, the module's ``scaling`` honoured, a layer's ``sliding_wi
 against the batch's mask (:class:`~torch_dcp.Lambda` with ``window`` = the layer's window, its
 ``sink`` the BatchSpec's choice; any causal mask is accepted for documents no longer than the
 window, so Gemma-style mixes of sliding and full layers run while no document is longer).
-Attention dropout, soft-capping, attention sinks, a position bias, a 4-D mask and padding
-(a 2-D ``attention_mask`` with zeros) are refused through :meth:`~torch_dcp.DCPContext.refuse`,
+Attention dropout, soft-capping, attention sinks, a position bias, a 4-D mask, padding (a 2-D
+``attention_mask`` with zeros) and position ids that are not the documents' (forgotten ones:
+``0..S_local-1``) are refused through :meth:`~torch_dcp.DCPContext.refuse`,
 so peers waiting for the refusing rank raise too. Outside a context both fall back to
 transformers' ``"sdpa"`` functions (the model then behaves as with ``attn_implementation="sdpa"``).
 
