@@ -43,3 +43,54 @@ def _worker(rank: int, world: int, mesh) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_multiprocess_exact(world, tmp_path):
     run_ranks(_worker, world, tmp_path)
+
+
+def test_refusal_channel_tells_peers_only_what_concerns_them():
+    """A refusal concerns a peer that has begun that call and did not refuse it too (ranks that
+    all refuse the same call stay in step); a poll before any refusal reads nothing else."""
+    import torch.distributed as dist
+
+    from torch_dcp.executor import RefusalChannel
+
+    store = dist.HashStore()
+    a, b, c = (RefusalChannel(store, "entry", r) for r in range(3))
+    for ch in (a, b, c):
+        ch.begin_call()
+    assert a.poll() is None
+    b.post("rank 1 has float64 queries")
+    assert a.poll() == (1, "rank 1 has float64 queries") and b.poll() is None
+    a.post("the same call refused here too")  # refused by rank 0 as well: rank 0 and 1 agree on call 1
+    assert a.poll() is None and b.poll() is None
+    assert c.poll() in ((0, "the same call refused here too"), (1, "rank 1 has float64 queries"))
+    d, e = RefusalChannel(store, "next", 0), RefusalChannel(store, "next", 1)
+    d.begin_call()
+    e.post("dropout", upcoming=True)  # rank 1 refuses its call 1 before making it; rank 0 is in call 1
+    assert d.poll() == (1, "dropout")
+    f, g = RefusalChannel(store, "later", 0), RefusalChannel(store, "later", 1)
+    for _ in range(2):
+        g.begin_call()
+    g.post("a call rank 0 has not reached")
+    assert f.poll() is None  # rank 0 may refuse call 2 too when it gets there
+    f.begin_call()
+    f.begin_call()
+    assert f.poll() == (1, "a call rank 0 has not reached")
+
+
+def test_autocast_casts_sdpa_inputs_as_autocast_does():
+    """The SDPA interception's cast inside torch.autocast gives SDPA's inputs the dtypes autocast
+    gives them (fp32 and bf16 mixed in, float64 left alone): the same output bit for bit."""
+    import torch.nn.functional as F
+
+    from torch_dcp.context import _autocast
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 33, 16, generator=g), torch.randn(1, 2, 33, 16, generator=g)
+    v = torch.randn(1, 2, 33, 16, generator=g).bfloat16()
+    assert _autocast(q, k, v) == (q, k, v)  # outside autocast: as is
+    with torch.autocast("cpu", torch.bfloat16):
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        cq, ck, cv = _autocast(q, k, v)
+        w64 = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
+        assert [t.dtype for t in _autocast(q.double(), torch.arange(3))] == [torch.float64, torch.int64]
+    assert want.dtype == cq.dtype == ck.dtype == cv.dtype == torch.bfloat16 and w64.dtype == torch.float64
+    assert torch.equal(F.scaled_dot_product_attention(cq, ck, cv, is_causal=True, enable_gqa=True), want)

@@ -22,7 +22,7 @@ TOOLING = {"argparse", "tqdm", "matplotlib"}
 
 def _core_files() -> list[Path]:
     """The package without its benchmarks and its framework integrations (each imports its
-    framework: torch_dcp.integrations.torchtitan imports torchtitan); the integrations
+    framework: torch_dcp.integrations.torchtitan imports torchtitan, .hf transformers); the integrations
     package's own ``__init__`` is core."""
     def core(p: Path) -> bool:
         parts = p.relative_to(ROOT).parts
@@ -74,4 +74,5 @@ def test_importing_the_core_loads_no_benchmark_module():
     assert not [m for m in loaded if m.startswith("torch_dcp.benchmarks")]
     assert not [m for m in loaded if m.split(".")[0] == "matplotlib"]
     assert "torch_dcp.integrations" in loaded  # the package's own __init__, importing no framework
-    assert not [m for m in loaded if m.split(".")[0] == "torchtitan" or m == "torch_dcp.integrations.torchtitan"]
+    assert not [m for m in loaded if m.split(".")[0] in ("torchtitan", "transformers")
+                or m in ("torch_dcp.integrations.torchtitan", "torch_dcp.integrations.hf")]

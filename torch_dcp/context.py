@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import typing
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -43,13 +44,13 @@ from .attention_op import as_dtensor, bind_args, like, local
 from .batch import BatchSpec
 from .executor import RankExecutor, TorchDistributedTransport, make_executor
 from .executor.groups import host_group, transfer_group
-from .executor.transport import TransferError, TransferTimeoutError, as_timedelta, is_timeout
+from .executor.transport import RefusalChannel, TransferError, TransferTimeoutError, as_timedelta, is_timeout
 from .executor.device_plan import DevicePlan, host_to_device
 from .executor.kernels import DivisionKernel, get_kernel
 from .plan import Plan
 from .topology import Topology
 
-__all__ = ["context_parallel", "unshard", "DCPContext"]
+__all__ = ["context_parallel", "unshard", "DCPContext", "active_context"]
 
 aten = torch.ops.aten
 _FWD_OPS = {
@@ -66,6 +67,13 @@ _BWD_OPS = {
 }
 
 _active: "DCPContext | None" = None
+#: context entries per group (by its ranks): every rank of a group counts alike, naming each entry's refusal key
+_entries: dict[tuple[int, ...], int] = {}
+
+
+def active_context() -> "DCPContext | None":
+    """The :class:`DCPContext` of the active :func:`context_parallel`, or ``None`` outside one."""
+    return _active
 
 
 class DCPContext:
@@ -76,13 +84,30 @@ class DCPContext:
         rank: this rank in the mesh.
         executor: the :class:`~torch_dcp.executor.RankExecutor` the SDPA handlers use.
         mesh: the one-dimensional DCP mesh.
+        refusals: the entry's :class:`~torch_dcp.executor.RefusalChannel` (``None``: refusals
+            are not posted).
     """
 
-    def __init__(self, mesh: Any, plan: Plan, executor: RankExecutor):
+    def __init__(self, mesh: Any, plan: Plan, executor: RankExecutor, refusals: RefusalChannel | None = None):
         self.mesh = mesh
         self.plan = plan
         self.rank = executor.rank
         self.executor = executor
+        self.refusals = refusals
+
+    def refuse(self, reason: str) -> "typing.NoReturn":
+        """Refuse the next SDPA call of this step before making it (an integration's own
+        checks): post ``reason`` on the refusal channel, so that peers waiting for this rank's
+        transfers raise :class:`~torch_dcp.executor.PeerRefusedError` naming this rank and
+        ``reason`` within :data:`~torch_dcp.executor.transport.REFUSAL_POLL_S` s (not after
+        ``timeout``), then raise here. Every rank refusing the same call stays in step.
+
+        Raises:
+            ValueError: always, with ``reason``.
+        """
+        if self.refusals is not None:
+            self.refusals.post(reason, upcoming=True)
+        raise ValueError(reason)
 
     def unshard(self, tensor: torch.Tensor, seq_dim: int = 0) -> torch.Tensor:
         """:func:`unshard` with this context's plan and mesh."""
@@ -191,7 +216,13 @@ def context_parallel(
             than the BatchSpec's, DTensor inputs; see :func:`_check_call`), raised on every
             rank before any communication, so the process group stays usable (in a compiled
             model: when the graph runs, or while Dynamo traces it for the checks that do not
-            depend on the plan, see the module's docstring).
+            depend on the plan, see the module's docstring); a rank that refuses a call its peers
+            make posts the refusal (:meth:`DCPContext.refuse`) and its peers waiting for its
+            transfers raise :class:`~torch_dcp.executor.PeerRefusedError` (a ``TransferError``)
+            naming it and its reason within a fraction of a second on CPU (gloo). Inside
+            ``torch.autocast``, query, key and value are first cast as autocast casts SDPA's
+            inputs (floating tensors other than float64 to the autocast dtype of their device),
+            so the BatchSpec's dtype is then the autocast dtype.
         RuntimeError: another torch_dcp or PyTorch context-parallel context is active, or the
             ranks hold different plans (raised on every rank at entry).
         TransferError: a wait inside the context failed: a peer's connection closed (it
@@ -250,10 +281,15 @@ def context_parallel(
     # on a device the transfers run on a group of their own whose timeout bounds them (the
     # host never waits for the device); on CPU the host waits, at most wait_limit
     comm = None if device.type == "cpu" else transfer_group(group, wait_limit)
-    transport = TorchDistributedTransport(group, device=device, timeout=wait_limit, comm_group=comm)
+    members = tuple(dist.get_process_group_ranks(group))
+    _entries[members] = entry = _entries.get(members, 0) + 1
+    refusals = RefusalChannel(dist.distributed_c10d._get_default_store(),
+                              f"torch_dcp/refusal/{'-'.join(map(str, members))}/{entry}", rank)
+    transport = TorchDistributedTransport(group, device=device, timeout=wait_limit, comm_group=comm,
+                                          refusals=refusals)
     executor = make_executor(plan, rank, transport, kernel=kernel, device_plan=device_plan)
     executor.prepare(device)  # the device plan is built (unless given) and uploaded here, not in the first SDPA call
-    ctx = DCPContext(mesh, plan, executor)
+    ctx = DCPContext(mesh, plan, executor, refusals)
     idx = host_to_device(torch.from_numpy(plan.token_indices(rank)), device)
     originals = [None if any(b is x for x in no_restore) else b.clone() for b in buffers]
     from torch.distributed.tensor import DTensor
@@ -318,15 +354,32 @@ def _check_same_plan(plan: Plan, group: Any, rank: int, world: int, timeout: dat
 
 
 def _check_call(ctx: DCPContext | None, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> None:
+    """:func:`_check_sdpa_call`, the call counted on the context's refusal channel; a refusal
+    inside a context is posted there before it is raised, so that peers waiting for this
+    rank's transfers raise too (:class:`~torch_dcp.executor.RefusalChannel`)."""
+    if ctx is not None and ctx.refusals is not None:
+        ctx.refusals.begin_call()
+    try:
+        _check_sdpa_call(ctx, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    except ValueError as err:
+        if ctx is not None and ctx.refusals is not None:
+            ctx.refusals.post(str(err))
+        raise
+
+
+def _check_sdpa_call(ctx: DCPContext | None, query, key, value, attn_mask, dropout_p, is_causal,
+                     enable_gqa) -> None:
     """Raise ``ValueError`` when an SDPA call contradicts the plan (never compute a silently
-    wrong answer). Only local metadata and the plan are read, so every rank raises the same
-    error before any communication. ``ctx=None``: only what does not depend on the plan (an
-    ``attn_mask``, dropout, inputs that are not plain ``[1, heads, S, head_dim]`` tensors on one
-    device, fewer key/value heads without ``enable_gqa``), what the wrapper checks while Dynamo
-    traces it (the rest is checked by the op when it runs: :func:`_check_traced_call`)."""
+    wrong answer). Only local metadata and the plan are read, before any communication (a rank
+    whose call differs from its peers' posts its refusal for them). ``ctx=None``: only what
+    does not depend on the plan (an ``attn_mask``, dropout, inputs that are not plain
+    ``[1, heads, S, head_dim]`` tensors on one device, fewer key/value heads without
+    ``enable_gqa``), what the wrapper checks while Dynamo traces it (the rest is checked by
+    the op when it runs: :func:`_check_traced_call`)."""
     if attn_mask is not None:
         raise ValueError("torch_dcp: SDPA got an explicit attn_mask; under torch_dcp the mask is the BatchSpec's mask "
-                         "spec with document boundaries (remove attn_mask)")
+                         "spec with document boundaries (remove attn_mask; a transformers model: "
+                         "attn_implementation=\"torch_dcp\", from torch_dcp.integrations.hf)")
     if dropout_p:
         raise ValueError(f"torch_dcp: attention dropout (dropout_p={dropout_p}) is not supported")
     from torch.distributed.tensor import DTensor
@@ -349,7 +402,8 @@ def _check_call(ctx: DCPContext | None, query, key, value, attn_mask, dropout_p,
         _check_tensor(name, t, None, DTensor)
         if t.dtype != getattr(torch, b.dtype):
             raise ValueError(f"torch_dcp: SDPA {name} has dtype {t.dtype}, but the plan's BatchSpec dtype is {b.dtype} "
-                             "(autocast or a cast changed it? build the BatchSpec with the dtype attention runs in)")
+                             "(a cast changed it? build the BatchSpec with the dtype attention runs in: under "
+                             "torch.autocast, the autocast dtype)")
         if t.device != query.device:
             raise ValueError(f"torch_dcp: SDPA {name} is on {t.device}, query on {query.device}")
         if t.shape[2] != s_local:
@@ -388,7 +442,8 @@ def _sdpa_wrapper(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     """``F.scaled_dot_product_attention`` inside :func:`context_parallel` (one function for every
     context, so that what ``torch.compile`` compiled in one step's context serves the next).
 
-    Eagerly: the call is checked against the active context's plan (:func:`_check_call`), its
+    Inside ``torch.autocast`` query, key and value are first cast as autocast casts SDPA's
+    inputs (:func:`_autocast`). Eagerly: the call is checked against the active context's plan (:func:`_check_call`), its
     tensors become DTensors sharded on the sequence dimension, and ``torch_dcp::attention`` runs
     through its DTensor handler. While Dynamo traces it: the checks that do not depend on the plan,
     then ``torch_dcp::attention`` on the plain tensors with ``is_causal`` and ``enable_gqa``, which
@@ -399,6 +454,7 @@ def _sdpa_wrapper(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
         ValueError: the call contradicts the plan (see :func:`_check_call`), on every rank before
             any communication.
     """
+    query, key, value = _autocast(query, key, value)
     if torch.compiler.is_compiling():
         _check_call(None, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         out, _, _ = torch.ops.torch_dcp.attention(query, key, value, scale, bool(is_causal), bool(enable_gqa))
@@ -416,6 +472,19 @@ def _sdpa_wrapper(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
 
 
 _sdpa_wrapper.__name__ = _sdpa_wrapper.__qualname__ = "scaled_dot_product_attention"
+
+
+def _autocast(*tensors: Any) -> tuple:
+    """``tensors`` as ``torch.autocast`` casts SDPA's inputs (SDPA runs in the lower precision
+    on CPU and CUDA): floating tensors other than float64 to the autocast dtype of their
+    device when autocast is enabled there; anything else as is."""
+    out = []
+    for t in tensors:
+        kind = t.device.type if isinstance(t, torch.Tensor) else None
+        if kind is not None and t.is_floating_point() and t.dtype != torch.float64 and torch.is_autocast_enabled(kind):
+            t = t.to(torch.get_autocast_dtype(kind))
+        out.append(t)
+    return tuple(out)
 
 
 def _handler(op_call: Any, args: tuple, kwargs: dict) -> Any:

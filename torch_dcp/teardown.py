@@ -213,7 +213,9 @@ def shutdown(*, barrier: bool = True, timeout: "float | datetime.timedelta" = 60
        cleared;
     3. ``torch.distributed.destroy_process_group()`` (every group), function defaults that
        captured a destroyed group given back, and a garbage collection, so the groups' C++
-       objects are freed now, while the interpreter is whole, and their threads joined.
+       objects are freed now, while the interpreter is whole, and their threads joined;
+       torch_dcp's waiter threads (:class:`~torch_dcp.executor.TorchDistributedTransport`)
+       ended, within 5 s.
 
     Without an initialised default group (e.g. after the caller destroyed it) steps 1 and the
     destroy are skipped; the rest, and the check, run.
@@ -237,7 +239,7 @@ def shutdown(*, barrier: bool = True, timeout: "float | datetime.timedelta" = 60
             hosting it left); raised after the teardown.
     """
     from . import attention_op, context
-    from .executor import groups
+    from .executor import groups, transport
 
     td = as_timedelta(timeout, "torch_dcp.shutdown: timeout")
     if context._active is not None or attention_op._executor is not None:
@@ -260,6 +262,7 @@ def shutdown(*, barrier: bool = True, timeout: "float | datetime.timedelta" = 60
         _clear_torch_caches()
     if dist.is_available():
         _release_captured(dist)
+    transport.stop_waiters()  # after the destroy: a waiter left blocked by a peer's refusal is unblocked by it
     for _ in range(3):  # a collection can free what holds the next cycle (finalizers): until one frees nothing
         if not gc.collect():
             break

@@ -10,7 +10,8 @@ from .make import EXECUTORS, make_executor
 from .kernels import AutoKernel, DivisionKernel, GroupKernel, KernelLayout, ReferenceKernel, SDPAKernel, get_kernel
 from .reduce import merge_partials, reduce_loop
 from .varlen import VarlenKernel
-from .transport import InProcessTransport, Mailbox, TorchDistributedTransport, TransferError, TransferTimeoutError, Transport
+from .transport import (InProcessTransport, Mailbox, PeerRefusedError, RefusalChannel, TorchDistributedTransport,
+                        TransferError, TransferTimeoutError, Transport)
 
 __all__ = [
     "RankExecutor",
@@ -41,4 +42,6 @@ __all__ = [
     "TorchDistributedTransport",
     "TransferError",
     "TransferTimeoutError",
+    "PeerRefusedError",
+    "RefusalChannel",
 ]

@@ -432,8 +432,10 @@ class RankExecutor:
             yield from wait
         except TransferError as err:  # say where in the plan this rank was waiting
             where = "backward" if run.backward else "forward"
-            raise type(err)(f"torch_dcp (plan {self.plan.digest()[:12]}): {where} pass, CommWait(phase={step.phase}): "
-                            f"{err}", err.phase, err.peers) from None
+            new = type(err)(f"torch_dcp (plan {self.plan.digest()[:12]}): {where} pass, CommWait(phase={step.phase}): "
+                            f"{err}", err.phase, err.peers)
+            vars(new).update(vars(err))  # a subclass's own attributes (PeerRefusedError.reason)
+            raise new from None
 
     def on_attention(self, step: AttentionStep, bound: dict, run: _Run, scale: float) -> None:
         run.division = step.division

@@ -9,12 +9,15 @@ the in-process transport ever does), so several ranks can run in one process.
 from __future__ import annotations
 
 import datetime
+import queue
+import threading
+import time
 from typing import Any, Generator, Sequence
 
 import torch
 
 __all__ = ["Transport", "InProcessTransport", "Mailbox", "TorchDistributedTransport", "TransferError",
-           "TransferTimeoutError", "as_timedelta", "is_timeout"]
+           "TransferTimeoutError", "PeerRefusedError", "RefusalChannel", "as_timedelta", "is_timeout"]
 
 #: messages of one (phase, peer) pair are told apart by their kind; tags stay below this
 TAGS_PER_PHASE = 16
@@ -41,6 +44,126 @@ class TransferError(RuntimeError):
 class TransferTimeoutError(TransferError, TimeoutError):
     """A rank waited longer than its timeout for peers' messages (a peer froze, failed before
     sending, or runs another plan); ``peers``: the ranks whose messages had not arrived."""
+
+
+class PeerRefusedError(TransferError):
+    """A peer refused an SDPA call of the step (posted on the :class:`RefusalChannel`) while
+    this rank waited for transfers; ``peers``: ``[the refusing rank]``, ``reason``: its message."""
+
+    def __init__(self, message: str, phase: int, peers: list[int], reason: str = ""):
+        super().__init__(message, phase, peers)
+        self.reason = reason
+
+
+class RefusalChannel:
+    """One context entry's refusals in a ``torch.distributed`` Store. The context counts its
+    SDPA calls (:meth:`begin_call`, alike on every rank); a rank that refuses call ``i`` posts
+    ``(i, rank, reason)`` before raising; a peer waiting for transfers polls the channel
+    (:class:`TorchDistributedTransport`) and raises :class:`PeerRefusedError` for a refusal of
+    a call it has reached and did not refuse itself (ranks that all refuse the same call stay
+    in step and go on). Nothing is written unless a rank refuses; a poll is one store
+    operation (more only after a refusal).
+
+    Args:
+        store: the process group's Store (shared by every rank of the group).
+        key: the same on every rank of the group, different for every context entry.
+        rank: this rank in the group.
+    """
+
+    def __init__(self, store: Any, key: str, rank: int):
+        self.store, self.key, self.rank = store, key, rank
+        self.call = 0  # SDPA calls begun in this entry
+        self.refused: set[int] = set()  # calls this rank refused
+        self.posted: list[tuple[int, int, str]] = []  # (call, rank, reason) read from the store
+        self._read = 0
+
+    def begin_call(self) -> None:
+        """An SDPA call begins (before its checks)."""
+        self.call += 1
+
+    def post(self, reason: str, upcoming: bool = False) -> None:
+        """Tell the peers this rank refused the current call (``upcoming``: the next one, which
+        it will not begin). A failing store is ignored: the peers then see a timeout."""
+        call = self.call + 1 if upcoming else self.call
+        self.refused.add(call)
+        try:
+            n = self.store.add(f"{self.key}/n", 1)
+            self.store.set(f"{self.key}/{n}", f"{call}:{self.rank}:{reason}")
+        except Exception:  # pragma: no cover - the store is gone; the peers' waits stay bounded by their timeout
+            pass
+
+    def poll(self) -> "tuple[int, str] | None":
+        """``(rank, reason)`` of a peer's refusal of a call this rank has begun and did not
+        refuse, or ``None``."""
+        n = self.store.add(f"{self.key}/n", 0)
+        while self._read < n:
+            self._read += 1
+            call, rank, reason = self.store.get(f"{self.key}/{self._read}").decode("utf-8", "replace").split(":", 2)
+            self.posted.append((int(call), int(rank), reason))
+        for call, rank, reason in self.posted:
+            if rank != self.rank and call <= self.call and call not in self.refused:
+                return rank, reason
+        return None
+
+
+#: how often (seconds) a rank waiting for transfers looks for a peer's refusal
+REFUSAL_POLL_S = 0.05
+
+
+class _Waiter:
+    """A daemon thread running the blocking waits handed to it, one at a time (one thread for
+    every wait of the process: no thread started per wait). It holds nothing between waits."""
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="torch_dcp-waiter", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            fn, done, failure = job
+            job = None
+            try:
+                fn()
+            except BaseException as err:  # handed to the waiting thread
+                failure.append(err)
+            done.set()
+            fn = done = failure = None  # the transport and its group are not kept alive between waits
+
+    def submit(self, fn: Any) -> tuple[threading.Event, list]:
+        done, failure = threading.Event(), []
+        self.jobs.put((fn, done, failure))
+        return done, failure
+
+    def close(self) -> None:
+        """End the thread once its current wait (if any) returns."""
+        self.jobs.put(None)
+
+
+#: the process's waiter, and those a refusal left blocked on a wait that will not complete
+#: (they end when it fails: at its timeout, or when the group is destroyed)
+_waiter: _Waiter | None = None
+_abandoned: list[_Waiter] = []
+
+
+def stop_waiters(timeout: float = 5.0) -> None:
+    """End the process's waiter threads (:func:`torch_dcp.shutdown` calls it after destroying
+    the groups, which unblocks a waiter a refusal left waiting), joining them at most
+    ``timeout`` seconds in all."""
+    global _waiter
+    if _waiter is not None:
+        _abandoned.append(_waiter)
+        _waiter.close()
+        _waiter = None
+    deadline = time.monotonic() + timeout
+    while _abandoned:
+        _abandoned[0].thread.join(max(0.0, deadline - time.monotonic()))
+        if _abandoned[0].thread.is_alive():
+            return
+        _abandoned.pop(0)
 
 
 def as_timedelta(timeout: "float | datetime.timedelta", what: str = "timeout") -> datetime.timedelta:
@@ -138,6 +261,11 @@ class TorchDistributedTransport(Transport):
         comm_group: the group the transfers are posted on (default: ``group``), with the
             same members; on a device backend, one whose own timeout bounds the transfers
             (:func:`~torch_dcp.executor.groups.transfer_group`).
+        refusals: on a CPU device, a :class:`RefusalChannel` polled every
+            :data:`REFUSAL_POLL_S` s while ``wait`` blocks (the transfers complete in a waiter
+            thread): a peer's refusal raises :class:`PeerRefusedError` at once instead of a
+            timeout later. The point-to-point state of the group is then undefined (transfers
+            left pending); recover with a fresh group.
 
     On a CPU device ``wait`` blocks the host (gloo completes transfers on the host) and raises
     :class:`TransferTimeoutError` naming the phase and the peers whose messages had not arrived
@@ -149,7 +277,8 @@ class TorchDistributedTransport(Transport):
     """
 
     def __init__(self, group: Any = None, device: torch.device | str = "cpu",
-                 timeout: "float | datetime.timedelta | None" = None, comm_group: Any = None):
+                 timeout: "float | datetime.timedelta | None" = None, comm_group: Any = None,
+                 refusals: RefusalChannel | None = None):
         import torch.distributed as dist
 
         self.dist = dist
@@ -157,6 +286,7 @@ class TorchDistributedTransport(Transport):
         self.comm_group = group if comm_group is None else comm_group
         self.device = torch.device(device)
         self.timeout = None if timeout is None else as_timedelta(timeout)
+        self.refusals = refusals
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._global = {r: (r if group is None else dist.get_global_rank(group, r)) for r in range(self.world_size)}
@@ -184,6 +314,32 @@ class TorchDistributedTransport(Transport):
 
     def wait(self, handle):
         phase, reqs, peers, _keep = handle
+        if self.refusals is not None and self.host_waits and reqs:
+            self._wait_watching(phase, reqs, peers)
+        else:
+            self._wait_all(phase, reqs, peers)
+        return
+        yield  # pragma: no cover - makes this a generator that never blocks the caller
+
+    def _wait_watching(self, phase: int, reqs: list, peers: list[int]) -> None:
+        """:meth:`_wait_all` in the waiter thread while this one polls the refusal channel."""
+        global _waiter
+        if _waiter is None:
+            _waiter = _Waiter()
+        done, failure = _waiter.submit(lambda: self._wait_all(phase, reqs, peers))
+        while not done.wait(REFUSAL_POLL_S):
+            refused = self.refusals.poll()
+            if refused is not None:
+                _waiter.close()  # left blocked until the wait's timeout, or until the group closes
+                _abandoned.append(_waiter)
+                _waiter = None
+                peer, reason = refused
+                raise PeerRefusedError(f"rank {self.rank}: phase {phase}: rank {peer} refused the SDPA call, so its "
+                                       f"transfers will not come: {reason}", phase, [peer], reason)
+        if failure:
+            raise failure[0]
+
+    def _wait_all(self, phase: int, reqs: list, peers: list[int]) -> None:
         for i, req in enumerate(reqs):
             try:
                 if self.timeout is None or not self.host_waits:
@@ -201,5 +357,3 @@ class TorchDistributedTransport(Transport):
                     f"rank {self.rank}: phase {phase}: no message from rank(s) {late} within "
                     f"{self.timeout.total_seconds():g} s (a peer froze, failed before sending, or runs another "
                     "plan)", phase, late) from None
-        return
-        yield  # pragma: no cover - makes this a generator that never blocks the caller
