@@ -26,7 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 3
 ROUNDS = 2  # launches of WORLD fresh processes: the abort this guards against happens at process exit
-DEADLINE_S = 50.0  # all rounds together
+DEADLINE_S = 240.0  # all rounds together: a bound on a hang, not a speed target (a round takes 45 s on 2 loaded cores)
 
 
 def _launch(mode: str, world: int, tmp: Path, deadline: float) -> list[tuple[int, str]]:
@@ -163,7 +163,7 @@ def _rank_main(mode: str, rank: int, world: int, tmp: str) -> None:
         _teardown_clean(rank, leftovers())
         marker.touch()
     else:
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + 120
         while not marker.exists():
             assert time.monotonic() < deadline, "rank 0 never gave up its barrier"
             time.sleep(0.05)
