@@ -159,7 +159,7 @@ def _rank_main(mode: str, rank: int, world: int, tmp: str) -> None:
         t0 = time.monotonic()
         with pytest.raises(TransferTimeoutError, match="did not complete within 2 s"):
             torch_dcp.shutdown(timeout=2)
-        assert time.monotonic() - t0 < 20, "the barrier's timeout did not bound the teardown"
+        assert time.monotonic() - t0 < 45, "the barrier's timeout did not bound the teardown"
         _teardown_clean(rank, leftovers())
         marker.touch()
     else:
