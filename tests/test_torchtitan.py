@@ -187,6 +187,8 @@ def test_dcp_matches_no_cp_on_2_ranks_and_bad_configs_fail_at_start(tmp_path):
         assert key in res["bad"][name], (name, res["bad"][name])
 
 
+# 37 s: the option's DCP path is the 2-rank test's; this adds torchtitan's own HSDP mesh
+@pytest.mark.slow
 def test_dcp_matches_no_cp_on_4_ranks_hsdp(tmp_path):
     """HSDP: 2 replicas x FSDP over 2 ranks; DCP over all 4 ranks (the flattened data-parallel
     mesh), 2 steps, planner ring with head parallelism 2 (HCP: all-to-all inside pairs of ranks,
@@ -199,6 +201,9 @@ def test_dcp_matches_no_cp_on_4_ranks_hsdp(tmp_path):
     print(f"4 ranks: loss rel diff {loss_rel:.2e}, step-1 grad max abs diff {grad_diff:.2e}")
 
 
+# 28 s: the compiled SDPA inside the context is tests/test_compile.py's (15 s), the option's
+# path the 2-rank test's
+@pytest.mark.slow
 def test_dcp_trains_with_compiled_blocks(tmp_path):
     """``--compile.enable --compile.backend aot_eager``: torchtitan compiles every transformer
     block (``fullgraph=True``, so the DCP attention is inside each block's graph), dp2, 3 steps
