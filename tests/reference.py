@@ -62,3 +62,24 @@ def needs_cuda(reason: str = "needs a CUDA device"):
         return pytest.mark.cuda(skip(fn))
 
     return mark
+
+
+def context_step_errors(mesh, batch: BatchSpec, rank: int, q, k, v, go, ref, **context_args) -> dict[str, float]:
+    """One SDPA forward + backward of the global ``q, k, v: [T, H(_kv), D]`` (upstream gradient
+    ``go``) inside ``torch_dcp.context_parallel(mesh, ..., batch=batch, **context_args)`` on
+    this rank: the max abs error of its out, dq, dk, dv against ``ref`` (from
+    :func:`reference_with_grads`) on the tokens it holds (0.0 for a rank without tokens)."""
+    import torch.nn.functional as F
+
+    import torch_dcp
+
+    qb, kb, vb, gb = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, go))
+    with torch_dcp.context_parallel(mesh, buffers=[qb, kb, vb, gb], buffer_seq_dims=[2, 2, 2, 2], batch=batch,
+                                    **context_args) as ctx:
+        ql, kl, vl = (t.clone().requires_grad_(True) for t in (qb, kb, vb))
+        out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
+        out.backward(gb)
+        idx = torch.from_numpy(ctx.plan.token_indices(rank))
+        return {what: (got.detach()[0].transpose(0, 1).double() - want[idx]).abs().max().item() if len(idx) else 0.0
+                for what, got, want in (("out", out, ref[0]), ("dq", ql.grad, ref[1]), ("dk", kl.grad, ref[2]),
+                                        ("dv", vl.grad, ref[3]))}

@@ -15,7 +15,7 @@ import torch_dcp
 from torch_dcp import BatchSpec, BlockwiseCausal, Causal, Full, Lambda, Ranges, SharedQuestion, Topology
 from torch_dcp.attention_op import use_executor
 from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor
-from reference import random_qkv, reference_with_grads
+from reference import context_step_errors, random_qkv, reference_with_grads
 from spawn import run_ranks
 
 LENS = [1, 19, 45, 6, 33]
@@ -369,17 +369,9 @@ def _tiny_batches(rank, world, mesh):
         q, k, v, go = random_qkv(batch, torch.float64, seed=2)
         ref = reference_with_grads(batch, q, k, v, go)
         for planner in ("greedy", "dcp", "ring", "fcp", "megatron"):
-            qb, kb, vb, gb = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, go))
-            with torch_dcp.context_parallel(mesh, buffers=[qb, kb, vb, gb], buffer_seq_dims=[2, 2, 2, 2],
-                                            batch=batch, planner=planner, block_size=1024) as ctx:
-                ql, kl, vl = (t.clone().requires_grad_(True) for t in (qb, kb, vb))
-                out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
-                out.backward(gb)
-                idx = torch.from_numpy(ctx.plan.token_indices(rank))
-                for what, got, want in (("out", out, ref[0]), ("dq", ql.grad, ref[1]), ("dk", kl.grad, ref[2]),
-                                        ("dv", vl.grad, ref[3])):
-                    err = (got[0].transpose(0, 1) - want[idx]).abs().max().item() if len(idx) else 0.0
-                    assert err <= 1e-10, f"{lens} {planner} rank {rank} ({len(idx)} tokens) {what}: error {err:.2e}"
+            errors = context_step_errors(mesh, batch, rank, q, k, v, go, ref, planner=planner, block_size=1024)
+            for what, err in errors.items():
+                assert err <= 1e-10, f"{lens} {planner} rank {rank} {what}: error {err:.2e}"
 
 
 # 4 ranks: test_context_parallel_sdpa_matches_reference[4]

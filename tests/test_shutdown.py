@@ -94,11 +94,10 @@ def _exchange(rank: int, world: int) -> None:
     """context_parallel forward and backward for two masks (exact against the reference),
     then one raw transport exchange with every peer."""
     import torch
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
     import torch_dcp
-    from reference import random_qkv, reference_with_grads
+    from reference import context_step_errors, random_qkv, reference_with_grads
     from torch_dcp.executor import TorchDistributedTransport
 
     mesh = init_device_mesh("cpu", (world,))
@@ -106,17 +105,9 @@ def _exchange(rank: int, world: int) -> None:
         batch = torch_dcp.BatchSpec([1, 19, 45, 6, 33], mask, n_heads=4, n_kv_heads=2, head_dim=16, dtype="float32")
         q, k, v, go = random_qkv(batch, torch.float32, seed=3)
         ref = reference_with_grads(batch, q, k, v, go)
-        qb, kb, vb, gb = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, go))
-        with torch_dcp.context_parallel(mesh, buffers=[qb, kb, vb, gb], buffer_seq_dims=[2, 2, 2, 2],
-                                        no_restore_buffers={gb}, batch=batch, block_size=8, timeout=30) as ctx:
-            ql, kl, vl = (t.clone().requires_grad_(True) for t in (qb, kb, vb))
-            out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
-            out.backward(gb)
-            idx = torch.from_numpy(ctx.plan.token_indices(rank))
-            for what, got, want in (("out", out, ref[0]), ("dq", ql.grad, ref[1]), ("dk", kl.grad, ref[2]),
-                                    ("dv", vl.grad, ref[3])):
-                err = (got.detach()[0].transpose(0, 1).double() - want[idx]).abs().max().item()
-                assert err <= 1e-5, f"{type(mask).__name__} {what}: error {err:.2e}"
+        errors = context_step_errors(mesh, batch, rank, q, k, v, go, ref, block_size=8, timeout=30)
+        for what, err in errors.items():
+            assert err <= 1e-5, f"{type(mask).__name__} {what}: error {err:.2e}"
     transport = TorchDistributedTransport(None, timeout=30)
     peers = [p for p in range(world) if p != rank]
     sends = [(p, 1, torch.full((1000 + 10 * p,), rank, dtype=torch.uint8)) for p in peers]
