@@ -415,8 +415,9 @@ def dcp_candidates(
             chosen.append(part)
     # the bytes objective's choice is labelled among the time objective's candidates (a rival
     # that torch_dcp.plan always times)
-    label = {True: "dcp:bytes" if objective == "time" else "dcp", False: "dcp"}
-    out = [Placement(wl, w, p[blocks], p[tiles], planner=label[np.array_equal(p, fewest)], routing=routing) for p in chosen]
+    bytes_label = "dcp:bytes" if objective == "time" else "dcp"
+    out = [Placement(wl, w, p[blocks], p[tiles], planner=bytes_label if np.array_equal(p, fewest) else "dcp",
+                     routing=routing) for p in chosen]
     if objective == "time":
         for name in rivals:
             if name in _ZIGZAG_RIVALS and zigzag_tiles_bound(batch, w) > RIVAL_TILE_BUDGET:
