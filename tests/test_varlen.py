@@ -14,7 +14,7 @@ import torch
 import torch_dcp
 from torch_dcp import BatchSpec, Causal, Lambda
 from torch_dcp.executor import AutoKernel, ReferenceKernel, VarlenKernel, build_division, get_kernel
-from torch_dcp.executor.varlen import _calls, _coalesce, _fit, plan_segments
+from torch_dcp.executor.varlen import _calls, _coalesce, _fit, _seqlen_bounds, _window_mask, flash_window, plan_segments
 from torch_dcp.plan import BlockwiseAttention
 from reference import needs_cuda, random_qkv, reference_with_grads
 from test_exact import BLOCK, MASKS, _batch
@@ -124,6 +124,39 @@ def test_varlen_long_documents_one_rank(mask):
     batch32 = BatchSpec([70, 9, 133, 1], mask, n_heads=4, n_kv_heads=2, head_dim=16, dtype="float32")
     _check(torch_dcp.plan(batch32, 1, planner="dcp", block_size=16, divisions=1), batch32, "varlen", tol=2e-5,
            dtype=torch.float32)
+
+
+def test_flash_window_rewrite():
+    # FlashAttention-2 turns a side at or beyond max_seqlen_k unbounded, then an unbounded side
+    # facing a bounded one into max_seqlen_k
+    assert flash_window(-1, 0, 50) == (50, 0)  # causal
+    assert flash_window(7, -1, 50) == (7, 50)  # left window only: the right side reaches max_k keys
+    assert flash_window(60, 0, 50) == (50, 0) and flash_window(-1, -1, 50) == (-1, -1)
+    # 199 queries over 192 keys, left window 0, right unbounded: with max_seqlen_k = 192 the first
+    # 6 queries lose their rightmost keys (the H200 lambda error); with max_seqlen_k >= 198 none do
+    i, j = np.arange(199)[:, None] + (192 - 199), np.arange(192)[None, :]
+    want = torch.from_numpy(j >= i)
+    assert not torch.equal(_window_mask(199, 192, 0, -1, 192, "cpu"), want)
+    assert torch.equal(_window_mask(199, 192, 0, -1, 199, "cpu"), want)
+
+
+def test_varlen_left_window_longer_query_segment_exact():
+    # a lambda plan whose division has a segment of more queries (199) than keys (192) under a
+    # left-only window: flash's max_seqlen_k must cover the queries (found on an H200: 32-rank
+    # lambda output off by 0.1 in bf16); the CPU path applies flash's own window rewrite
+    batch = BatchSpec([700, 90, 1500, 33], Lambda(sink=4, window=200), n_heads=2, n_kv_heads=1, head_dim=8,
+                      dtype="float64")
+    plan = torch_dcp.plan(batch, 8, planner="dcp", block_size=64, divisions=2, head_parallel=1)
+    hit = 0
+    for div in _divisions(plan):
+        segs = plan_segments(div)
+        for c in _calls(segs) if segs else ():
+            ql, kl = np.diff(c.cu_q), np.diff(c.cu_k)
+            if c.wl >= 0 and c.wr < 0 and ql.max() > kl.max() + 1:
+                hit += 1
+                assert _seqlen_bounds(c)[1] >= ql.max() - 1
+    assert hit, "the batch no longer has the segment this test is about"
+    _check(plan, batch, VarlenKernel())
 
 
 def test_varlen_rejects_masks_it_cannot_express():

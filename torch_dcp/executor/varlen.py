@@ -314,8 +314,44 @@ class _VarlenMeta(NamedTuple):
     rng: torch.Tensor  # placeholder philox state for the flash backward (no dropout)
 
 
-def _window_mask(lq: int, lk: int, wl: int, wr: int, device) -> torch.Tensor | None:
-    """bool ``[lq, lk]`` of flash's window semantics (None: all visible)."""
+def flash_window(wl: int, wr: int, max_k: int) -> tuple[int, int]:
+    """The window a FlashAttention-2 call really applies for ``window_size_left/right`` =
+    ``(wl, wr)`` (-1: unbounded) and ``max_seqlen_k = max_k``: flash rewrites them (FA2's
+    ``mha_varlen_fwd``/``_bwd`` and ``set_params_fprop``, as in PyTorch's aten copy): a side at or
+    beyond ``max_k`` becomes unbounded, then an unbounded side facing a bounded one becomes
+    ``max_k``. So ``(wl >= 0, -1)`` reaches only ``max_k`` keys right of the diagonal: a segment
+    with more queries than ``max_k + 1`` loses keys unless ``max_k`` is raised (see
+    :func:`_seqlen_bounds`)."""
+    if wl >= max_k:
+        wl = -1
+    if wr >= max_k:
+        wr = -1
+    if wl < 0 and wr >= 0:
+        wl = max_k
+    if wl >= 0 and wr < 0:
+        wr = max_k
+    return wl, wr
+
+
+def _seqlen_bounds(call: "_Call") -> tuple[int, int]:
+    """``(max_seqlen_q, max_seqlen_k)`` to pass flash for ``call``. ``max_q >= 2``: flash
+    reshapes calls whose segments all have one query (GQA groups swapped into the sequence).
+    ``max_k >= max_q`` for a window bounded on the left only, so that flash's rewrite
+    (:func:`flash_window`) leaves its right side unbounded for every query (it needs
+    ``max_k >= L_q - 1``). Larger bounds than the segments' lengths are harmless: they size the
+    launch grid, and each segment's rows and keys come from ``cu_seqlens``."""
+    max_q = max(2, int(np.diff(call.cu_q).max()))
+    max_k = int(np.diff(call.cu_k).max())
+    if call.wl >= 0 and call.wr < 0:
+        max_k = max(max_k, max_q)
+    return max_q, max_k
+
+
+def _window_mask(lq: int, lk: int, wl: int, wr: int, max_k: int, device) -> torch.Tensor | None:
+    """bool ``[lq, lk]`` of what a flash call with window ``(wl, wr)`` and ``max_seqlen_k =
+    max_k`` shows query ``i`` of a segment of ``lq`` queries and ``lk`` keys (None: all
+    visible): :func:`flash_window`'s rewrite, then bottom-right alignment."""
+    wl, wr = flash_window(wl, wr, max_k)
     if wl < 0 and wr < 0:
         return None
     i = torch.arange(lq, device=device)[:, None] + (lk - lq)
@@ -372,10 +408,7 @@ class VarlenKernel:
             arrays[f"cuk{c}"] = call.cu_k.astype(np.int32)
             segments = tuple(zip(call.cu_q[:-1].tolist(), call.cu_q[1:].tolist(), call.cu_k[:-1].tolist(),
                                  call.cu_k[1:].tolist()))
-            # max_q >= 2: flash reshapes calls whose segments all have one query (GQA groups
-            # swapped into the sequence); a larger bound is harmless (the extra rows exit early)
-            static_calls.append((call.wl, call.wr, qs, ks, max(2, int(np.diff(call.cu_q).max())),
-                                 int(np.diff(call.cu_k).max()), segments))
+            static_calls.append((call.wl, call.wr, qs, ks, *_seqlen_bounds(call), segments))
         all_rows = np.concatenate([c.q_rows for c in calls]) if calls else np.zeros(0, np.int64)
         times = np.bincount(all_rows, minlength=div.n_q)
         if len(calls) == 1 and static_calls[0][2] == ("slice", 0, div.n_q):
@@ -429,7 +462,7 @@ class VarlenKernel:
             return out, lse.t()
         outs, lses = [], []
         for q0, q1, k0, k1 in c.segments:
-            mask = _window_mask(q1 - q0, k1 - k0, c.wl, c.wr, q.device)
+            mask = _window_mask(q1 - q0, k1 - k0, c.wl, c.wr, c.max_k, q.device)
             o, l = self._reference.forward_group(q[q0:q1], k[k0:k1], v[k0:k1], mask, scale, acc)
             outs.append(o)
             lses.append(l)
@@ -448,7 +481,7 @@ class VarlenKernel:
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         for q0, q1, k0, k1 in c.segments:
-            mask = _window_mask(q1 - q0, k1 - k0, c.wl, c.wr, q.device)
+            mask = _window_mask(q1 - q0, k1 - k0, c.wl, c.wr, c.max_k, q.device)
             gq, gk, gv = self._reference.backward_group(q[q0:q1], k[k0:k1], v[k0:k1], do[q0:q1], lse[q0:q1],
                                                         delta[q0:q1], mask, scale, acc)
             dq[q0:q1] = gq
