@@ -126,8 +126,7 @@ def test_readers():
 def test_stage_table_and_options():
     full, quick = gr.default_stages(), gr.default_stages(quick=True)
     assert {s.name for s in quick} < {s.name for s in full}
-    assert sum(s.timeout_s for s in full) <= gr.FULL_BUDGET_S - 20  # the report's own overhead fits too
-    assert sum(s.timeout_s for s in quick) <= gr.QUICK_BUDGET_S - 10
+    assert all(s.timeout_s < gr.FULL_BUDGET_S for s in full) and all(s.timeout_s < gr.QUICK_BUDGET_S for s in quick)
     names = {s.name for s in full}
     for t in gr.TARGETS:  # every target reads figures of stages in the table
         assert {s for s, _ in t.reads} <= names, t.figure
@@ -163,7 +162,7 @@ def test_dry_run_lists_stages_and_commands(capsys):
     buf = io.StringIO()
     assert gr.main(["--dry-run", "--quick", "--stages", "step-causal,train-dcp", "--timeout-scale", "2"], out=buf) == 0
     text = buf.getvalue()
-    assert "gpu-report --quick: 2 stages" in text and "limits adding up to 100 s" in text
+    assert "gpu-report --quick: 2 stages" in text and "limits adding up to 140 s within a budget of 180 s" in text
     assert "--tokens 32768 --repeat 3 --mask causal --ranks 8" in text
 
 
@@ -176,3 +175,29 @@ def test_no_cuda_exits_with_a_clear_message(tmp_path, capsys):
     assert cli_main(["gpu-report", "--out", str(tmp_path / "r")]) == 2
     with pytest.raises(SystemExit):  # a bad option is a usage error
         cli_main(["gpu-report", "--stages", "nope", "--dry-run"])
+
+
+def test_the_budget_bounds_the_whole_report(tmp_path):
+    # each stage alone fits its own limit; the budget cuts the second and skips the third
+    sleep = _py("import time; print('up', flush=True); time.sleep(3)")
+    stages = [gr.Stage("step-causal", "stand-in: 1 s", _py("import time; time.sleep(1)"), 20),
+              gr.Stage("step-lambda", "stand-in: sleeps past the budget", sleep, 20),
+              gr.Stage("launches", "stand-in: never reached", _py("pass"), 20),
+              gr.Stage("torchtitan-dcp", "stand-in: a module that fails to import", _py("pass"), 20,
+                       needs_imports=("json.no_such_submodule_for_gpu_report",))]
+    t0 = time.perf_counter()
+    report = gr.run_report(stages, tmp_path / "out", log=None, budget_s=3.0)
+    assert time.perf_counter() - t0 < 3.0 + 8  # the budget, the kill of the cut stage and the report
+    by = {s["name"]: s for s in report["stages"]}
+    assert [s["status"] for s in report["stages"]] == ["passed", "timeout", "skipped", "skipped"]
+    assert by["step-lambda"]["timeout_s"] < 2.5 and "killed after" in by["step-lambda"]["error_tail"][-1]
+    assert by["launches"]["reason"] == "the report's budget (3 s) is spent"
+    with pytest.raises(ValueError, match="budget_s must be positive"):
+        gr.run_report(stages, tmp_path / "o2", log=None, budget_s=0)
+
+
+def test_a_stage_whose_module_does_not_import_is_skipped_with_the_error(tmp_path):
+    st = gr.Stage("torchtitan-dcp", "stand-in", _py("pass"), 20, needs_imports=("json.no_such_submodule_for_gpu_report",))
+    res = gr.run_stage(st, tmp_path, tmp_path / "logs")
+    assert res.status == "skipped" and "json.no_such_submodule_for_gpu_report does not import here" in res.reason
+    assert "ModuleNotFoundError" in res.reason
