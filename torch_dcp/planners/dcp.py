@@ -55,6 +55,7 @@ give the same placement, hence the same ``Plan.digest()``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 
@@ -167,12 +168,26 @@ def _partition_csr(n: int, net_ptr: np.ndarray, net_pins: np.ndarray, node_w: np
             part[v] = r
             load[r] += iw[v]
         return part
-    edges = [e.tolist() for e in np.split(pins_local, ptr[1:-1])]
     ew = np.maximum(1, np.rint(net_w[nets] / max(net_w[nets].max(), 1e-300) * _WEIGHT_SCALE)).astype(np.int64)
-    return _mtkahypar(m, edges, iw, ew, k, eps, seed)
+    # the same sub-hypergraph comes back within one plan: the node level of every head
+    # parallelism N (the outer batch differs from the batch only in heads, so in scale)
+    key = hashlib.blake2b(b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in (ptr, pins_local, iw, ew))
+                          + repr((m, k, float(eps), int(seed))).encode(), digest_size=16).digest()
+    part = _PARTITIONS.pop(key, None)
+    if part is None:
+        edges = [e.tolist() for e in np.split(pins_local, ptr[1:-1])]
+        part = _mtkahypar(m, edges, iw, ew, k, eps, seed)
+    _PARTITIONS[key] = part  # most recently used last
+    while len(_PARTITIONS) > _PARTITIONS_KEPT:
+        _PARTITIONS.pop(next(iter(_PARTITIONS)))
+    return part.copy()
 
 
 _MTK = None
+#: Mt-KaHyPar's partitions of the last few sub-hypergraphs (content digest -> parts), so that a
+#: plan asks for each one once
+_PARTITIONS: dict[bytes, np.ndarray] = {}
+_PARTITIONS_KEPT = 64
 
 
 def _mtkahypar(n, edges, node_w, net_w, k, eps, seed) -> np.ndarray:
