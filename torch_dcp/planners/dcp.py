@@ -138,10 +138,12 @@ class DCPHypergraph:
 
 
 def _partition_csr(n: int, net_ptr: np.ndarray, net_pins: np.ndarray, node_w: np.ndarray, net_w: np.ndarray,
-                   vertices: np.ndarray, k: int, eps: float, seed: int) -> np.ndarray:
+                   vertices: np.ndarray, k: int, eps: float, seed: int, contiguous: bool = False) -> np.ndarray:
     """Partition the sub-hypergraph induced by ``vertices`` (of a hypergraph with ``n``
     vertices in CSR ``net_ptr``/``net_pins``) into ``k`` parts, connectivity-minus-one
-    objective. ``node_w``/``net_w`` are float weights, scaled to integers here."""
+    objective, with Mt-KaHyPar (``contiguous``: in contiguous runs of vertices,
+    :func:`_contiguous_partition`). ``node_w``/``net_w`` are float weights, scaled to
+    integers here."""
     m = len(vertices)
     if k == 1 or m == 0:
         return np.zeros(m, np.int64)
@@ -169,6 +171,8 @@ def _partition_csr(n: int, net_ptr: np.ndarray, net_pins: np.ndarray, node_w: np
             load[r] += iw[v]
         return part
     ew = np.maximum(1, np.rint(net_w[nets] / max(net_w[nets].max(), 1e-300) * _WEIGHT_SCALE)).astype(np.int64)
+    if contiguous:
+        return _contiguous_partition(ptr, pins_local, iw, ew, k, eps)
     # the same sub-hypergraph comes back within one plan: the node level of every head
     # parallelism N (the outer batch differs from the batch only in heads, so in scale)
     key = hashlib.blake2b(b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in (ptr, pins_local, iw, ew))
@@ -181,6 +185,66 @@ def _partition_csr(n: int, net_ptr: np.ndarray, net_pins: np.ndarray, node_w: np
     while len(_PARTITIONS) > _PARTITIONS_KEPT:
         _PARTITIONS.pop(next(iter(_PARTITIONS)))
     return part.copy()
+
+
+#: nodes from which the ranks inside each node get contiguous runs of the node's blocks
+#: (:func:`_contiguous_partition`) rather than Mt-KaHyPar's partition: at 1M tokens / 256 ranks
+#: (32 nodes of about 33 blocks) its 57 calls took about 80 ms each, most of the plan's time;
+#: on the paper's 4 x 8 clusters the runs gave the same plans but on one batch (A100, corpus,
+#: lambda), 3.6 % slower, so the paper's clusters keep Mt-KaHyPar there
+CONTIGUOUS_NODES = 16
+
+
+def _contiguous_partition(ptr: np.ndarray, pins: np.ndarray, node_w: np.ndarray, net_w: np.ndarray, k: int,
+                          eps: float) -> np.ndarray:
+    """The ``m`` vertices (in index order: blocks of a document side by side) in ``k``
+    contiguous non-empty runs, each at most ``(1 + eps)`` times the mean weight (or the
+    heaviest vertex, looser where that cannot be met), that cut the least net weight: a cut
+    between vertices ``c - 1`` and ``c`` costs the weight of every net with pins on both
+    sides. Exact by dynamic programming over cut positions, O(k m^2); ``m > k``.
+
+    Args:
+        ptr, pins: CSR of the nets over local vertices ``0 .. m - 1``.
+        node_w: int64 ``[m]`` vertex weights; net_w: int64 ``[n_nets]`` net weights.
+
+    Returns:
+        int64 ``[m]``: the part of every vertex, ``0 .. k - 1`` in vertex order.
+    """
+    m = len(node_w)
+    sizes = np.diff(ptr)
+    net = np.repeat(np.arange(len(sizes)), sizes)
+    lo = np.full(len(sizes), m, np.int64)
+    hi = np.full(len(sizes), -1, np.int64)
+    np.minimum.at(lo, net, pins)
+    np.maximum.at(hi, net, pins)
+    # nets spanning cut c (lo < c <= hi): +w at lo + 1, -w at hi + 1
+    diff = np.zeros(m + 2)
+    np.add.at(diff, lo + 1, net_w.astype(np.float64))
+    np.add.at(diff, hi + 1, -net_w.astype(np.float64))
+    cut = np.cumsum(diff)[:m + 1]  # cut[c]: cost of a cut before vertex c (cut[0] unused)
+    prefix = np.concatenate(([0], np.cumsum(node_w))).astype(np.float64)
+    cap = max((1.0 + eps) * prefix[-1] / k, float(node_w.max()))
+    span = prefix[None, :] - prefix[:, None]  # [b, c]: weight of vertices b .. c - 1
+    cost = np.where(np.arange(m + 1) > 0, cut, 0.0)[:, None]  # cutting before b (none before 0)
+    while True:
+        fits = (span > 0) & (span <= cap)  # non-empty runs b .. c - 1 within the cap
+        best = np.full((k + 1, m + 1), np.inf)
+        best[0, 0] = 0.0
+        arg = np.zeros((k + 1, m + 1), np.int64)
+        for j in range(1, k + 1):
+            total = np.where(fits, best[j - 1][:, None] + cost, np.inf)
+            arg[j] = np.argmin(total, axis=0)
+            best[j] = total[arg[j], np.arange(m + 1)]
+        if np.isfinite(best[k, m]):
+            break
+        cap *= 1.25  # lumpy weights: no k runs fit the cap
+    part = np.zeros(m, np.int64)
+    c = m
+    for j in range(k, 0, -1):
+        b = int(arg[j, c])
+        part[b:c] = j - 1
+        c = b
+    return part
 
 
 _MTK = None
@@ -366,12 +430,16 @@ def dcp_candidates(
     partitions = []
     # the node level with the paper's tolerance, and with the ranks' own: a loose node level
     # can leave more compute for the rebalancing pass to move than it saves in traffic
-    for node_eps in sorted({eps_inter, min(eps_inter, eps_intra)}, reverse=True):
+    # (on many nodes the paper's alone: at 1M tokens / 256 ranks either gave the same plan, and
+    # each call on 32 nodes took about 1.5 s)
+    tolerances = {eps_inter} if nn >= CONTIGUOUS_NODES else {eps_inter, min(eps_inter, eps_intra)}
+    for node_eps in sorted(tolerances, reverse=True):
         node_of = _partition_csr(nb, ptr, vert, node_w, net_w, allb, nn, node_eps, seed)
         block_part = np.zeros(nb, np.int64)
         for node in range(nn):
             sel = allb[node_of == node]
-            block_part[sel] = node * rpn + _partition_csr(nb, ptr, vert, node_w, net_w, sel, rpn, eps_intra, seed)
+            block_part[sel] = node * rpn + _partition_csr(nb, ptr, vert, node_w, net_w, sel, rpn, eps_intra, seed,
+                                                          contiguous=nn >= CONTIGUOUS_NODES)
         partitions.append(block_part)
         if nn == 1:
             break
