@@ -281,8 +281,7 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
     cap = (1.0 + eps) * total / w
     load = np.bincount(part[movable], weights=weight[movable], minlength=w)
     n_nets = len(hg.net_weight)
-    cnt = np.zeros((n_nets, w), np.int64)
-    np.add.at(cnt, (hg.pin_net, part[hg.net_pins]), 1)
+    cnt = np.bincount(hg.pin_net * w + part[hg.net_pins], minlength=n_nets * w).reshape(n_nets, w)
     node = np.arange(w) // topology.ranks_per_node
     for _ in range(4 * len(movable) + 8):
         r = int(np.argmax(load))
@@ -295,8 +294,8 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
         nets = hg.vertex_nets[cand]  # [c, 2]
         wn = hg.net_weight[nets]  # [c, 2]
         # cost of moving candidate c to rank t: nets gaining rank t minus nets losing rank r
-        gain_t = ((cnt[nets] == 0) * wn[..., None]).sum(1)  # [c, w]
-        lose_r = ((cnt[nets, r] == 1) * wn).sum(1)  # [c]
+        gain_t = (cnt[nets[:, 0]] == 0) * wn[:, :1] + (cnt[nets[:, 1]] == 0) * wn[:, 1:]  # [c, w]
+        lose_r = (cnt[nets[:, 0], r] == 1) * wn[:, 0] + (cnt[nets[:, 1], r] == 1) * wn[:, 1]  # [c]
         inter = node[None, :] != node[r]
         cost = gain_t * np.where(inter, 2.0, 1.0) - lose_r[:, None]
         room = load[None, :] + weight[cand][:, None] <= cap
