@@ -16,7 +16,9 @@ tile joins its query block (so key/value blocks are what travels, the cheap side
 block weighs its share of memory plus its query row's share of compute, and the key/value nets
 carry the traffic -- two-level:
 nodes first (tolerance ``eps_inter``), then ranks inside each node (``eps_intra``), so the
-first level minimises inter-node bytes. Mt-KaHyPar takes one weight per vertex, so a
+first level minimises inter-node bytes (from :data:`CONTIGUOUS_NODES` nodes on, the ranks
+inside a node get the cheapest contiguous runs of its blocks instead, and the node level
+runs with ``eps_inter`` alone). Mt-KaHyPar takes one weight per vertex, so a
 rebalancing pass on the full hypergraph then moves the blocks (memory) and tiles (compute)
 that add the least traffic (inter-node bytes counted double) until every rank is within
 ``1 + eps_memory`` of the mean resident bytes and ``1 + eps_compute`` of the mean FLOPs.
@@ -70,7 +72,8 @@ from .ring import plan_ring
 #: planners whose placements dcp's time objective also offers (:func:`dcp_candidates`)
 _RIVALS = {"ring": plan_ring, "megatron": plan_megatron, "allgather": plan_allgather}
 
-__all__ = ["plan_dcp", "dcp_candidates", "DCPHypergraph", "estimate_seconds", "zigzag_tiles_bound", "RIVAL_TILE_BUDGET"]
+__all__ = ["plan_dcp", "dcp_candidates", "DCPHypergraph", "estimate_seconds", "zigzag_tiles_bound", "RIVAL_TILE_BUDGET",
+           "CONTIGUOUS_NODES"]
 
 #: compute bounds (max/mean - 1) of the extra greedy layouts the time objective starts from
 _GREEDY_BOUNDS = (0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
