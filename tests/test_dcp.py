@@ -243,3 +243,53 @@ def test_candidates_are_timed_only_for_the_time_objective():
 
     cm = CostModel.h100()
     assert simulate(plan, cm).makespan_s <= simulate(few, cm).makespan_s * (1 + 1e-12)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.integers(2, 4))
+def test_contiguous_partition_is_the_cheapest_balanced_run_split(seed, k):
+    # brute force over every split of m vertices into k non-empty runs within the weight cap
+    from itertools import combinations
+
+    from torch_dcp.planners.dcp import _contiguous_partition
+
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(k + 1, 10))
+    nets = [np.unique(rng.integers(0, m, int(rng.integers(2, 5)))) for _ in range(int(rng.integers(1, 8)))]
+    nets = [e for e in nets if len(e) > 1] or [np.arange(m)]
+    ptr = np.concatenate(([0], np.cumsum([len(e) for e in nets])))
+    pins = np.concatenate(nets)
+    node_w = rng.integers(1, 10, m)
+    net_w = rng.integers(1, 100, len(nets))
+    part = _contiguous_partition(ptr, pins, node_w, net_w, k, 0.3)
+    assert np.all(np.diff(part) >= 0) and set(part.tolist()) == set(range(k))  # k runs, in order
+
+    def cost(cuts):  # a net pays once for every cut between its first and last pin
+        return sum(int(w) for c in cuts for e, w in zip(nets, net_w) if e.min() < c <= e.max())
+
+    cap = max(1.3 * node_w.sum() / k, node_w.max())
+    splits = [c for c in combinations(range(1, m), k - 1)
+              if all(node_w[a:b].sum() <= cap for a, b in zip((0,) + c, c + (m,)))]
+    got = tuple(np.nonzero(np.diff(part))[0] + 1)
+    if splits:  # the cap can be met: the cheapest split that meets it
+        assert got in splits
+        assert cost(got) == min(cost(c) for c in splits)
+
+
+def test_many_nodes_plan_with_contiguous_runs_inside_nodes(monkeypatch):
+    # from CONTIGUOUS_NODES nodes on, ranks inside a node get contiguous runs of its blocks
+    import torch_dcp.planners.dcp as dcp
+
+    batch = BatchSpec([3000, 700, 2200, 90, 1500, 4000], Causal(), n_heads=8, n_kv_heads=2, head_dim=64)
+    topo = Topology(n_nodes=4, ranks_per_node=4)
+    calls = []
+    monkeypatch.setattr(dcp, "_contiguous_partition",
+                        lambda *a, f=dcp._contiguous_partition: calls.append(a[4]) or f(*a))
+    plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=128, objective="bytes")
+    assert calls == []  # below the threshold: Mt-KaHyPar only
+    monkeypatch.setattr(dcp, "CONTIGUOUS_NODES", 4)
+    runs = torch_dcp.plan(batch, topo, planner="dcp", block_size=128, objective="bytes")
+    assert calls and set(calls) == {topo.ranks_per_node}
+    runs.validate()
+    assert runs.stats()["memory_imbalance"] <= 1.1 + 1e-9
+    assert plan.digest() != runs.digest()

@@ -83,3 +83,25 @@ def test_plan_simulates_the_shortlist_and_every_rival():
         assert t <= simulate(other, CM).makespan_s * (1 + 1e-12)
     bytes_plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=512, objective="bytes")
     assert t <= simulate(bytes_plan, CM).makespan_s * (1 + 1e-12)
+
+
+def test_auto_head_parallelism_simulates_the_rivals_at_one_and_hcp_only():
+    from torch_dcp.api import _rival
+
+    batch = BatchSpec(LENS, Causal(), n_heads=8, n_kv_heads=2, head_dim=128, dtype="bfloat16")
+    topo = Topology.preset("h100", n_nodes=2)
+    plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=512, cost_model=CM)
+    times = dict(plan.candidates)
+    widest = max(int(lab.split("/hp")[1]) for lab in times if "/hp" in lab and "(local tail)" not in lab)
+    assert widest == topo.ranks_per_node
+    protected = [lab for lab in times if ":" in lab and ("/hp" not in lab or lab == f"dcp:ring/hp{widest}")]
+    assert {"dcp:bytes", "dcp:ring", f"dcp:ring/hp{widest}"} <= set(protected)
+    t = simulate(plan, CM).makespan_s
+    for lab in protected:  # simulated, or its floor above the winner's time: never faster
+        assert not times[lab] < t
+    # a rival at an N between 1 and the widest is simulated only when in the shortlist
+    assert _rival(plan, widest) == (plan.planner in protected)
+    hcp = torch_dcp.plan(batch, topo, planner="hcp")
+    assert t <= simulate(hcp, CM).makespan_s * (1 + 1e-12)
+    sims = [lab for lab, s in plan.candidates if not math.isnan(s) and "(local tail)" not in lab]
+    assert len(sims) <= SIMULATED + len(protected)

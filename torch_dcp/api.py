@@ -32,10 +32,12 @@ LOCAL_TAIL = 0.25
 #: fastest plan so found was within 1 % of timing them all, for about half the planning time
 HEAD_PARALLEL_SHORTLIST = 8
 #: candidates simulated, the best by :func:`torch_dcp.estimate.estimate_seconds` (the rivals'
-#: plans and the bytes objective's are simulated too): on the paper's 32 batches (4 x 8 and 1 x 8,
-#: A100 and H100, GQA 8/2 and 32/8, corpus and long-tail, causal and lambda) the best of the four
-#: was within 0.3 % of simulating them all, of the three within 3.0 %
-#: (``python -m torch_dcp.benchmarks scale --calibrate``)
+#: plans at N = 1, the bytes objective's and HCP's are simulated too, :func:`_rival`): on the
+#: paper's 32 batches (4 x 8 and 1 x 8, A100 and H100, GQA 8/2 and 32/8, corpus and long-tail,
+#: causal and lambda) the best of the four was within 0.3 % of simulating them all, of the
+#: three within 3.0 % (``python -m torch_dcp.benchmarks scale --calibrate``); simulating the
+#: rivals' plans at every N as well found the same plan on 59 paper batches (scales 0.5 to 4,
+#: all four masks), for twice the simulations
 SIMULATED = 4
 #: outer plan parts (world size / N) up to which ``head_parallel="auto"`` runs dcp's full search
 #: at every ``N``; above, only at the largest ``N`` (with the fewest-bytes plan at ``N = 1``):
@@ -146,8 +148,8 @@ def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel",
     """The fastest of ``plans`` on the simulator, and ``(label, simulated seconds)`` of every
     candidate (NaN: not simulated). Every candidate is estimated
     (:func:`torch_dcp.estimate.estimate_seconds`); the ``simulated`` best by estimate are
-    simulated, and so is every rival's plan and the bytes objective's (labels with ``":"``),
-    so the plan returned is never slower than theirs; a candidate whose floor
+    simulated, and so are the rivals' plans and the bytes objective's (:func:`_rival`), so the
+    plan returned is never slower than theirs; a candidate whose floor
     (:func:`torch_dcp.simulate.floor_seconds`) lies above a simulated time is skipped, since
     it cannot win. The winner is then also timed with a local tail (:func:`_local_tail`)."""
     from .estimate import estimate_seconds
@@ -167,14 +169,28 @@ def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel",
     times = [float("nan")] * len(plans)
     # best estimate first (a tie keeps the earlier); the protected ones after the shortlist
     order = sorted(range(len(plans)), key=estimates.__getitem__)
+    widest = max(_head_parallel(p) for p in plans)
     for k, i in enumerate(order):
-        if k < simulated or ":" in plans[i].planner:
+        if k < simulated or _rival(plans[i], widest):
             times[i] = consider(plans[i], floors[i])
     timed = [(p.planner, t) for p, t in zip(plans, times)]
     tail = _local_tail(chosen)
     if tail is not None:
         timed.append((f"{chosen.planner} (local tail)", consider(tail, floor_seconds(tail, cm))))
     return chosen, timed
+
+
+def _head_parallel(p: "Plan | HeadParallelPlan") -> int:
+    return p.head_parallel if isinstance(p, HeadParallelPlan) else 1
+
+
+def _rival(p: "Plan | HeadParallelPlan", widest: int) -> bool:
+    """Whether ``p`` is a rival's plan that :func:`_fastest` always simulates: at ``N = 1``
+    every labelled one (``"dcp:ring"``, ``"dcp:allgather"``, ``"dcp:megatron"``,
+    ``"dcp:bytes"``), and ring attention at the widest head parallelism tried (HCP; Ulysses on
+    one node). The rivals' plans at the other ``N`` compete by estimate like dcp's own."""
+    n = _head_parallel(p)
+    return ":" in p.planner and (n == 1 or (n == widest and p.planner.startswith("dcp:ring")))
 
 
 def _head_sizes(batch: BatchSpec, topology: Topology, planner: str, head_parallel: Any,

@@ -158,22 +158,41 @@ def node_routes(plan: "Plan") -> dict[str, np.ndarray]:
     loads.charge_fixed(t, jobs, fetch_bytes)
     size = [fetch_bytes[rows[0]] if k == "fetch" else loads.return_bytes(k, t[f"ret_{k}_block"][rows[0]])
             for k, rows in jobs]
-    for i in np.argsort(-np.asarray(size, float), kind="stable"):  # largest first, while links are open
+    # the choices, one group after another in plain Python (groups hold a handful of ranks:
+    # NumPy's per-call cost would dominate), then written back in one go per table
+    loads.to_lists()
+    fr_l, fd_l = fr.tolist(), fd.tolist()
+    gates, relays = [], []  # (fetch row, its division), (member rows, gateway rank)
+    reds = {side: ([], []) for side in _SIDES}  # side -> ((reducer row, its division), (member rows, reducer rank))
+    ret_l = {side: (t[f"ret_{side}_rank"].tolist(), ret[side][0].tolist()) for side in _SIDES}
+    for i in np.argsort(-np.asarray(size, float), kind="stable").tolist():  # largest first, while links are open
         kind, rows = jobs[i]
+        rl = rows.tolist()
         if kind == "fetch":
-            g = loads.pick_gateway(fr[rows], fetch_bytes[rows[0]])
-            gate = rows[g]
-            src[rows[rows != gate]] = fr[gate]
-            fd[gate] = fd[rows].min() - 1  # strictly before every member's first use
+            g = loads.pick_gateway([fr_l[j] for j in rl], float(fetch_bytes[rl[0]]))
+            gate = rl[g]
+            relays.append((rows[rows != gate], fr_l[gate]))
+            gates.append((gate, min(fd_l[j] for j in rl) - 1))  # strictly before every member's first use
         else:
-            rr = t[f"ret_{kind}_rank"]
-            rd, rt = ret[kind]
-            last = rd[rows] == rd[rows].max()
-            g = loads.pick_reducer(rr[rows], loads.return_bytes(kind, t[f"ret_{kind}_block"][rows[0]]), last)
-            red = rows[g]
-            members = rows[rows != red]
-            rt[members] = rr[red]
-            rd[red] = max(rd[red], rd[members].max() + 1)  # strictly after every partial it adds
+            rr_l, rd_l = ret_l[kind]
+            divs = [rd_l[j] for j in rl]
+            top = max(divs)
+            g = loads.pick_reducer([rr_l[j] for j in rl], float(loads.return_bytes(kind, t[f"ret_{kind}_block"][rl[0]])),
+                                   [d == top for d in divs])
+            red = rl[g]
+            others = [d for j, d in zip(rl, divs) if j != red]
+            reds[kind][1].append((rows[rows != red], rr_l[red]))
+            reds[kind][0].append((red, max(rd_l[red], max(others) + 1)))  # strictly after every partial it adds
+    for rows, rank in relays:
+        src[rows] = rank
+    for row, div in gates:
+        fd[row] = div
+    for side in _SIDES:
+        rd, rt = ret[side]
+        for rows, rank in reds[side][1]:
+            rt[rows] = rank
+        for row, div in reds[side][0]:
+            rd[row] = div
     t["fetch_div"], t["fetch_src"] = fd, src
     for side in _SIDES:
         t[f"ret_{side}_div"], t[f"ret_{side}_dst"] = ret[side]
@@ -229,24 +248,36 @@ class _LinkLoads:
                 self.port["out"][rr[rows]] += b / self.topo.intra_bandwidth
             self.add(rr[keep], rt[keep], self.return_bytes(side, rb[keep]))
 
-    def _pick(self, ranks: np.ndarray, nbytes: float, rail_way: str, port_way: str, allowed: np.ndarray) -> int:
-        rails = self.rail_id[ranks]
+    def to_lists(self) -> None:
+        """The loads as Python lists from here on, for :meth:`_pick`'s per-group choices."""
+        self.rail = {way: v.tolist() for way, v in self.rail.items()}
+        self.port = {way: v.tolist() for way, v in self.port.items()}
+        self.rail_of = self.rail_id.tolist()
+
+    def _pick(self, ranks: list[int], nbytes: float, rail_way: str, port_way: str, allowed: list[bool]) -> int:
+        rail, port = self.rail[rail_way], self.port[port_way]
+        on_rail = nbytes / self.topo.rail_bandwidth
         hop = nbytes / self.topo.intra_bandwidth
-        cost = np.maximum(self.rail[rail_way][rails] + nbytes / self.topo.rail_bandwidth,
-                          self.port[port_way][ranks] + hop * (len(ranks) - 1))
+        fan = hop * (len(ranks) - 1)
         # ties (to the picosecond, whatever order the loads were summed in): the earliest in the
-        # group's order
-        g = int(np.argmin(np.where(allowed, np.round(cost, 12), np.inf)))
-        self.rail[rail_way][rails[g]] += nbytes / self.topo.rail_bandwidth
-        self.port[port_way][ranks[g]] += hop * (len(ranks) - 1)
-        self.port["in" if port_way == "out" else "out"][ranks[g]] -= hop  # its own hop was charged as a member's
+        # group's order (rounded as np.round(x, 12) rounds)
+        g, best = -1, float("inf")
+        for i, (r, ok) in enumerate(zip(ranks, allowed)):
+            if ok:
+                cost = round(max(rail[self.rail_of[r]] + on_rail, port[r] + fan) * 1e12) / 1e12
+                if cost < best:
+                    g, best = i, cost
+        r = ranks[g]
+        rail[self.rail_of[r]] += on_rail
+        port[r] += fan
+        self.port["in" if port_way == "out" else "out"][r] -= hop  # its own hop was charged as a member's
         return g
 
-    def pick_gateway(self, ranks: np.ndarray, nbytes: float) -> int:
+    def pick_gateway(self, ranks: list[int], nbytes: float) -> int:
         """Index in ``ranks`` of the gateway: its rail in and NVLink port out least loaded."""
-        return self._pick(ranks, nbytes, "in", "out", np.ones(len(ranks), bool))
+        return self._pick(ranks, nbytes, "in", "out", [True] * len(ranks))
 
-    def pick_reducer(self, ranks: np.ndarray, nbytes: float, allowed: np.ndarray) -> int:
+    def pick_reducer(self, ranks: list[int], nbytes: float, allowed: list[bool]) -> int:
         """Index in ``ranks`` (among ``allowed``) of the reducer: its rail out and NVLink port
         in least loaded."""
         return self._pick(ranks, nbytes, "out", "in", allowed)
