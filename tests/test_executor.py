@@ -283,3 +283,40 @@ def test_no_synchronisation_inside_a_cuda_step(kernel, dtype):
         for got, want in ((o, ref[0]), (dq, ref[1]), (dk, ref[2]), (dv, ref[3])):
             err = (got.cpu().double() - want[i]).abs().max().item() / max(1.0, want[i].abs().max().item())
             assert err < (1e-3 if dtype == "float32" else 2e-2), f"{kernel} {dtype}: relative error {err:.2e}"
+
+
+class _ClosedPeers(InProcessTransport):
+    """A transport whose peers are gone: posting a backward phase fails at once (gloo's
+    "Connection closed by peer" when a rank died before the transfer was posted)."""
+
+    backward = False
+
+    def launch(self, phase, sends, recvs):
+        if self.backward and (sends or recvs):
+            from torch_dcp.executor import TransferError
+
+            raise TransferError(f"rank {self.rank}: phase {phase}: posting the transfers failed: closed by peer",
+                                phase, [1 - self.rank])
+        return super().launch(phase, sends, recvs)
+
+
+def test_a_failure_to_post_names_the_pass_and_step():
+    # found by the issue-32 flake loop: a rank killed mid-step made its peer's backward fail while
+    # posting (not while waiting), and that error did not name the pass
+    from torch_dcp._interleave import interleave
+    from torch_dcp.executor import TransferError
+
+    batch = _batch("causal", "gqa8/2-d32")
+    plan = torch_dcp.plan(batch, 2, planner="ring", block_size=BLOCK, divisions=2)  # transfers in every pass
+    mailbox = Mailbox()
+    nets = [_ClosedPeers(mailbox, r) for r in range(2)]
+    execs = [RankExecutor(plan, r, nets[r]) for r in range(2)]
+    q, k, v, go = random_qkv(batch, torch.float64)
+    idx = [torch.from_numpy(plan.token_indices(r)) for r in range(2)]
+    fwd = interleave([e.forward_steps(q[i], k[i], v[i]) for e, i in zip(execs, idx)], lambda: mailbox.events)
+    for n in nets:
+        n.backward = True
+    with pytest.raises(TransferError, match=r"backward pass, CommLaunch\(phase=\d+\): rank \d: phase \d+: posting") as e:
+        interleave([e.backward_steps(q[i], k[i], v[i], o, lse, go[i]) for e, i, (o, lse) in zip(execs, idx, fwd)],
+                   lambda: mailbox.events)
+    assert e.value.peers and e.value.phase is not None

@@ -422,7 +422,10 @@ class RankExecutor:
         recvs = [(m.peer, int(m.kind), run.bufs[m.kind].message(rows)) for m, rows in bound["recvs"]]
         self.bytes_sent += sum(s[2].numel() for s in sends)
         self.bytes_received += sum(r[2].numel() for r in recvs)
-        run.pending[step.phase] = self.transport.launch(step.phase, sends, recvs)
+        try:
+            run.pending[step.phase] = self.transport.launch(step.phase, sends, recvs)
+        except TransferError as err:  # a peer already gone: posting fails before any wait
+            raise self._located(err, "CommLaunch", step.phase, run) from None
 
     def on_wait(self, step: WaitStep, bound: dict, run: _Run, scale: float) -> Generator[None, None, None]:
         return self._waited(self.transport.wait(run.pending.pop(step.phase)), step, run)
@@ -430,12 +433,16 @@ class RankExecutor:
     def _waited(self, wait: Generator, step: WaitStep, run: _Run) -> Generator[None, None, None]:
         try:
             yield from wait
-        except TransferError as err:  # say where in the plan this rank was waiting
-            where = "backward" if run.backward else "forward"
-            new = type(err)(f"torch_dcp (plan {self.plan.digest()[:12]}): {where} pass, CommWait(phase={step.phase}): "
-                            f"{err}", err.phase, err.peers)
-            vars(new).update(vars(err))  # a subclass's own attributes (PeerRefusedError.reason)
-            raise new from None
+        except TransferError as err:
+            raise self._located(err, "CommWait", step.phase, run) from None
+
+    def _located(self, err: TransferError, what: str, phase: int, run: _Run) -> TransferError:
+        """``err`` (same type) saying where in the plan this rank was: the pass and the step."""
+        where = "backward" if run.backward else "forward"
+        new = type(err)(f"torch_dcp (plan {self.plan.digest()[:12]}): {where} pass, {what}(phase={phase}): {err}",
+                        err.phase, err.peers)
+        vars(new).update(vars(err))  # a subclass's own attributes (PeerRefusedError.reason)
+        return new
 
     def on_attention(self, step: AttentionStep, bound: dict, run: _Run, scale: float) -> None:
         run.division = step.division
