@@ -187,29 +187,41 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
             score = np.where(room, cost / np.minimum(weight[cand], excess)[:, None], np.inf)
             best_t = np.argmin(score, axis=1)
             best = score[np.arange(len(cand)), best_t]
+            order = np.argsort(best, kind="stable")[:64]
+            order = order[np.isfinite(best[order])]
+            # per candidate, its targets cheapest first (a tie: the lower rank): the first with
+            # room left is the cheapest with room; plain Python from here (a few dozen moves)
+            targets = np.argsort(score[order], axis=1, kind="stable").tolist()
+            rows = score[order].tolist()
+            sizes = weight[cand[order]].tolist()
+            loads, cap_f, left = load.tolist(), float(cap), float(excess)
             moves = []
-            left = excess
-            for c in np.argsort(best, kind="stable")[:64]:
-                if not np.isfinite(best[c]) or left <= 1e-9 * cap:
+            for c, ts, row, size in zip(order.tolist(), targets, rows, sizes):
+                if left <= 1e-9 * cap_f:
                     break
-                row = np.where(load + weight[cand[c]] <= cap, score[c], np.inf)
-                row[r] = np.inf
-                t = int(np.argmin(row))
-                if not np.isfinite(row[t]):
+                for t in ts:
+                    if row[t] == np.inf or loads[t] + size <= cap_f:
+                        break
+                if row[t] == np.inf or not loads[t] + size <= cap_f:
                     continue
-                moves.append((int(c), t))
-                load[t] += weight[cand[c]]  # reserve room (undone below, applied once)
-                left -= weight[cand[c]]
+                moves.append((c, t))
+                loads[t] += size  # reserve room (undone below, applied once)
+                left -= size
             for c, t in moves:
-                load[t] -= weight[cand[c]]
-        for c, t in moves:
-            v = cand[c]
-            for e in hg.vertex_nets[v]:
-                cnt[e, r] -= 1
-                cnt[e, t] += 1
-            load[r] -= weight[v]
-            load[t] += weight[v]
-            part[v] = t
+                loads[t] -= float(weight[cand[c]])
+            load = np.asarray(loads)
+        if moves:
+            vs = cand[[c for c, _ in moves]]
+            ts = np.asarray([t for _, t in moves], np.int64)
+            nets = hg.vertex_nets[vs]  # [moves, 2]
+            np.add.at(cnt, (nets.ravel(), np.full(nets.size, r)), -1)
+            np.add.at(cnt, (nets.ravel(), np.repeat(ts, nets.shape[1])), 1)
+            part[vs] = ts
+            loads = load.tolist()
+            for v, t in zip(vs.tolist(), ts.tolist()):
+                loads[r] -= float(weight[v])
+                loads[t] += float(weight[v])
+            load = np.asarray(loads)
     return part
 
 
