@@ -231,21 +231,32 @@ class _LinkLoads:
         groups with a choice (``jobs``), each group's hop from or to the block's home, and the
         NVLink hops of all its members (the chosen one's is refunded)."""
         multi = {kind: [rows for k, rows in jobs if k == kind] for kind in ("fetch", *_SIDES)}
+        topo = self.topo
+
+        def members(groups: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            """Every group's first row, all rows, and each row's group (in group order)."""
+            if not groups:
+                z = np.zeros(0, np.int64)
+                return z, z, z
+            return (np.asarray([rows[0] for rows in groups], np.int64), np.concatenate(groups),
+                    np.repeat(np.arange(len(groups)), [len(rows) for rows in groups]))
+
+        # np.add.at adds in the order of its indices: the same sums as one group after another
+        first, rows, group = members(multi["fetch"])
         keep = np.ones(len(t["fetch_rank"]), bool)
-        for rows in multi["fetch"]:
-            keep[rows] = False
-            b = fetch_bytes[rows[0]]
-            self.rail["out"][self.rail_id[t["fetch_src"][rows[0]]]] += b / self.topo.rail_bandwidth
-            self.port["in"][t["fetch_rank"][rows]] += b / self.topo.intra_bandwidth
+        keep[rows] = False
+        b = fetch_bytes[first]
+        np.add.at(self.rail["out"], self.rail_id[t["fetch_src"][first]], b / topo.rail_bandwidth)
+        np.add.at(self.port["in"], t["fetch_rank"][rows], (b / topo.intra_bandwidth)[group])
         self.add(t["fetch_src"][keep], t["fetch_rank"][keep], fetch_bytes[keep])
         for side in _SIDES:
             rr, rb, rt = (t[f"ret_{side}_{c}"] for c in ("rank", "block", "dst"))
+            first, rows, group = members(multi[side])
             keep = np.ones(len(rr), bool)
-            for rows in multi[side]:
-                keep[rows] = False
-                b = self.return_bytes(side, rb[rows[0]])
-                self.rail["in"][self.rail_id[rt[rows[0]]]] += b / self.topo.rail_bandwidth
-                self.port["out"][rr[rows]] += b / self.topo.intra_bandwidth
+            keep[rows] = False
+            b = self.return_bytes(side, rb[first])
+            np.add.at(self.rail["in"], self.rail_id[rt[first]], b / topo.rail_bandwidth)
+            np.add.at(self.port["out"], rr[rows], (b / topo.intra_bandwidth)[group])
             self.add(rr[keep], rt[keep], self.return_bytes(side, rb[keep]))
 
     def to_lists(self) -> None:

@@ -133,8 +133,9 @@ class DCPHypergraph:
 
     def km1(self, part: np.ndarray, k: int) -> float:
         """``sum_e w_e (lambda_e - 1)`` of a partition (bytes)."""
-        pins_part = part[self.net_pins]
-        lam = np.bincount(np.unique(self.pin_net * k + pins_part) // k, minlength=len(self.net_weight))
+        present = np.zeros(len(self.net_weight) * k, bool)
+        present[self.pin_net * k + part[self.net_pins]] = True
+        lam = present.reshape(-1, k).sum(axis=1)
         return float((self.net_weight * np.maximum(lam - 1, 0)).sum())
 
 
