@@ -62,7 +62,8 @@ def _runs(keys: np.ndarray) -> list[np.ndarray]:
     change = np.ones(n, bool)
     change[1:] = np.any(keys[1:] != keys[:-1], axis=1)
     starts = np.nonzero(change)[0]
-    return np.split(np.arange(n), starts[1:])
+    idx = np.arange(n)
+    return [idx[a:b] for a, b in zip(starts.tolist(), np.append(starts[1:], n).tolist())]
 
 
 def _row_array(row_map: dict[int, int], n_blocks: int) -> np.ndarray:

@@ -57,7 +57,8 @@ def _partition_csr(n: int, net_ptr: np.ndarray, net_pins: np.ndarray, node_w: np
         if finer is not None and 2 * k <= MERGE_PARTS:
             part = _merge_pairs(ptr, pins_local, ew, finer, 2 * k)
         else:
-            edges = [e.tolist() for e in np.split(pins_local, ptr[1:-1])]
+            pins_l, ptr_l = pins_local.tolist(), ptr.tolist()
+            edges = [pins_l[a:b] for a, b in zip(ptr_l[:-1], ptr_l[1:])]
             part = _mtkahypar(m, edges, iw, ew, k, eps, seed)
     _PARTITIONS[(content, k)] = part  # most recently used last
     while len(_PARTITIONS) > _PARTITIONS_KEPT:
