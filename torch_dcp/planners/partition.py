@@ -47,20 +47,15 @@ def _partition_csr(n: int, net_ptr: np.ndarray, net_pins: np.ndarray, node_w: np
     if contiguous:
         return _contiguous_partition(ptr, pins_local, iw, ew, k, eps)
     # the same sub-hypergraph comes back within one plan: the node level of every head
-    # parallelism N (the outer batch differs from the batch only in heads, so in scale), and a
-    # node's blocks in rpn / N parts where they were in 2 rpn / N parts at the N before
-    content = hashlib.blake2b(b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in (ptr, pins_local, iw, ew))
-                              + repr((m, float(eps), int(seed))).encode(), digest_size=16).digest()
-    part = _PARTITIONS.pop((content, k), None)
+    # parallelism N (the outer batch differs from the batch only in heads, so in scale)
+    key = hashlib.blake2b(b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in (ptr, pins_local, iw, ew))
+                          + repr((m, k, float(eps), int(seed))).encode(), digest_size=16).digest()
+    part = _PARTITIONS.pop(key, None)
     if part is None:
-        finer = _PARTITIONS.get((content, 2 * k))
-        if finer is not None and 2 * k <= MERGE_PARTS:
-            part = _merge_pairs(ptr, pins_local, ew, finer, 2 * k)
-        else:
-            pins_l, ptr_l = pins_local.tolist(), ptr.tolist()
-            edges = [pins_l[a:b] for a, b in zip(ptr_l[:-1], ptr_l[1:])]
-            part = _mtkahypar(m, edges, iw, ew, k, eps, seed)
-    _PARTITIONS[(content, k)] = part  # most recently used last
+        pins_l, ptr_l = pins_local.tolist(), ptr.tolist()
+        edges = [pins_l[a:b] for a, b in zip(ptr_l[:-1], ptr_l[1:])]
+        part = _mtkahypar(m, edges, iw, ew, k, eps, seed)
+    _PARTITIONS[key] = part  # most recently used last
     while len(_PARTITIONS) > _PARTITIONS_KEPT:
         _PARTITIONS.pop(next(iter(_PARTITIONS)))
     return part.copy()
@@ -121,50 +116,9 @@ def _contiguous_partition(ptr: np.ndarray, pins: np.ndarray, node_w: np.ndarray,
 
 _MTK = None
 #: Mt-KaHyPar's partitions of the last few sub-hypergraphs (content digest -> parts), so that a
-#: plan asks for each one once (content digest, parts -> part of every vertex)
-_PARTITIONS: dict[tuple[bytes, int], np.ndarray] = {}
+#: plan asks for each one once
+_PARTITIONS: dict[bytes, np.ndarray] = {}
 _PARTITIONS_KEPT = 64
-#: the most parts a partition may have to be merged in pairs (:func:`_merge_pairs`, every
-#: pairing tried: 105 for 8 parts) rather than a new Mt-KaHyPar call for half the parts
-MERGE_PARTS = 8
-
-
-def _pairings(parts: list[int]):
-    """Every way to split ``parts`` (an even number) into pairs, each a list of pairs."""
-    if not parts:
-        yield []
-        return
-    a = parts[0]
-    for i in range(1, len(parts)):
-        for rest in _pairings(parts[1:i] + parts[i + 1:]):
-            yield [(a, parts[i])] + rest
-
-
-def _merge_pairs(ptr: np.ndarray, pins: np.ndarray, net_w: np.ndarray, part: np.ndarray, k: int) -> np.ndarray:
-    """A partition into ``k / 2`` parts made of the ``k`` parts of ``part`` in pairs, the
-    pairing that cuts the least net weight (connectivity minus one) of all pairings, the first
-    such in enumeration order. Pairs of parts within ``1 + eps`` of the mean weight are within
-    it too: Mt-KaHyPar's partition at ``k`` stands in for another call at ``k / 2``.
-
-    Args:
-        ptr, pins: CSR of the nets over local vertices ``0 .. m - 1``; net_w: ``[n_nets]``.
-        part: int64 ``[m]`` in ``0 .. k - 1``; k: even.
-
-    Returns:
-        int64 ``[m]`` in ``0 .. k / 2 - 1`` (pair ``i`` of the pairing chosen is part ``i``).
-    """
-    net = np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
-    present = np.zeros((len(ptr) - 1, k), bool)
-    present[net, part[pins]] = True
-    # pair_cost[a, b]: weight of the nets on part a or b (each counted once for the pair)
-    pair_cost = net_w.astype(np.float64) @ (present[:, :, None] | present[:, None, :]).reshape(-1, k * k)
-    pair_cost = pair_cost.reshape(k, k)
-    best = min(_pairings(list(range(k))), key=lambda pairs: sum(pair_cost[a, b] for a, b in pairs))
-    merged = np.empty(k, np.int64)
-    for i, (a, b) in enumerate(best):
-        merged[a] = merged[b] = i
-    return merged[part]
-
 
 def _mtkahypar(n, edges, node_w, net_w, k, eps, seed) -> np.ndarray:
     global _MTK
