@@ -127,11 +127,14 @@ def _mtkahypar(n, edges, node_w, net_w, k, eps, seed) -> np.ndarray:
     except ImportError as err:  # pragma: no cover - dependency of the package
         raise ImportError("planner 'dcp' needs Mt-KaHyPar: pip install mtkahypar") from err
     if _MTK is None:
-        _MTK = mtkahypar.initialize(1, False)
-    ctx = _MTK.context_from_preset(mtkahypar.PresetType.DETERMINISTIC)
+        # one thread, and one context for every call (its k and tolerance set per call: the
+        # same partitions as a fresh context's, without building one each time)
+        mtk = mtkahypar.initialize(1, False)
+        _MTK = mtk, mtk.context_from_preset(mtkahypar.PresetType.DETERMINISTIC)
+    mtk, ctx = _MTK
     ctx.set_partitioning_parameters(k, eps, mtkahypar.Objective.KM1)
     ctx.logging = False
     mtkahypar.set_seed(seed)
-    hg = _MTK.create_hypergraph(ctx, n, len(edges), edges, node_w.tolist(), net_w.tolist())
+    hg = mtk.create_hypergraph(ctx, n, len(edges), edges, node_w.tolist(), net_w.tolist())
     part = hg.partition(ctx)
     return np.asarray(part.get_partition(), dtype=np.int64)
