@@ -201,6 +201,7 @@ class _Pass:
         # one outgoing and one incoming NVLink/NVSwitch port per rank, one outgoing and one
         # incoming link per network rail of every node
         self.links: dict[tuple, _Link] = {}
+        self.pair_links: dict[tuple[int, int], tuple[list[_Link], bool]] = {}  # (src, dst) -> its links
         self.launched: dict[tuple[int, int, int], list[float | None]] = {}  # key -> [send t, recv t]
         self.nbytes: dict[tuple[int, int, int], float] = {}
         self.end_of: dict[tuple[int, int, int], float] = {}
@@ -235,7 +236,10 @@ class _Pass:
         topo = self.plan.topology
         s, r = self.launched[key]
         _, src, dst = key
-        used, inter = _transfer_links(topo, self.links, src, dst)
+        hit = self.pair_links.get((src, dst))
+        if hit is None:
+            hit = self.pair_links[(src, dst)] = _transfer_links(topo, self.links, src, dst)
+        used, inter = hit
         dur = self.cm.transfer_seconds(self.nbytes.get(key, 0.0), topo, inter)
         start = _earliest_common_gap(used, max(s, r), dur)
         for lk in used:
