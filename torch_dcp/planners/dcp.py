@@ -159,12 +159,14 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
     n_nets = len(hg.net_weight)
     cnt = np.bincount(hg.pin_net * w + part[hg.net_pins], minlength=n_nets * w).reshape(n_nets, w)
     node = np.arange(w) // topology.ranks_per_node
+    hop_factor = np.where(node[None, :] != node[:, None], 2.0, 1.0)  # [from, to]: inter-node bytes count double
+    weighted = movable[weight[movable] > 0]
     for _ in range(4 * len(movable) + 8):
         r = int(np.argmax(load))
         excess = load[r] - cap
         if excess <= 1e-9 * cap:
             break
-        cand = movable[(part[movable] == r) & (weight[movable] > 0)]
+        cand = weighted[part[weighted] == r]
         if len(cand) == 0:
             break
         nets = hg.vertex_nets[cand]  # [c, 2]
@@ -172,8 +174,7 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
         # cost of moving candidate c to rank t: nets gaining rank t minus nets losing rank r
         gain_t = (cnt[nets[:, 0]] == 0) * wn[:, :1] + (cnt[nets[:, 1]] == 0) * wn[:, 1:]  # [c, w]
         lose_r = (cnt[nets[:, 0], r] == 1) * wn[:, 0] + (cnt[nets[:, 1], r] == 1) * wn[:, 1]  # [c]
-        inter = node[None, :] != node[r]
-        cost = gain_t * np.where(inter, 2.0, 1.0) - lose_r[:, None]
+        cost = gain_t * hop_factor[r] - lose_r[:, None]
         room = load[None, :] + weight[cand][:, None] <= cap
         room[:, r] = False
         if not room.any():
