@@ -133,9 +133,13 @@ class DCPHypergraph:
 
     def km1(self, part: np.ndarray, k: int) -> float:
         """``sum_e w_e (lambda_e - 1)`` of a partition (bytes)."""
-        present = np.zeros(len(self.net_weight) * k, bool)
-        present[self.pin_net * k + part[self.net_pins]] = True
-        lam = present.reshape(-1, k).sum(axis=1)
+        key = self.pin_net * k + part[self.net_pins]
+        if len(self.net_weight) * k <= 4 * len(key):  # a table of (net, part) pairs is cheaper than sorting
+            present = np.zeros(len(self.net_weight) * k, bool)
+            present[key] = True
+            lam = present.reshape(-1, k).sum(axis=1)
+        else:
+            lam = np.bincount(np.unique(key) // k, minlength=len(self.net_weight))
         return float((self.net_weight * np.maximum(lam - 1, 0)).sum())
 
 
@@ -159,7 +163,6 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
     n_nets = len(hg.net_weight)
     cnt = np.bincount(hg.pin_net * w + part[hg.net_pins], minlength=n_nets * w).reshape(n_nets, w)
     node = np.arange(w) // topology.ranks_per_node
-    hop_factor = np.where(node[None, :] != node[:, None], 2.0, 1.0)  # [from, to]: inter-node bytes count double
     weighted = movable[weight[movable] > 0]
     for _ in range(4 * len(movable) + 8):
         r = int(np.argmax(load))
@@ -174,7 +177,7 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
         # cost of moving candidate c to rank t: nets gaining rank t minus nets losing rank r
         gain_t = (cnt[nets[:, 0]] == 0) * wn[:, :1] + (cnt[nets[:, 1]] == 0) * wn[:, 1:]  # [c, w]
         lose_r = (cnt[nets[:, 0], r] == 1) * wn[:, 0] + (cnt[nets[:, 1], r] == 1) * wn[:, 1]  # [c]
-        cost = gain_t * hop_factor[r] - lose_r[:, None]
+        cost = gain_t * np.where(node != node[r], 2.0, 1.0) - lose_r[:, None]  # inter-node bytes count double
         room = load[None, :] + weight[cand][:, None] <= cap
         room[:, r] = False
         if not room.any():
@@ -191,21 +194,20 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
             best = score[np.arange(len(cand)), best_t]
             order = np.argsort(best, kind="stable")[:64]
             order = order[np.isfinite(best[order])]
-            # per candidate, its targets cheapest first (a tie: the lower rank): the first with
-            # room left is the cheapest with room; plain Python from here (a few dozen moves)
-            targets = np.argsort(score[order], axis=1, kind="stable").tolist()
-            rows = score[order].tolist()
-            sizes = weight[cand[order]].tolist()
+            # each candidate's cheapest target with room at the start of the round is still the
+            # cheapest with room unless the moves before filled it (loads only grow here): then
+            # the cheapest with room left (a tie: the lower rank); plain Python but for that
             loads, cap_f, left = load.tolist(), float(cap), float(excess)
             moves = []
-            for c, ts, row, size in zip(order.tolist(), targets, rows, sizes):
+            for c, t, size in zip(order.tolist(), best_t[order].tolist(), weight[cand[order]].tolist()):
                 if left <= 1e-9 * cap_f:
                     break
-                for t in ts:
-                    if row[t] == np.inf or loads[t] + size <= cap_f:
-                        break
-                if row[t] == np.inf or not loads[t] + size <= cap_f:
-                    continue
+                if not loads[t] + size <= cap_f:
+                    row = np.where(np.asarray(loads) + size <= cap_f, score[c], np.inf)
+                    row[r] = np.inf
+                    t = int(np.argmin(row))
+                    if not np.isfinite(row[t]):
+                        continue
                 moves.append((c, t))
                 loads[t] += size  # reserve room (undone below, applied once)
                 left -= size
