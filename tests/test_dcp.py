@@ -251,7 +251,7 @@ def test_contiguous_partition_is_the_cheapest_balanced_run_split(seed, k):
     # brute force over every split of m vertices into k non-empty runs within the weight cap
     from itertools import combinations
 
-    from torch_dcp.planners.dcp import _contiguous_partition
+    from torch_dcp.planners.partition import _contiguous_partition
 
     rng = np.random.default_rng(seed)
     m = int(rng.integers(k + 1, 10))
@@ -279,12 +279,13 @@ def test_contiguous_partition_is_the_cheapest_balanced_run_split(seed, k):
 def test_many_nodes_plan_with_contiguous_runs_inside_nodes(monkeypatch):
     # from CONTIGUOUS_NODES nodes on, ranks inside a node get contiguous runs of its blocks
     import torch_dcp.planners.dcp as dcp
+    import torch_dcp.planners.partition as partition
 
     batch = BatchSpec([3000, 700, 2200, 90, 1500, 4000], Causal(), n_heads=8, n_kv_heads=2, head_dim=64)
     topo = Topology(n_nodes=4, ranks_per_node=4)
     calls = []
-    monkeypatch.setattr(dcp, "_contiguous_partition",
-                        lambda *a, f=dcp._contiguous_partition: calls.append(a[4]) or f(*a))
+    monkeypatch.setattr(partition, "_contiguous_partition",
+                        lambda *a, f=partition._contiguous_partition: calls.append(a[4]) or f(*a))
     plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=128, objective="bytes")
     assert calls == []  # below the threshold: Mt-KaHyPar only
     monkeypatch.setattr(dcp, "CONTIGUOUS_NODES", 4)

@@ -174,3 +174,21 @@ def test_serialisation_and_digest():
     with pytest.raises(ValueError, match="outer plan's topology"):
         HeadParallelPlan(p.outer, b, Topology(n_nodes=1, ranks_per_node=8), 2)
     assert isinstance(p.outer, Plan)
+
+
+def test_outer_batch_shares_the_tiles_of_its_batch_and_no_other_mask():
+    # the needed tiles depend on documents, masks and blocks, not heads: the outer batch of a
+    # head parallelism reuses them; the same lengths under another mask do not
+    from torch_dcp.workload import Workload
+
+    lens = [3000, 700, 2200, 90]
+    batch = BatchSpec(lens, Lambda(64, 512), n_heads=8, n_kv_heads=2, head_dim=64)
+    wl = Workload.uniform(batch, 256)
+    outer = Workload.uniform(HeadLayout.of(batch, 4).outer_batch(batch), 256)
+    assert outer.tile_q is wl.tile_q and outer.tile_pairs is wl.tile_pairs
+    np.testing.assert_allclose(outer.tile_flops_fwd * 4, wl.tile_flops_fwd)
+    causal = Workload.uniform(BatchSpec(lens, Causal(), n_heads=8, n_kv_heads=2, head_dim=64), 256)
+    assert causal.n_tiles > wl.n_tiles  # the window leaves tiles out that causal needs
+    fresh = Workload.from_spans(BatchSpec(lens, Causal(), n_heads=2, n_kv_heads=2, head_dim=64), causal.block_doc,
+                                causal.block_start, causal.block_end)
+    np.testing.assert_array_equal(fresh.tile_pairs, causal.tile_pairs)

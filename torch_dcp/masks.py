@@ -95,18 +95,25 @@ def count_visible_pairs(
     row_group = np.repeat(np.arange(n_groups, dtype=np.int64), np.diff(row_ptr))
     base = np.repeat(row_group * stride, n_ranges)
 
-    def prefix_eval(bounds: np.ndarray, x: np.ndarray) -> np.ndarray:
-        # sum over bounds b of group g with b < x of (x - b)
+    group_key = tile_group * stride
+
+    def prefix_eval(bounds: np.ndarray):
+        # x -> sum over bounds b of group g with b < x of (x - b); one sort per bounds array
         vals = bounds.reshape(-1)
         order = np.argsort(base + vals, kind="stable")
         keys = (base + vals)[order]
         csum = np.concatenate(([0], np.cumsum(vals[order])))
-        lo = np.searchsorted(keys, tile_group * stride, side="left")
-        hi = np.searchsorted(keys, tile_group * stride + x, side="left")
-        return (hi - lo) * x - (csum[hi] - csum[lo])
+        lo = np.searchsorted(keys, group_key, side="left")
+
+        def at(x: np.ndarray) -> np.ndarray:
+            hi = np.searchsorted(keys, group_key + x, side="left")
+            return (hi - lo) * x - (csum[hi] - csum[lo])
+        return at
+
+    from_starts, from_ends = prefix_eval(starts), prefix_eval(ends)
 
     def f(x: np.ndarray) -> np.ndarray:
-        return prefix_eval(starts, x) - prefix_eval(ends, x)
+        return from_starts(x) - from_ends(x)
 
     return f(key_end) - f(key_start)
 

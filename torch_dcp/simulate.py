@@ -201,6 +201,10 @@ class _Pass:
         # one outgoing and one incoming NVLink/NVSwitch port per rank, one outgoing and one
         # incoming link per network rail of every node
         self.links: dict[tuple, _Link] = {}
+        # (src, dst) -> its links, whether it crosses nodes, latency, bandwidth
+        self.pair_links: dict[tuple[int, int], tuple[list[_Link], bool, float, float]] = {}
+        self.node_l = plan.topology.node_of(np.arange(w)).tolist()
+        self.rail_l = plan.topology.rail_of(np.arange(w)).tolist()
         self.launched: dict[tuple[int, int, int], list[float | None]] = {}  # key -> [send t, recv t]
         self.nbytes: dict[tuple[int, int, int], float] = {}
         self.end_of: dict[tuple[int, int, int], float] = {}
@@ -235,8 +239,20 @@ class _Pass:
         topo = self.plan.topology
         s, r = self.launched[key]
         _, src, dst = key
-        used, inter = _transfer_links(topo, self.links, src, dst)
-        dur = self.cm.transfer_seconds(self.nbytes.get(key, 0.0), topo, inter)
+        hit = self.pair_links.get((src, dst))
+        if hit is None:  # as _transfer_links, with the ranks' nodes and rails looked up once per pass
+            ns, nd = self.node_l[src], self.node_l[dst]
+            inter = ns != nd
+            names = (("rail out", ns, self.rail_l[src]), ("rail in", nd, self.rail_l[dst])) if inter else \
+                (("out", src), ("in", dst))
+            for name in names:
+                if name not in self.links:
+                    self.links[name] = _Link()
+            hit = self.pair_links[(src, dst)] = ([self.links[name] for name in names], inter,
+                                                 topo.inter_latency if inter else topo.intra_latency,
+                                                 topo.rail_bandwidth if inter else topo.intra_bandwidth)
+        used, inter, latency, bandwidth = hit
+        dur = latency + self.nbytes.get(key, 0.0) / bandwidth  # CostModel.transfer_seconds
         start = _earliest_common_gap(used, max(s, r), dur)
         for lk in used:
             lk.reserve(start, start + dur)

@@ -9,6 +9,7 @@ the visible pairs.
 from __future__ import annotations
 
 import enum
+import hashlib
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -72,6 +73,14 @@ BWD_FLOPS_PER_PAIR = 10
 #: one plan builds the workload of a batch for every candidate layout (a workload is immutable)
 _UNIFORM: "OrderedDict[tuple[int, int], tuple[weakref.ref, Workload]]" = OrderedDict()
 _UNIFORM_KEEP = 8
+#: the needed tiles of the last few block layouts, ``content digest -> (masks, (tile_q, tile_kv,
+#: pairs))``: they depend on the documents, their masks and the blocks, not on heads, so the
+#: outer batch of every head parallelism and ring attention's and all-gather CP's zig-zag
+#: layouts of one plan share them (the masks kept are compared by identity); at most
+#: :data:`_TILES_KEEP` layouts and :data:`_TILES_MAX` tiles in all
+_TILES: "OrderedDict[bytes, tuple[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]]]" = OrderedDict()
+_TILES_KEEP = 8
+_TILES_MAX = 1 << 23
 
 
 def item_token_bytes(batch: BatchSpec) -> dict[tuple[bool, str], int]:
@@ -217,6 +226,20 @@ class Workload:
     # ------------------------------------------------------------------ tiles
     def _needed_tiles(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         batch = self.batch
+        key = hashlib.blake2b(b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in (
+            batch.doc_lens, batch.doc_mask, self.block_doc, self.block_start, self.block_end)), digest_size=16).digest()
+        hit = _TILES.get(key)
+        if hit is not None and len(hit[0]) == len(batch.masks) and all(a is b for a, b in zip(hit[0], batch.masks)):
+            _TILES.move_to_end(key)
+            return hit[1]
+        tiles = self._count_tiles()
+        _TILES[key] = (batch.masks, tiles)
+        while len(_TILES) > _TILES_KEEP or (len(_TILES) > 1 and sum(len(v[1][0]) for v in _TILES.values()) > _TILES_MAX):
+            _TILES.popitem(last=False)
+        return tiles
+
+    def _count_tiles(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        batch = self.batch
         nb = len(self.block_doc)
         doc_nb = np.bincount(self.block_doc, minlength=batch.n_docs)
         doc_first = np.concatenate(([0], np.cumsum(doc_nb)[:-1]))
@@ -230,7 +253,7 @@ class Workload:
         row_ptr = np.concatenate(([0], np.cumsum(self.block_len)))
         pairs = count_visible_pairs(starts, ends, row_ptr, tile_q, self.block_start[tile_kv], self.block_end[tile_kv])
         keep = pairs > 0
-        return tile_q[keep], tile_kv[keep], pairs[keep]
+        return _frozen(tile_q[keep]), _frozen(tile_kv[keep]), _frozen(pairs[keep])
 
     # ------------------------------------------------------------------ sizes
     @property

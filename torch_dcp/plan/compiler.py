@@ -62,7 +62,8 @@ def _runs(keys: np.ndarray) -> list[np.ndarray]:
     change = np.ones(n, bool)
     change[1:] = np.any(keys[1:] != keys[:-1], axis=1)
     starts = np.nonzero(change)[0]
-    return np.split(np.arange(n), starts[1:])
+    idx = np.arange(n)
+    return [idx[a:b] for a, b in zip(starts.tolist(), np.append(starts[1:], n).tolist())]
 
 
 def _row_array(row_map: dict[int, int], n_blocks: int) -> np.ndarray:
@@ -105,6 +106,7 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
         rows[kind] = r
         ws_size[kind] = S + int(blen[fb].sum())
 
+    row_of = {kind: _row_array(rows[kind], wl.n_blocks) for kind in kind_of}
     # fetch transfers per division: receives (I fetch) and sends (others fetch my blocks)
     # (division -1: the opening phase, blocks a node's gateway fetches before division 0)
     fetch_recv: dict[int, list[Transfer]] = {d: [] for d in range(-1, T)}
@@ -117,8 +119,8 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
         for grp in _runs(keys):
             d, peer, k = (int(x) for x in keys[grp[0]])
             blocks = t["fetch_block"][sel[grp]]
-            row_map = rows[kind_of[k]]  # a sender sends from its local rows
-            out[d].append(Transfer(peer, kind_of[k], blocks, _i64(row_map[b] for b in blocks.tolist())))
+            # a sender sends from its local rows
+            out[d].append(Transfer(peer, kind_of[k], blocks, row_of[kind_of[k]][blocks]))
 
     # tiles of this rank, grouped by (division, query block); groups by (home rank, query block)
     tiles = np.nonzero(pl.tile_rank == rank)[0]
@@ -137,7 +139,6 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
         BlockwiseCopy(Buf.Q, home, home_row, home_row),
         BlockwiseCopy(Buf.KV, home, home_row, home_row),
     ]
-    row_of = {kind: _row_array(rows[kind], wl.n_blocks) for kind in kind_of}
     # partial-output / gradient slots: forward, one per group, in group order
     part_rows = 0 if not backward else ws_size[Buf.Q]
     kv_part_rows = ws_size[Buf.KV]

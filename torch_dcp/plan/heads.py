@@ -205,6 +205,7 @@ class HeadParallelPlan:
         self.outer, self.batch, self.topology = outer, batch, topology
         self.label = label or outer.planner
         self.keep_sharded = bool(keep_sharded)
+        self._a2a_seconds: dict[tuple[bool, str, bool], float] = {}
         self.plan_seconds = outer.plan_seconds
         #: ``(planner label, simulated seconds)`` of the candidates :func:`torch_dcp.plan` timed
         self.candidates: list[tuple[str, float]] = []
@@ -315,6 +316,12 @@ class HeadParallelPlan:
         bandwidth plus the link latency (:meth:`all_to_all_bytes` for ``way``)."""
         if way is None:
             return self.all_to_all_seconds(backward, "in") + self.all_to_all_seconds(backward, "out")
+        key = (bool(backward), way, self.keep_sharded)  # asked for by the floor, the estimate and the simulator
+        if key not in self._a2a_seconds:
+            self._a2a_seconds[key] = self._all_to_all_seconds(backward, way)
+        return self._a2a_seconds[key]
+
+    def _all_to_all_seconds(self, backward: bool, way: str) -> float:
         m = self.all_to_all_bytes(backward, way)
         topo = self.topology
         src, dst = np.nonzero(m)

@@ -156,43 +156,47 @@ def node_routes(plan: "Plan") -> dict[str, np.ndarray]:
         out = np.nonzero(topo.node_of(rr) != topo.node_of(rt))[0]
         jobs += [(side, rows) for rows in _groups(topo.node_of(rr) * nb + rb, out, (rr[out], -rd[out]))]
     loads.charge_fixed(t, jobs, fetch_bytes)
-    size = [fetch_bytes[rows[0]] if k == "fetch" else loads.return_bytes(k, t[f"ret_{k}_block"][rows[0]])
-            for k, rows in jobs]
+    first = np.asarray([rows[0] for _, rows in jobs], np.int64)
+    is_fetch = np.asarray([k == "fetch" for k, _ in jobs], bool)
+    size = np.zeros(len(jobs))
+    size[is_fetch] = fetch_bytes[first[is_fetch]]
+    for side in _SIDES:
+        sel = np.asarray([k == side for k, _ in jobs], bool)
+        size[sel] = loads.return_bytes(side, t[f"ret_{side}_block"][first[sel]])
     # the choices, one group after another in plain Python (groups hold a handful of ranks:
     # NumPy's per-call cost would dominate), then written back in one go per table
     loads.to_lists()
     fr_l, fd_l = fr.tolist(), fd.tolist()
-    gates, relays = [], []  # (fetch row, its division), (member rows, gateway rank)
-    reds = {side: ([], []) for side in _SIDES}  # side -> ((reducer row, its division), (member rows, reducer rank))
+    size_l = size.tolist()
+    # chosen rows and their new division; member rows and their new peer (gateway / reducer)
+    moved = {kind: ([], [], [], []) for kind in ("fetch", *_SIDES)}
     ret_l = {side: (t[f"ret_{side}_rank"].tolist(), ret[side][0].tolist()) for side in _SIDES}
-    for i in np.argsort(-np.asarray(size, float), kind="stable").tolist():  # largest first, while links are open
+    for i in np.argsort(-size, kind="stable").tolist():  # largest first, while links are open
         kind, rows = jobs[i]
         rl = rows.tolist()
+        rows_div, new_div, member_rows, new_peer = moved[kind]
         if kind == "fetch":
-            g = loads.pick_gateway([fr_l[j] for j in rl], float(fetch_bytes[rl[0]]))
+            g = loads.pick_gateway([fr_l[j] for j in rl], size_l[i])
             gate = rl[g]
-            relays.append((rows[rows != gate], fr_l[gate]))
-            gates.append((gate, min(fd_l[j] for j in rl) - 1))  # strictly before every member's first use
+            member_rows += [j for j in rl if j != gate]
+            new_peer += [fr_l[gate]] * (len(rl) - 1)
+            rows_div.append(gate)
+            new_div.append(min(fd_l[j] for j in rl) - 1)  # strictly before every member's first use
         else:
             rr_l, rd_l = ret_l[kind]
             divs = [rd_l[j] for j in rl]
             top = max(divs)
-            g = loads.pick_reducer([rr_l[j] for j in rl], float(loads.return_bytes(kind, t[f"ret_{kind}_block"][rl[0]])),
-                                   [d == top for d in divs])
+            g = loads.pick_reducer([rr_l[j] for j in rl], size_l[i], [d == top for d in divs])
             red = rl[g]
             others = [d for j, d in zip(rl, divs) if j != red]
-            reds[kind][1].append((rows[rows != red], rr_l[red]))
-            reds[kind][0].append((red, max(rd_l[red], max(others) + 1)))  # strictly after every partial it adds
-    for rows, rank in relays:
-        src[rows] = rank
-    for row, div in gates:
-        fd[row] = div
-    for side in _SIDES:
-        rd, rt = ret[side]
-        for rows, rank in reds[side][1]:
-            rt[rows] = rank
-        for row, div in reds[side][0]:
-            rd[row] = div
+            member_rows += [j for j in rl if j != red]
+            new_peer += [rr_l[red]] * (len(rl) - 1)
+            rows_div.append(red)
+            new_div.append(max(rd_l[red], max(others) + 1))  # strictly after every partial it adds
+    for kind, (div_arr, peer_arr) in (("fetch", (fd, src)), *((side, ret[side]) for side in _SIDES)):
+        rows_div, new_div, member_rows, new_peer = moved[kind]
+        div_arr[np.asarray(rows_div, np.int64)] = new_div
+        peer_arr[np.asarray(member_rows, np.int64)] = new_peer
     t["fetch_div"], t["fetch_src"] = fd, src
     for side in _SIDES:
         t[f"ret_{side}_div"], t[f"ret_{side}_dst"] = ret[side]
@@ -231,21 +235,32 @@ class _LinkLoads:
         groups with a choice (``jobs``), each group's hop from or to the block's home, and the
         NVLink hops of all its members (the chosen one's is refunded)."""
         multi = {kind: [rows for k, rows in jobs if k == kind] for kind in ("fetch", *_SIDES)}
+        topo = self.topo
+
+        def members(groups: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            """Every group's first row, all rows, and each row's group (in group order)."""
+            if not groups:
+                z = np.zeros(0, np.int64)
+                return z, z, z
+            return (np.asarray([rows[0] for rows in groups], np.int64), np.concatenate(groups),
+                    np.repeat(np.arange(len(groups)), [len(rows) for rows in groups]))
+
+        # np.add.at adds in the order of its indices: the same sums as one group after another
+        first, rows, group = members(multi["fetch"])
         keep = np.ones(len(t["fetch_rank"]), bool)
-        for rows in multi["fetch"]:
-            keep[rows] = False
-            b = fetch_bytes[rows[0]]
-            self.rail["out"][self.rail_id[t["fetch_src"][rows[0]]]] += b / self.topo.rail_bandwidth
-            self.port["in"][t["fetch_rank"][rows]] += b / self.topo.intra_bandwidth
+        keep[rows] = False
+        b = fetch_bytes[first]
+        np.add.at(self.rail["out"], self.rail_id[t["fetch_src"][first]], b / topo.rail_bandwidth)
+        np.add.at(self.port["in"], t["fetch_rank"][rows], (b / topo.intra_bandwidth)[group])
         self.add(t["fetch_src"][keep], t["fetch_rank"][keep], fetch_bytes[keep])
         for side in _SIDES:
             rr, rb, rt = (t[f"ret_{side}_{c}"] for c in ("rank", "block", "dst"))
+            first, rows, group = members(multi[side])
             keep = np.ones(len(rr), bool)
-            for rows in multi[side]:
-                keep[rows] = False
-                b = self.return_bytes(side, rb[rows[0]])
-                self.rail["in"][self.rail_id[rt[rows[0]]]] += b / self.topo.rail_bandwidth
-                self.port["out"][rr[rows]] += b / self.topo.intra_bandwidth
+            keep[rows] = False
+            b = self.return_bytes(side, rb[first])
+            np.add.at(self.rail["in"], self.rail_id[rt[first]], b / topo.rail_bandwidth)
+            np.add.at(self.port["out"], rr[rows], (b / topo.intra_bandwidth)[group])
             self.add(rr[keep], rt[keep], self.return_bytes(side, rb[keep]))
 
     def to_lists(self) -> None:
@@ -253,11 +268,12 @@ class _LinkLoads:
         self.rail = {way: v.tolist() for way, v in self.rail.items()}
         self.port = {way: v.tolist() for way, v in self.port.items()}
         self.rail_of = self.rail_id.tolist()
+        self.rail_bw, self.intra_bw = float(self.topo.rail_bandwidth), float(self.topo.intra_bandwidth)
 
     def _pick(self, ranks: list[int], nbytes: float, rail_way: str, port_way: str, allowed: list[bool]) -> int:
         rail, port = self.rail[rail_way], self.port[port_way]
-        on_rail = nbytes / self.topo.rail_bandwidth
-        hop = nbytes / self.topo.intra_bandwidth
+        on_rail = nbytes / self.rail_bw
+        hop = nbytes / self.intra_bw
         fan = hop * (len(ranks) - 1)
         # ties (to the picosecond, whatever order the loads were summed in): the earliest in the
         # group's order (rounded as np.round(x, 12) rounds)
@@ -289,7 +305,8 @@ def _groups(key: np.ndarray, rows: np.ndarray, order_by: tuple[np.ndarray, ...])
     order = rows[np.lexsort((*order_by, key[rows]))]
     k = key[order]
     starts = np.nonzero(np.concatenate(([True], k[1:] != k[:-1])))[0] if len(order) else np.zeros(0, np.int64)
-    return [g for g in np.split(order, starts[1:]) if len(g) > 1]
+    ends = np.append(starts[1:], len(order)).tolist()
+    return [order[a:b] for a, b in zip(starts.tolist(), ends) if b - a > 1]  # slices: np.split's cost is per piece
 
 
 #: routing -> ``fn(plan) -> tables``: the one table of route builders.

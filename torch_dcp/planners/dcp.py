@@ -57,7 +57,6 @@ give the same placement, hence the same ``Plan.digest()``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import numpy as np
 
@@ -67,6 +66,7 @@ from ..workload import Buf, Workload, item_token_bytes
 from .allgather import plan_allgather
 from .base import Placement, Routing
 from .megatron import plan_megatron
+from .partition import _partition_csr
 from .ring import plan_ring
 
 #: planners whose placements dcp's time objective also offers (:func:`dcp_candidates`)
@@ -77,8 +77,6 @@ __all__ = ["plan_dcp", "dcp_candidates", "DCPHypergraph", "estimate_seconds", "z
 
 #: compute bounds (max/mean - 1) of the extra greedy layouts the time objective starts from
 _GREEDY_BOUNDS = (0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
-
-_WEIGHT_SCALE = 1 << 20
 
 #: rivals laid out zig-zag (every document cut into ``2W`` chunks), and the most tiles such a
 #: rival may hold to be built among the candidates (:func:`zigzag_tiles_bound`): ring attention
@@ -135,143 +133,22 @@ class DCPHypergraph:
 
     def km1(self, part: np.ndarray, k: int) -> float:
         """``sum_e w_e (lambda_e - 1)`` of a partition (bytes)."""
-        pins_part = part[self.net_pins]
-        lam = np.bincount(np.unique(self.pin_net * k + pins_part) // k, minlength=len(self.net_weight))
+        key = self.pin_net * k + part[self.net_pins]
+        if len(self.net_weight) * k <= 4 * len(key):  # a table of (net, part) pairs is cheaper than sorting
+            present = np.zeros(len(self.net_weight) * k, bool)
+            present[key] = True
+            lam = present.reshape(-1, k).sum(axis=1)
+        else:
+            lam = np.bincount(np.unique(key) // k, minlength=len(self.net_weight))
         return float((self.net_weight * np.maximum(lam - 1, 0)).sum())
 
 
-def _partition_csr(n: int, net_ptr: np.ndarray, net_pins: np.ndarray, node_w: np.ndarray, net_w: np.ndarray,
-                   vertices: np.ndarray, k: int, eps: float, seed: int, contiguous: bool = False) -> np.ndarray:
-    """Partition the sub-hypergraph induced by ``vertices`` (of a hypergraph with ``n``
-    vertices in CSR ``net_ptr``/``net_pins``) into ``k`` parts, connectivity-minus-one
-    objective, with Mt-KaHyPar (``contiguous``: in contiguous runs of vertices,
-    :func:`_contiguous_partition`). ``node_w``/``net_w`` are float weights, scaled to
-    integers here."""
-    m = len(vertices)
-    if k == 1 or m == 0:
-        return np.zeros(m, np.int64)
-    if m <= k:
-        return np.arange(m, dtype=np.int64) % k
-    local = np.full(n, -1, np.int64)
-    local[vertices] = np.arange(m)
-    pins_local = local[net_pins]
-    net_id = np.repeat(np.arange(len(net_w)), np.diff(net_ptr))
-    keep = pins_local >= 0
-    pins_local, net_id = pins_local[keep], net_id[keep]
-    sizes = np.bincount(net_id, minlength=len(net_w))
-    nets = np.nonzero(sizes >= 2)[0]
-    sel = sizes[net_id] >= 2
-    pins_local = pins_local[sel]
-    ptr = np.concatenate(([0], np.cumsum(sizes[nets])))
-    vw = node_w[vertices]
-    iw = np.maximum(1, np.rint(vw / max(vw.sum(), 1e-300) * _WEIGHT_SCALE)).astype(np.int64)
-    if len(nets) == 0:  # nothing connects: balance only (longest processing time first)
-        part = np.zeros(m, np.int64)
-        load = np.zeros(k)
-        for v in np.argsort(-iw, kind="stable"):
-            r = int(np.argmin(load))
-            part[v] = r
-            load[r] += iw[v]
-        return part
-    ew = np.maximum(1, np.rint(net_w[nets] / max(net_w[nets].max(), 1e-300) * _WEIGHT_SCALE)).astype(np.int64)
-    if contiguous:
-        return _contiguous_partition(ptr, pins_local, iw, ew, k, eps)
-    # the same sub-hypergraph comes back within one plan: the node level of every head
-    # parallelism N (the outer batch differs from the batch only in heads, so in scale)
-    key = hashlib.blake2b(b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in (ptr, pins_local, iw, ew))
-                          + repr((m, k, float(eps), int(seed))).encode(), digest_size=16).digest()
-    part = _PARTITIONS.pop(key, None)
-    if part is None:
-        edges = [e.tolist() for e in np.split(pins_local, ptr[1:-1])]
-        part = _mtkahypar(m, edges, iw, ew, k, eps, seed)
-    _PARTITIONS[key] = part  # most recently used last
-    while len(_PARTITIONS) > _PARTITIONS_KEPT:
-        _PARTITIONS.pop(next(iter(_PARTITIONS)))
-    return part.copy()
-
-
 #: nodes from which the ranks inside each node get contiguous runs of the node's blocks
-#: (:func:`_contiguous_partition`) rather than Mt-KaHyPar's partition: at 1M tokens / 256 ranks
+#: (:func:`~torch_dcp.planners.partition._contiguous_partition`) rather than Mt-KaHyPar's partition: at 1M tokens / 256 ranks
 #: (32 nodes of about 33 blocks) its 57 calls took about 80 ms each, most of the plan's time;
 #: on the paper's 4 x 8 clusters the runs gave the same plans but on one batch (A100, corpus,
 #: lambda), 3.6 % slower, so the paper's clusters keep Mt-KaHyPar there
 CONTIGUOUS_NODES = 16
-
-
-def _contiguous_partition(ptr: np.ndarray, pins: np.ndarray, node_w: np.ndarray, net_w: np.ndarray, k: int,
-                          eps: float) -> np.ndarray:
-    """The ``m`` vertices (in index order: blocks of a document side by side) in ``k``
-    contiguous non-empty runs, each at most ``(1 + eps)`` times the mean weight (or the
-    heaviest vertex, looser where that cannot be met), that cut the least net weight: a cut
-    between vertices ``c - 1`` and ``c`` costs the weight of every net with pins on both
-    sides. Exact by dynamic programming over cut positions, O(k m^2); ``m > k``.
-
-    Args:
-        ptr, pins: CSR of the nets over local vertices ``0 .. m - 1``.
-        node_w: int64 ``[m]`` vertex weights; net_w: int64 ``[n_nets]`` net weights.
-
-    Returns:
-        int64 ``[m]``: the part of every vertex, ``0 .. k - 1`` in vertex order.
-    """
-    m = len(node_w)
-    sizes = np.diff(ptr)
-    net = np.repeat(np.arange(len(sizes)), sizes)
-    lo = np.full(len(sizes), m, np.int64)
-    hi = np.full(len(sizes), -1, np.int64)
-    np.minimum.at(lo, net, pins)
-    np.maximum.at(hi, net, pins)
-    # nets spanning cut c (lo < c <= hi): +w at lo + 1, -w at hi + 1
-    diff = np.zeros(m + 2)
-    np.add.at(diff, lo + 1, net_w.astype(np.float64))
-    np.add.at(diff, hi + 1, -net_w.astype(np.float64))
-    cut = np.cumsum(diff)[:m + 1]  # cut[c]: cost of a cut before vertex c (cut[0] unused)
-    prefix = np.concatenate(([0], np.cumsum(node_w))).astype(np.float64)
-    cap = max((1.0 + eps) * prefix[-1] / k, float(node_w.max()))
-    span = prefix[None, :] - prefix[:, None]  # [b, c]: weight of vertices b .. c - 1
-    cost = np.where(np.arange(m + 1) > 0, cut, 0.0)[:, None]  # cutting before b (none before 0)
-    while True:
-        fits = (span > 0) & (span <= cap)  # non-empty runs b .. c - 1 within the cap
-        best = np.full((k + 1, m + 1), np.inf)
-        best[0, 0] = 0.0
-        arg = np.zeros((k + 1, m + 1), np.int64)
-        for j in range(1, k + 1):
-            total = np.where(fits, best[j - 1][:, None] + cost, np.inf)
-            arg[j] = np.argmin(total, axis=0)
-            best[j] = total[arg[j], np.arange(m + 1)]
-        if np.isfinite(best[k, m]):
-            break
-        cap *= 1.25  # lumpy weights: no k runs fit the cap
-    part = np.zeros(m, np.int64)
-    c = m
-    for j in range(k, 0, -1):
-        b = int(arg[j, c])
-        part[b:c] = j - 1
-        c = b
-    return part
-
-
-_MTK = None
-#: Mt-KaHyPar's partitions of the last few sub-hypergraphs (content digest -> parts), so that a
-#: plan asks for each one once
-_PARTITIONS: dict[bytes, np.ndarray] = {}
-_PARTITIONS_KEPT = 64
-
-
-def _mtkahypar(n, edges, node_w, net_w, k, eps, seed) -> np.ndarray:
-    global _MTK
-    try:
-        import mtkahypar
-    except ImportError as err:  # pragma: no cover - dependency of the package
-        raise ImportError("planner 'dcp' needs Mt-KaHyPar: pip install mtkahypar") from err
-    if _MTK is None:
-        _MTK = mtkahypar.initialize(1, False)
-    ctx = _MTK.context_from_preset(mtkahypar.PresetType.DETERMINISTIC)
-    ctx.set_partitioning_parameters(k, eps, mtkahypar.Objective.KM1)
-    ctx.logging = False
-    mtkahypar.set_seed(seed)
-    hg = _MTK.create_hypergraph(ctx, n, len(edges), edges, node_w.tolist(), net_w.tolist())
-    part = hg.partition(ctx)
-    return np.asarray(part.get_partition(), dtype=np.int64)
 
 
 def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, movable: np.ndarray,
@@ -286,12 +163,13 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
     n_nets = len(hg.net_weight)
     cnt = np.bincount(hg.pin_net * w + part[hg.net_pins], minlength=n_nets * w).reshape(n_nets, w)
     node = np.arange(w) // topology.ranks_per_node
+    weighted = movable[weight[movable] > 0]
     for _ in range(4 * len(movable) + 8):
         r = int(np.argmax(load))
         excess = load[r] - cap
         if excess <= 1e-9 * cap:
             break
-        cand = movable[(part[movable] == r) & (weight[movable] > 0)]
+        cand = weighted[part[weighted] == r]
         if len(cand) == 0:
             break
         nets = hg.vertex_nets[cand]  # [c, 2]
@@ -299,8 +177,7 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
         # cost of moving candidate c to rank t: nets gaining rank t minus nets losing rank r
         gain_t = (cnt[nets[:, 0]] == 0) * wn[:, :1] + (cnt[nets[:, 1]] == 0) * wn[:, 1:]  # [c, w]
         lose_r = (cnt[nets[:, 0], r] == 1) * wn[:, 0] + (cnt[nets[:, 1], r] == 1) * wn[:, 1]  # [c]
-        inter = node[None, :] != node[r]
-        cost = gain_t * np.where(inter, 2.0, 1.0) - lose_r[:, None]
+        cost = gain_t * np.where(node != node[r], 2.0, 1.0) - lose_r[:, None]  # inter-node bytes count double
         room = load[None, :] + weight[cand][:, None] <= cap
         room[:, r] = False
         if not room.any():
@@ -315,29 +192,40 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
             score = np.where(room, cost / np.minimum(weight[cand], excess)[:, None], np.inf)
             best_t = np.argmin(score, axis=1)
             best = score[np.arange(len(cand)), best_t]
+            order = np.argsort(best, kind="stable")[:64]
+            order = order[np.isfinite(best[order])]
+            # each candidate's cheapest target with room at the start of the round is still the
+            # cheapest with room unless the moves before filled it (loads only grow here): then
+            # the cheapest with room left (a tie: the lower rank); plain Python but for that
+            loads, cap_f, left = load.tolist(), float(cap), float(excess)
             moves = []
-            left = excess
-            for c in np.argsort(best, kind="stable")[:64]:
-                if not np.isfinite(best[c]) or left <= 1e-9 * cap:
+            for c, t, size in zip(order.tolist(), best_t[order].tolist(), weight[cand[order]].tolist()):
+                if left <= 1e-9 * cap_f:
                     break
-                row = np.where(load + weight[cand[c]] <= cap, score[c], np.inf)
-                row[r] = np.inf
-                t = int(np.argmin(row))
-                if not np.isfinite(row[t]):
-                    continue
-                moves.append((int(c), t))
-                load[t] += weight[cand[c]]  # reserve room (undone below, applied once)
-                left -= weight[cand[c]]
+                if not loads[t] + size <= cap_f:
+                    row = np.where(np.asarray(loads) + size <= cap_f, score[c], np.inf)
+                    row[r] = np.inf
+                    t = int(np.argmin(row))
+                    if not np.isfinite(row[t]):
+                        continue
+                moves.append((c, t))
+                loads[t] += size  # reserve room (undone below, applied once)
+                left -= size
             for c, t in moves:
-                load[t] -= weight[cand[c]]
-        for c, t in moves:
-            v = cand[c]
-            for e in hg.vertex_nets[v]:
-                cnt[e, r] -= 1
-                cnt[e, t] += 1
-            load[r] -= weight[v]
-            load[t] += weight[v]
-            part[v] = t
+                loads[t] -= float(weight[cand[c]])
+            load = np.asarray(loads)
+        if moves:
+            vs = cand[[c for c, _ in moves]]
+            ts = np.asarray([t for _, t in moves], np.int64)
+            nets = hg.vertex_nets[vs]  # [moves, 2]
+            np.add.at(cnt, (nets.ravel(), np.full(nets.size, r)), -1)
+            np.add.at(cnt, (nets.ravel(), np.repeat(ts, nets.shape[1])), 1)
+            part[vs] = ts
+            loads = load.tolist()
+            for v, t in zip(vs.tolist(), ts.tolist()):
+                loads[r] -= float(weight[v])
+                loads[t] += float(weight[v])
+            load = np.asarray(loads)
     return part
 
 

@@ -90,17 +90,21 @@ def plan_greedy(
         member = np.where(chunk < len(group), chunk, n2 - 1 - chunk)
         block_rank[blocks] = group[member]
         np.add.at(tokens, group[member], wl.block_len[blocks])
-        # tiles, largest first, to the data-holding rank with compute room
-        for t in tiles[np.argsort(-flops[tiles], kind="stable")]:
-            rq, rkv = block_rank[wl.tile_q[t]], block_rank[wl.tile_kv[t]]
-            f = flops[t]
+        # tiles, largest first, to the data-holding rank with compute room (plain Python:
+        # thousands of tiles, a few operations each)
+        tiles = tiles[np.argsort(-flops[tiles], kind="stable")]
+        loads, cap, ranks = load.tolist(), float(cap_flops), []
+        for rq, rkv, f in zip(block_rank[wl.tile_q[tiles]].tolist(), block_rank[wl.tile_kv[tiles]].tolist(),
+                              flops[tiles].tolist()):
             for r in ((rq, rkv) if q_first else (rkv, rq)):
-                if load[r] + f <= cap_flops:
+                if loads[r] + f <= cap:
                     break
             else:
-                r = int(np.argmin(load))
-                if load[r] + f > cap_flops:  # nothing has room: least-loaded data holder
-                    r = rq if load[rq] <= load[rkv] else rkv
-            tile_rank[t] = r
-            load[r] += f
+                r = min(range(w), key=loads.__getitem__)  # the least loaded (the first of equals)
+                if loads[r] + f > cap:  # nothing has room: least-loaded data holder
+                    r = rq if loads[rq] <= loads[rkv] else rkv
+            ranks.append(r)
+            loads[r] += f
+        tile_rank[tiles] = ranks
+        load = np.asarray(loads)
     return Placement(wl, w, block_rank, tile_rank, planner="greedy")
