@@ -201,6 +201,41 @@ def test_flex_backward_op_traces_under_torch_compile(monkeypatch):
     assert flex_mod._DIRECT_BACKWARD.get("cpu") is True  # the compiled op ran: no fallback
 
 
+def _compiled_variants(kernel):
+    """Two masks through ``kernel``: different closed forms, so two compiled variants of flex
+    (Dynamo's caches emptied before and after: they live on flex's code object)."""
+    torch._dynamo.reset()
+    try:
+        for mask in ("causal", "lambda"):
+            batch = _batch(mask, "gqa8/2-d32")
+            _check(torch_dcp.plan(batch, 2, planner="greedy", block_size=BLOCK, divisions=1), batch, kernel)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compiled_flex_keeps_its_variants_past_a_low_global_recompile_limit(monkeypatch):
+    # Dynamo's default limit (8 variants of one function) was hit on an H200 by the CUDA tests of
+    # several masks in one process: flex then ran uncompiled (dense scores, a host synchronisation
+    # caught by sync debug mode). Here the process limit is 1 and hitting it fails loudly: the
+    # kernel's own limit must let both masks compile
+    import torch_dcp.executor.flex as flex_mod
+
+    monkeypatch.setattr(flex_mod, "_COMPILED", {})
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        _compiled_variants(FlexKernel(block_size=8, compile="eager", recompute=False))
+
+
+def test_compiled_flex_past_its_recompile_limit_stops_with_the_setting_to_raise(monkeypatch):
+    import torch_dcp.executor.flex as flex_mod
+
+    monkeypatch.setattr(flex_mod, "_COMPILED", {})
+    monkeypatch.setattr(flex_mod, "RECOMPILE_LIMIT", 1)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        with pytest.raises(RuntimeError, match=r"flex:eager hit its recompile limit \(1 variants.*"
+                                               r"torch._dynamo.config.recompile_limit"):
+            _compiled_variants(FlexKernel(block_size=8, compile="eager", recompute=False))
+
+
 def test_flex_backward_falls_back_once_when_the_op_fails(monkeypatch):
     import torch_dcp.executor.flex as flex_mod
 

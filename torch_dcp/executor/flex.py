@@ -81,6 +81,7 @@ Devices:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import warnings
@@ -113,6 +114,12 @@ try:  # flex's backward as a higher-order op (internal to PyTorch; see the modul
 except ImportError:  # pragma: no cover
     _flex_backward_op = None
 
+try:
+    from torch._dynamo.exc import FailOnRecompileLimitHit as _FailOnRecompileLimitHit
+except ImportError:  # pragma: no cover
+    class _FailOnRecompileLimitHit(Exception):
+        pass
+
 _USE_AUX = (flex_attention is not None and AuxRequest is not None
             and "return_aux" in inspect.signature(flex_attention).parameters)
 #: compiled functions: "flex" / "backward" with Inductor, "flex:<backend>" / "backward:<backend>" else
@@ -133,12 +140,44 @@ def _is_fake(t: torch.Tensor) -> bool:
     return torch._subclasses.fake_tensor.is_fake(t)
 
 
+#: compiled variants of one function a process may hold before Dynamo's limit is hit. A division's
+#: static layout (closed-form mask or ranges, tile check, GQA, head counts, dtype) picks a variant,
+#: and a process that runs several masks (the suite, evaluation beside training) holds dozens;
+#: Dynamo's default (``torch._dynamo.config.recompile_limit``, 8) would then run flex *uncompiled*:
+#: dense scores in memory and a host synchronisation per call
+RECOMPILE_LIMIT = 64
+
+
 def _compiled(name: str, fn: Callable, backend: str) -> Callable:
     """``torch.compile(fn, backend=backend)``, compiled once per process (dynamic shapes after the
-    first recompile)."""
+    first recompile), called with Dynamo's recompile limit raised to :data:`RECOMPILE_LIMIT` (or the
+    process's own, if higher) and hitting it an error rather than a silent uncompiled run.
+
+    Raises (from the returned function):
+        RuntimeError: the limit was hit; the message names the setting to raise."""
     key = name if backend == "inductor" else f"{name}:{backend}"
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(fn, backend=backend)
+        compiled = torch.compile(fn, backend=backend)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            cfg = torch._dynamo.config  # set and restored by hand: 8 us a call, config.patch 20 us
+            saved = cfg.recompile_limit, cfg.fail_on_recompile_limit_hit
+            limit = max(RECOMPILE_LIMIT, saved[0])
+            cfg.recompile_limit = limit
+            cfg.fail_on_recompile_limit_hit = not cfg.suppress_errors  # the two exclude each other
+            try:
+                return compiled(*args, **kwargs)
+            except _FailOnRecompileLimitHit as e:
+                raise RuntimeError(
+                    f"torch.compile of {key} hit its recompile limit ({limit} variants in this process); torch_dcp "
+                    "stops rather than run FlexAttention uncompiled (dense scores, a host synchronisation). Raise "
+                    "torch._dynamo.config.recompile_limit; TORCH_LOGS=recompiles prints why each variant "
+                    "recompiled") from e
+            finally:
+                cfg.recompile_limit, cfg.fail_on_recompile_limit_hit = saved
+
+        _COMPILED[key] = call
     return _COMPILED[key]
 
 
