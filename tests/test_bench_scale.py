@@ -25,6 +25,16 @@ def test_scale_rows_name_every_figure_and_rival():
     assert row["sim_ms"] <= row["ring_ms"] * (1 + 1e-9)
 
 
+def test_scale_batches_plan_several_batches_in_one_process_on_either_preset():
+    (row,) = bench_scale(["3000x1"], "causal", ["ring"], timeout=120, out=io.StringIO(), preset="a100", batches=3)
+    assert row["preset"] == "a100" and row["batches"] == 3
+    assert len(row["plan_cpu_s_each"]) == len(row["sim_ms_each"]) == len(row["ring_ms_each"]) == 3
+    assert row["plan_cpu_s"] == sorted(row["plan_cpu_s_each"])[1]  # the median
+    assert row["sim_ms"] == row["sim_ms_each"][0]  # the other figures: the first batch's
+    assert len(set(row["sim_ms_each"])) > 1  # different batches (corpus shuffles)
+    assert row["slower_than"] == [] and all(d <= r * (1 + 1e-9) for d, r in zip(row["sim_ms_each"], row["ring_ms_each"]))
+
+
 def test_scale_bounds_every_plan():
     t0 = time.monotonic()
     (row,) = bench_scale(["6000x2"], "causal", [], timeout=0.5, out=io.StringIO())
@@ -40,4 +50,6 @@ def test_scale_rejects_bad_arguments(capsys):
     assert parse_case("1m") == (1 << 20, 32) and parse_case("100x3") == (100, 3)
     assert cli.main(["scale", "--cases", "2m"]) == 2
     assert cli.main(["scale", "--rivals", "ulysses"]) == 2
+    assert cli.main(["scale", "--preset", "b200"]) == 2
+    assert cli.main(["scale", "--batches", "0"]) == 2
     assert "bad arguments" in capsys.readouterr().err

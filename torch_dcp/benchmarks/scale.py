@@ -3,16 +3,21 @@
     python -m torch_dcp.benchmarks scale [--cases 131k,1m,4m] [--mask causal] [--rivals ring,allgather,bytes]
     python -m torch_dcp.benchmarks scale --calibrate
 
-For every case (tokens, nodes of 8 ranks, H100 preset links and cost model, document lengths
-of the embedded real corpus in shuffled order, as the ``paper`` benchmark's ``corpus`` batch, GQA 8/2, head_dim 128, bf16, block
-size 1024), in a fresh process of its own (bounded by ``--timeout`` seconds and
-``--max-memory-gb``), it prints one JSON line: the default plan's planning time (CPU seconds
-of that process: one core), the process's peak memory, the serialized plan's bytes (what
+For every case (tokens, nodes of 8 ranks, ``--preset`` links and cost model (H100 by default),
+document lengths of the embedded real corpus in shuffled order, as the ``paper`` benchmark's
+``corpus`` batch, GQA 8/2, head_dim 128, bf16, block size 1024), in a fresh process of its own
+(bounded by ``--timeout`` seconds and ``--max-memory-gb``), it prints one JSON line: the default
+plan's planning time (CPU seconds of that process: one core; with ``--batches N``, N batches of
+the case planned one after another in that process, as a planning worker plans step after step,
+and the median of their times, each listed in ``plan_cpu_s_each``; the first also pays the
+process's one-time costs), the process's peak memory, the serialized plan's bytes (what
 every rank fetches), its compute and memory imbalance, its simulated forward + backward time,
 its ratio to the ideal (busy time spread evenly) and to the compute floor
 (:func:`torch_dcp.simulate.batch_floor_seconds`), and the simulated times of the rivals
 asked for (``ring``, ``allgather``, ``bytes``: dcp's own fewest-bytes plan), each planned in
-its own process too. A rival that cannot be planned within the bounds is reported as such.
+its own process too (on the same batches; ``slower_than`` names a rival faster on any of
+them). A rival that cannot be planned within the bounds is reported as such. The other
+figures are the first batch's.
 
 ``--calibrate`` measures how well :func:`torch_dcp.estimate.estimate_seconds` picks what to
 simulate: on the paper's batches (A100 and H100, 4 x 8 and 1 x 8, GQA 8/2 and 32/8, causal and
@@ -56,20 +61,29 @@ def parse_case(case: str) -> tuple[int, int]:
     raise ValueError(f"unknown case {case!r}: one of {', '.join(CASES)} or TOKENSxNODES (e.g. 16384x2)")
 
 
-def _batch(tokens: int, mask: str, heads: tuple[int, int]):
-    """The case's global batch: document lengths of the embedded real corpus in shuffled
-    order (reshuffled with the next seed when one pass does not fill ``tokens``)."""
+#: the first corpus shuffle of batch ``i`` of a case: seed ``i * BATCH_SEED_STRIDE``
+BATCH_SEED_STRIDE = 1000
+
+
+def _batch(tokens: int, mask: str, heads: tuple[int, int], index: int = 0):
+    """Batch ``index`` of the case: document lengths of the embedded real corpus in shuffled
+    order (seed ``index * BATCH_SEED_STRIDE``, reshuffled with the next seed when one pass does
+    not fill ``tokens``)."""
     from .common import MASKS, bench_batch, paper_sources, scaled_batch
 
-    lengths, seed = [], 0
+    lengths, seed = [], index * BATCH_SEED_STRIDE
     while sum(lengths) < tokens:
         lengths += paper_sources(seed=seed)["corpus"]
         seed += 1
     return bench_batch(scaled_batch(lengths, 1.0, tokens), MASKS[mask], heads)
 
 
-def _measure(case: str, mask: str, planner: str, heads: tuple[int, int], max_memory_gb: float) -> dict[str, Any]:
-    """One plan in this (child) process: planning CPU seconds, peak memory, figures."""
+def _measure(case: str, mask: str, planner: str, heads: tuple[int, int], max_memory_gb: float,
+             preset: str = "h100", batches: int = 1) -> dict[str, Any]:
+    """The case's ``batches`` plans in this (child) process: planning CPU seconds (median and
+    each), peak memory, the first batch's figures, every batch's simulated time."""
+    import statistics
+
     import torch_dcp
     from ..cost import CostModel
     from ..simulate import batch_floor_seconds, simulate
@@ -78,27 +92,36 @@ def _measure(case: str, mask: str, planner: str, heads: tuple[int, int], max_mem
     limit = int(max_memory_gb * 2**30)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     tokens, nodes = parse_case(case)
-    batch = _batch(tokens, mask, heads)
-    topo = Topology.preset("h100", n_nodes=nodes)
-    cm = CostModel.h100()
+    topo = Topology.preset(preset, n_nodes=nodes)
+    cm = CostModel.load(preset)
     options: dict[str, Any] = {"planner": planner}
     if planner == "bytes":
         options = {"planner": "dcp", "objective": "bytes"}
     elif planner == "dcp":
         options["cost_model"] = cm
-    t0 = time.process_time()
-    plan = torch_dcp.plan(batch, topo, block_size=1024, **options)
-    seconds = time.process_time() - t0
-    sim = simulate(plan, cm)
-    s = plan.stats()
-    floor = batch_floor_seconds(batch, topo.world_size, cm)
-    return {"case": case, "planner": planner, "tokens": batch.total_tokens, "documents": batch.n_docs,
-            "ranks": topo.world_size, "mask": mask, "plan_cpu_s": round(seconds, 3),
-            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-            "plan_bytes": len(plan.to_bytes()), "chosen": plan.planner,
-            "compute_imbalance": round(s["compute_imbalance"], 3), "memory_imbalance": round(s["memory_imbalance"], 3),
-            "sim_ms": round(sim.makespan_s * 1e3, 4), "ratio_to_ideal": round(sim.ratio_to_ideal, 3),
-            "ratio_to_floor": round(sim.makespan_s / floor, 3) if floor > 0 else None}
+    seconds, sims, first = [], [], None
+    for i in range(batches):
+        batch = _batch(tokens, mask, heads, i)
+        t0 = time.process_time()
+        plan = torch_dcp.plan(batch, topo, block_size=1024, **options)
+        seconds.append(time.process_time() - t0)
+        sim = simulate(plan, cm)
+        sims.append(round(sim.makespan_s * 1e3, 4))
+        if first is None:
+            s = plan.stats()
+            floor = batch_floor_seconds(batch, topo.world_size, cm)
+            first = {"tokens": batch.total_tokens, "documents": batch.n_docs, "plan_bytes": len(plan.to_bytes()),
+                     "chosen": plan.planner, "compute_imbalance": round(s["compute_imbalance"], 3),
+                     "memory_imbalance": round(s["memory_imbalance"], 3), "sim_ms": sims[0],
+                     "ratio_to_ideal": round(sim.ratio_to_ideal, 3),
+                     "ratio_to_floor": round(sim.makespan_s / floor, 3) if floor > 0 else None}
+    row = {"case": case, "planner": planner, "preset": preset, "ranks": topo.world_size, "mask": mask,
+           "batches": batches, "plan_cpu_s": round(statistics.median(seconds), 3),
+           "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3), **first}
+    if batches > 1:
+        row["plan_cpu_s_each"] = [round(x, 3) for x in seconds]
+        row["sim_ms_each"] = sims
+    return row
 
 
 def _in_child(timeout: float, fn, *args) -> dict[str, Any]:
@@ -120,19 +143,25 @@ def _in_child(timeout: float, fn, *args) -> dict[str, Any]:
 
 
 def bench_scale(cases: list[str], mask: str, rivals: list[str], heads: tuple[int, int] = (8, 2),
-                timeout: float = 600.0, max_memory_gb: float = 16.0, out=sys.stdout) -> list[dict]:
-    """Run the scale benchmark (module docstring); returns the rows printed, one per case."""
+                timeout: float = 600.0, max_memory_gb: float = 16.0, out=sys.stdout, preset: str = "h100",
+                batches: int = 1) -> list[dict]:
+    """Run the scale benchmark (module docstring); returns the rows printed, one per case.
+    ``timeout`` bounds each process (all its ``batches``)."""
     rows = []
     for case in cases:
-        row = _in_child(timeout, _measure, case, mask, "dcp", heads, max_memory_gb)
+        row = _in_child(timeout, _measure, case, mask, "dcp", heads, max_memory_gb, preset, batches)
         row.setdefault("case", case)
+        sims: dict[str, list] = {"dcp": row.get("sim_ms_each", [row.get("sim_ms")])}
         for rival in rivals:
-            r = _in_child(timeout, _measure, case, mask, rival, heads, max_memory_gb)
+            r = _in_child(timeout, _measure, case, mask, rival, heads, max_memory_gb, preset, batches)
             row[f"{rival}_ms"] = r.get("sim_ms", r.get("error"))
             row[f"{rival}_plan_cpu_s"] = r.get("plan_cpu_s")
+            sims[rival] = r.get("sim_ms_each", [r.get("sim_ms")])
+            if batches > 1:
+                row[f"{rival}_ms_each"] = sims[rival]
         if "sim_ms" in row:
-            beaten = [r for r in rivals if isinstance(row[f"{r}_ms"], float) and row[f"{r}_ms"] < row["sim_ms"]]
-            row["slower_than"] = beaten
+            row["slower_than"] = [r for r in rivals if any(isinstance(x, float) and x < d
+                                                           for x, d in zip(sims[r], sims["dcp"]))]
         print(json.dumps(row), file=out, flush=True)
         rows.append(row)
     return rows
@@ -183,6 +212,9 @@ def add_arguments(p) -> None:
     p.add_argument("--heads", default="8/2", help="query/key-value heads (default 8/2)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per plan (default 600)")
     p.add_argument("--max-memory-gb", type=float, default=16.0, help="address space per plan's process (default 16)")
+    p.add_argument("--preset", default="h100", help="links and cost model: h100 or a100 (default h100)")
+    p.add_argument("--batches", type=int, default=1, help="batches per case, planned one after another in one "
+                   "process; the median planning time is reported (default 1)")
     p.add_argument("--calibrate", action="store_true", help="the estimate's shortlist against simulating every "
                    "candidate, on the paper's batches")
 
@@ -210,9 +242,13 @@ def run(a) -> int:
         bad.append(f"--heads {a.heads}")
     if a.mask not in MASKS:
         bad.append(f"--mask {a.mask}")
+    if a.preset not in ("h100", "a100"):
+        bad.append(f"--preset {a.preset}")
+    if a.batches < 1:
+        bad.append(f"--batches {a.batches}")
     if bad or not a.timeout > 0 or not a.max_memory_gb > 0:
         print(f"scale: bad arguments {bad or ['--timeout/--max-memory-gb must be positive']}; cases: {list(CASES)}, "
               f"rivals: {list(RIVALS)}", file=sys.stderr)
         return 2
-    bench_scale(cases, a.mask, rivals, heads, a.timeout, a.max_memory_gb)
+    bench_scale(cases, a.mask, rivals, heads, a.timeout, a.max_memory_gb, preset=a.preset, batches=a.batches)
     return 0
