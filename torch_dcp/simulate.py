@@ -191,6 +191,7 @@ class _Pass:
         self.plan, self.cm, self.backward = plan, cm, backward
         self.itb = item_token_bytes(plan.batch)
         self.blen = plan.workload.block_len
+        self.blen_l = self.blen.tolist()  # for a transfer's few blocks: exact int sums, no NumPy call per transfer
         self.row_bytes = _row_bytes(self.itb, backward)
         w = plan.world_size
         self.pc = [0] * w
@@ -264,7 +265,8 @@ class _Pass:
             key = (ins.phase, r, tr.peer) if outgoing else (ins.phase, tr.peer, r)
             slot = self.launched.setdefault(key, [None, None])
             if outgoing:
-                self.nbytes[key] = self.nbytes.get(key, 0.0) + float(self.blen[tr.blocks].sum()) * self.itb[(self.backward, tr.kind)]
+                tokens = float(sum(map(self.blen_l.__getitem__, tr.blocks.tolist())))
+                self.nbytes[key] = self.nbytes.get(key, 0.0) + tokens * self.itb[(self.backward, tr.kind)]
                 slot[0] = t
             else:
                 slot[1] = t

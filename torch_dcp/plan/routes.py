@@ -278,9 +278,11 @@ class _LinkLoads:
         # ties (to the picosecond, whatever order the loads were summed in): the earliest in the
         # group's order (rounded as np.round(x, 12) rounds)
         g, best = -1, float("inf")
+        rail_of = self.rail_of
         for i, (r, ok) in enumerate(zip(ranks, allowed)):
             if ok:
-                cost = round(max(rail[self.rail_of[r]] + on_rail, port[r] + fan) * 1e12) / 1e12
+                a, b = rail[rail_of[r]] + on_rail, port[r] + fan
+                cost = round((b if b > a else a) * 1e12) / 1e12  # max(a, b), without its call
                 if cost < best:
                     g, best = i, cost
         r = ranks[g]

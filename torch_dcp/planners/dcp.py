@@ -203,10 +203,13 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
                 if left <= 1e-9 * cap_f:
                     break
                 if not loads[t] + size <= cap_f:
-                    row = np.where(np.asarray(loads) + size <= cap_f, score[c], np.inf)
-                    row[r] = np.inf
-                    t = int(np.argmin(row))
-                    if not np.isfinite(row[t]):
+                    # np.argmin over the ranks other than r with room left (scores finite): the
+                    # first of the lowest, in plain Python (a few per round; 32-long rows)
+                    t, low = -1, np.inf
+                    for u, (lu, su) in enumerate(zip(loads, score[c].tolist())):
+                        if su < low and u != r and lu + size <= cap_f:
+                            t, low = u, su
+                    if t < 0:
                         continue
                 moves.append((c, t))
                 loads[t] += size  # reserve room (undone below, applied once)
