@@ -50,11 +50,12 @@ def direct_routes(plan: "Plan") -> dict[str, np.ndarray]:
     for kind, tb in ((0, wl.tile_q), (1, wl.tile_kv)):
         remote = pl.block_rank[tb] != tr
         code = tr[remote] * nb + tb[remote]
-        uniq, inv = np.unique(code, return_inverse=True)
-        first = np.full(len(uniq), np.iinfo(np.int64).max)
-        np.minimum.at(first, inv, td[remote])
-        last = np.full(len(uniq), -1)
-        np.maximum.at(last, inv, td[remote])
+        # one sort: each (rank, block) a run, its first and last division reduced over the run
+        order = np.argsort(code, kind="stable")
+        code, div = code[order], td[remote][order]
+        start = np.nonzero(np.concatenate(([True], code[1:] != code[:-1])))[0] if len(code) else order
+        uniq = code[start]
+        first, last = np.minimum.reduceat(div, start), np.maximum.reduceat(div, start)
         ranks.append(uniq // nb)
         blocks.append(uniq % nb)
         kinds.append(np.full(len(uniq), kind))
@@ -147,56 +148,65 @@ def node_routes(plan: "Plan") -> dict[str, np.ndarray]:
     node = topo.node_of(fr)
     remote = np.nonzero(node != topo.node_of(src))[0]
     fetch_bytes = loads.fetch_bytes(fk, fb)
-    # groups with a choice: two or more ranks of a node fetching one (kind, block) from another node
-    jobs = [("fetch", rows) for rows in _groups((node * 2 + fk) * nb + fb, remote, (fr[remote], fd[remote]))]
+    # groups with a choice: two or more ranks of a node fetching one (kind, block) from another
+    # node (earliest division first), or returning partials of one block to another node
+    # (latest division first)
+    groups = {"fetch": _groups((node * 2 + fk) * nb + fb, remote, (fr[remote], fd[remote]))}
     ret = {side: (t[f"ret_{side}_div"].copy(), t[f"ret_{side}_dst"].copy()) for side in _SIDES}
     for side in _SIDES:
         rr, rb = t[f"ret_{side}_rank"], t[f"ret_{side}_block"]
         rd, rt = ret[side]
         out = np.nonzero(topo.node_of(rr) != topo.node_of(rt))[0]
-        jobs += [(side, rows) for rows in _groups(topo.node_of(rr) * nb + rb, out, (rr[out], -rd[out]))]
-    loads.charge_fixed(t, jobs, fetch_bytes)
-    first = np.asarray([rows[0] for _, rows in jobs], np.int64)
-    is_fetch = np.asarray([k == "fetch" for k, _ in jobs], bool)
-    size = np.zeros(len(jobs))
-    size[is_fetch] = fetch_bytes[first[is_fetch]]
-    for side in _SIDES:
-        sel = np.asarray([k == side for k, _ in jobs], bool)
-        size[sel] = loads.return_bytes(side, t[f"ret_{side}_block"][first[sel]])
-    # the choices, one group after another in plain Python (groups hold a handful of ranks:
-    # NumPy's per-call cost would dominate), then written back in one go per table
-    loads.to_lists()
-    fr_l, fd_l = fr.tolist(), fd.tolist()
-    size_l = size.tolist()
-    # chosen rows and their new division; member rows and their new peer (gateway / reducer)
-    moved = {kind: ([], [], [], []) for kind in ("fetch", *_SIDES)}
-    ret_l = {side: (t[f"ret_{side}_rank"].tolist(), ret[side][0].tolist()) for side in _SIDES}
-    for i in np.argsort(-size, kind="stable").tolist():  # largest first, while links are open
-        kind, rows = jobs[i]
-        rl = rows.tolist()
-        rows_div, new_div, member_rows, new_peer = moved[kind]
+        groups[side] = _groups(topo.node_of(rr) * nb + rb, out, (rr[out], -rd[out]))
+    loads.charge_fixed(t, groups, fetch_bytes)
+    # every group a job: its bytes, its members' ranks, and how many of them may be chosen (a
+    # reducer: only those finishing in the group's last division, its first rows)
+    kinds = ("fetch", *_SIDES)
+    size, ranks, lengths, allowed = [], [], [], []
+    for kind in kinds:
+        rows, ptr = groups[kind]
+        first, length = rows[ptr[:-1]], np.diff(ptr)
+        lengths.append(length)
         if kind == "fetch":
-            g = loads.pick_gateway([fr_l[j] for j in rl], size_l[i])
-            gate = rl[g]
-            member_rows += [j for j in rl if j != gate]
-            new_peer += [fr_l[gate]] * (len(rl) - 1)
-            rows_div.append(gate)
-            new_div.append(min(fd_l[j] for j in rl) - 1)  # strictly before every member's first use
+            size.append(np.asarray(fetch_bytes[first], np.float64))
+            ranks.append(fr[rows])
+            allowed.append(length)
         else:
-            rr_l, rd_l = ret_l[kind]
-            divs = [rd_l[j] for j in rl]
-            top = max(divs)
-            g = loads.pick_reducer([rr_l[j] for j in rl], size_l[i], [d == top for d in divs])
-            red = rl[g]
-            others = [d for j, d in zip(rl, divs) if j != red]
-            member_rows += [j for j in rl if j != red]
-            new_peer += [rr_l[red]] * (len(rl) - 1)
-            rows_div.append(red)
-            new_div.append(max(rd_l[red], max(others) + 1))  # strictly after every partial it adds
-    for kind, (div_arr, peer_arr) in (("fetch", (fd, src)), *((side, ret[side]) for side in _SIDES)):
-        rows_div, new_div, member_rows, new_peer = moved[kind]
-        div_arr[np.asarray(rows_div, np.int64)] = new_div
-        peer_arr[np.asarray(member_rows, np.int64)] = new_peer
+            size.append(np.asarray(loads.return_bytes(kind, t[f"ret_{kind}_block"][first]), np.float64))
+            ranks.append(t[f"ret_{kind}_rank"][rows])
+            rd = ret[kind][0][rows]
+            top = rd == np.repeat(rd[ptr[:-1]], length)
+            allowed.append(np.bincount(np.repeat(np.arange(len(length)), length)[top], minlength=len(length)))
+    size_a = np.concatenate(size)
+    # the choices, one group after another in plain Python (groups hold a handful of ranks:
+    # NumPy's per-call cost would dominate), largest first while links are open
+    loads.to_lists()
+    rank_l, size_l = np.concatenate(ranks).tolist(), size_a.tolist()
+    length_l, allowed_l = np.concatenate(lengths).tolist(), np.concatenate(allowed).tolist()
+    start_l = (np.cumsum(length_l) - length_l).tolist()
+    n_fetch = len(lengths[0])
+    chosen = [0] * len(size_l)  # each group's chosen member, as an index into its rows
+    for i in np.argsort(-size_a, kind="stable").tolist():
+        a = start_l[i]
+        pick = loads.pick_gateway if i < n_fetch else loads.pick_reducer
+        chosen[i] = pick(rank_l[a:a + allowed_l[i]], length_l[i], size_l[i])
+    # written back in one go per table: the chosen row's new division, every other member's
+    # new peer (the chosen rank)
+    at = 0
+    for kind, length, top in zip(kinds, lengths, allowed):
+        rows, ptr = groups[kind]
+        pick = rows[ptr[:-1] + np.asarray(chosen[at:at + len(length)], np.int64)]
+        at += len(length)
+        div_arr, peer_arr = (fd, src) if kind == "fetch" else ret[kind]
+        own = t["fetch_rank"] if kind == "fetch" else t[f"ret_{kind}_rank"]
+        first_div = div_arr[rows[ptr[:-1]]]
+        keep = peer_arr[pick]
+        peer_arr[rows] = np.repeat(own[pick], length)
+        peer_arr[pick] = keep
+        if kind == "fetch":  # strictly before every member's first use
+            div_arr[pick] = first_div - 1
+        else:  # strictly after every partial it adds: one later where another finishes with it
+            div_arr[pick] = first_div + (top > 1)
     t["fetch_div"], t["fetch_src"] = fd, src
     for side in _SIDES:
         t[f"ret_{side}_div"], t[f"ret_{side}_dst"] = ret[side]
@@ -230,23 +240,20 @@ class _LinkLoads:
         for (link, way), seconds in self.topo.link_seconds(src, dst, nbytes).items():
             (self.rail if link == "rail" else self.port)[way] += seconds
 
-    def charge_fixed(self, t: dict[str, np.ndarray], jobs: list, fetch_bytes: np.ndarray) -> None:
+    def charge_fixed(self, t: dict[str, np.ndarray], groups: dict, fetch_bytes: np.ndarray) -> None:
         """Charge every transfer whose links do not depend on the choices: routes outside the
-        groups with a choice (``jobs``), each group's hop from or to the block's home, and the
-        NVLink hops of all its members (the chosen one's is refunded)."""
-        multi = {kind: [rows for k, rows in jobs if k == kind] for kind in ("fetch", *_SIDES)}
+        groups with a choice (``groups``: per table, CSR from :func:`_groups`), each group's hop
+        from or to the block's home, and the NVLink hops of all its members (the chosen one's
+        is refunded)."""
         topo = self.topo
 
-        def members(groups: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        def members(kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             """Every group's first row, all rows, and each row's group (in group order)."""
-            if not groups:
-                z = np.zeros(0, np.int64)
-                return z, z, z
-            return (np.asarray([rows[0] for rows in groups], np.int64), np.concatenate(groups),
-                    np.repeat(np.arange(len(groups)), [len(rows) for rows in groups]))
+            rows, ptr = groups[kind]
+            return rows[ptr[:-1]], rows, np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
 
         # np.add.at adds in the order of its indices: the same sums as one group after another
-        first, rows, group = members(multi["fetch"])
+        first, rows, group = members("fetch")
         keep = np.ones(len(t["fetch_rank"]), bool)
         keep[rows] = False
         b = fetch_bytes[first]
@@ -255,7 +262,7 @@ class _LinkLoads:
         self.add(t["fetch_src"][keep], t["fetch_rank"][keep], fetch_bytes[keep])
         for side in _SIDES:
             rr, rb, rt = (t[f"ret_{side}_{c}"] for c in ("rank", "block", "dst"))
-            first, rows, group = members(multi[side])
+            first, rows, group = members(side)
             keep = np.ones(len(rr), bool)
             keep[rows] = False
             b = self.return_bytes(side, rb[first])
@@ -270,45 +277,48 @@ class _LinkLoads:
         self.rail_of = self.rail_id.tolist()
         self.rail_bw, self.intra_bw = float(self.topo.rail_bandwidth), float(self.topo.intra_bandwidth)
 
-    def _pick(self, ranks: list[int], nbytes: float, rail_way: str, port_way: str, allowed: list[bool]) -> int:
+    def _pick(self, ranks: list[int], n_members: int, nbytes: float, rail_way: str, port_way: str) -> int:
         rail, port = self.rail[rail_way], self.port[port_way]
         on_rail = nbytes / self.rail_bw
         hop = nbytes / self.intra_bw
-        fan = hop * (len(ranks) - 1)
+        fan = hop * (n_members - 1)
         # ties (to the picosecond, whatever order the loads were summed in): the earliest in the
         # group's order (rounded as np.round(x, 12) rounds)
         g, best = -1, float("inf")
         rail_of = self.rail_of
-        for i, (r, ok) in enumerate(zip(ranks, allowed)):
-            if ok:
-                a, b = rail[rail_of[r]] + on_rail, port[r] + fan
-                cost = round((b if b > a else a) * 1e12) / 1e12  # max(a, b), without its call
-                if cost < best:
-                    g, best = i, cost
+        for i, r in enumerate(ranks):
+            a, b = rail[rail_of[r]] + on_rail, port[r] + fan
+            cost = round((b if b > a else a) * 1e12) / 1e12  # max(a, b), without its call
+            if cost < best:
+                g, best = i, cost
         r = ranks[g]
-        rail[self.rail_of[r]] += on_rail
+        rail[rail_of[r]] += on_rail
         port[r] += fan
         self.port["in" if port_way == "out" else "out"][r] -= hop  # its own hop was charged as a member's
         return g
 
-    def pick_gateway(self, ranks: list[int], nbytes: float) -> int:
-        """Index in ``ranks`` of the gateway: its rail in and NVLink port out least loaded."""
-        return self._pick(ranks, nbytes, "in", "out", [True] * len(ranks))
+    def pick_gateway(self, ranks: list[int], n_members: int, nbytes: float) -> int:
+        """Index in ``ranks`` (a group of ``n_members``, all of them) of the gateway: its rail
+        in and NVLink port out least loaded."""
+        return self._pick(ranks, n_members, nbytes, "in", "out")
 
-    def pick_reducer(self, ranks: list[int], nbytes: float, allowed: list[bool]) -> int:
-        """Index in ``ranks`` (among ``allowed``) of the reducer: its rail out and NVLink port
-        in least loaded."""
-        return self._pick(ranks, nbytes, "out", "in", allowed)
+    def pick_reducer(self, ranks: list[int], n_members: int, nbytes: float) -> int:
+        """Index in ``ranks`` (the first of a group of ``n_members``: those allowed) of the
+        reducer: its rail out and NVLink port in least loaded."""
+        return self._pick(ranks, n_members, nbytes, "out", "in")
 
 
-def _groups(key: np.ndarray, rows: np.ndarray, order_by: tuple[np.ndarray, ...]) -> list[np.ndarray]:
+def _groups(key: np.ndarray, rows: np.ndarray, order_by: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
     """``rows`` grouped by ``key[rows]``, each group sorted by ``order_by`` (arrays over
-    ``rows``, last one first, as ``np.lexsort``); only groups of two or more rows."""
+    ``rows``, last one first, as ``np.lexsort``); only groups of two or more rows, as CSR: their
+    rows one group after another, and the offsets of the groups (one more than groups)."""
     order = rows[np.lexsort((*order_by, key[rows]))]
     k = key[order]
-    starts = np.nonzero(np.concatenate(([True], k[1:] != k[:-1])))[0] if len(order) else np.zeros(0, np.int64)
-    ends = np.append(starts[1:], len(order)).tolist()
-    return [order[a:b] for a, b in zip(starts.tolist(), ends) if b - a > 1]  # slices: np.split's cost is per piece
+    new = np.concatenate(([True], k[1:] != k[:-1])) if len(order) else np.zeros(0, bool)
+    length = np.diff(np.append(np.nonzero(new)[0], len(order)))
+    multi = length > 1
+    ptr = np.concatenate(([0], np.cumsum(length[multi]))).astype(np.int64)
+    return order[np.repeat(multi, length)], ptr
 
 
 #: routing -> ``fn(plan) -> tables``: the one table of route builders.
@@ -330,13 +340,22 @@ def route_tables(plan: "Plan") -> dict[str, np.ndarray]:
     return tables
 
 
-def _lookup(keys: np.ndarray, values: np.ndarray, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``values`` at the positions of ``query`` in the unique ``keys`` (found mask, values)."""
-    order = np.argsort(keys, kind="stable")
-    sk = keys[order]
-    pos = np.clip(np.searchsorted(sk, query), 0, max(len(sk) - 1, 0))
-    found = (sk[pos] == query) if len(sk) else np.zeros(len(query), bool)
-    return found, values[order][pos] if len(sk) else np.zeros(len(query), np.int64)
+class _Keys:
+    """Unique-key lookups: ``keys`` sorted once, for both the duplicate check and the lookups."""
+
+    def __init__(self, keys: np.ndarray):
+        self.order = np.argsort(keys, kind="stable")
+        self.sorted = keys[self.order]
+
+    def duplicates(self) -> bool:
+        return bool(np.any(self.sorted[1:] == self.sorted[:-1]))
+
+    def lookup(self, values: np.ndarray, query: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``values`` at the positions of ``query`` in the (unique) keys: found mask, values."""
+        sk = self.sorted
+        pos = np.clip(np.searchsorted(sk, query), 0, max(len(sk) - 1, 0))
+        found = (sk[pos] == query) if len(sk) else np.zeros(len(query), bool)
+        return found, values[self.order][pos] if len(sk) else np.zeros(len(query), np.int64)
 
 
 def check_routes(plan: "Plan", t: dict[str, np.ndarray]) -> None:
@@ -357,11 +376,11 @@ def check_routes(plan: "Plan", t: dict[str, np.ndarray]) -> None:
     fr, fk, fb, fd, fs = (t[f"fetch_{c}"] for c in ("rank", "kind", "block", "div", "src"))
     if np.any(br[fb] == fr) or np.any(fs == fr):
         raise PlanError("routes: a rank fetches a block it holds, or from itself")
-    key = (fr * 2 + fk) * nb + fb
-    if len(np.unique(key)) != len(key):
+    keys = _Keys((fr * 2 + fk) * nb + fb)
+    if keys.duplicates():
         raise PlanError("routes: a rank fetches the same block twice")
     relay = br[fb] != fs
-    found, src_div = _lookup(key, fd, (fs * 2 + fk) * nb + fb)
+    found, src_div = keys.lookup(fd, (fs * 2 + fk) * nb + fb)
     bad = relay & ~(found & (src_div < fd))
     if np.any(bad):
         i = int(np.nonzero(bad)[0][0])
@@ -371,11 +390,11 @@ def check_routes(plan: "Plan", t: dict[str, np.ndarray]) -> None:
         rr, rb, rd, rt = (t[f"ret_{side}_{c}"] for c in ("rank", "block", "div", "dst"))
         if np.any(rt == rr) or np.any(br[rb] == rr):
             raise PlanError(f"routes: a {side} partial is returned by its home rank or to the sender itself")
-        key = rr * nb + rb
-        if len(np.unique(key)) != len(key):
+        keys = _Keys(rr * nb + rb)
+        if keys.duplicates():
             raise PlanError(f"routes: a rank returns its {side} partial of one block twice")
         relay = br[rb] != rt
-        found, dst_div = _lookup(key, rd, rt * nb + rb)
+        found, dst_div = keys.lookup(rd, rt * nb + rb)
         bad = relay & ~(found & (dst_div > rd))
         if np.any(bad):
             i = int(np.nonzero(bad)[0][0])

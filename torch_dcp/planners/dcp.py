@@ -163,6 +163,9 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
     n_nets = len(hg.net_weight)
     cnt = np.bincount(hg.pin_net * w + part[hg.net_pins], minlength=n_nets * w).reshape(n_nets, w)
     node = np.arange(w) // topology.ranks_per_node
+    double = np.where(node[:, None] != node[None, :], 2.0, 1.0)  # [r, t]: inter-node bytes count double
+    net0, net1 = hg.vertex_nets[:, 0], hg.vertex_nets[:, 1]
+    wn0, wn1 = hg.net_weight[net0], hg.net_weight[net1]
     weighted = movable[weight[movable] > 0]
     for _ in range(4 * len(movable) + 8):
         r = int(np.argmax(load))
@@ -172,24 +175,24 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
         cand = weighted[part[weighted] == r]
         if len(cand) == 0:
             break
-        nets = hg.vertex_nets[cand]  # [c, 2]
-        wn = hg.net_weight[nets]  # [c, 2]
+        n0, n1, w0, w1, wc = net0[cand], net1[cand], wn0[cand], wn1[cand], weight[cand]
         # cost of moving candidate c to rank t: nets gaining rank t minus nets losing rank r
-        gain_t = (cnt[nets[:, 0]] == 0) * wn[:, :1] + (cnt[nets[:, 1]] == 0) * wn[:, 1:]  # [c, w]
-        lose_r = (cnt[nets[:, 0], r] == 1) * wn[:, 0] + (cnt[nets[:, 1], r] == 1) * wn[:, 1]  # [c]
-        cost = gain_t * np.where(node != node[r], 2.0, 1.0) - lose_r[:, None]  # inter-node bytes count double
-        room = load[None, :] + weight[cand][:, None] <= cap
+        c0, c1 = cnt[n0], cnt[n1]  # [c, w]
+        gain_t = (c0 == 0) * w0[:, None] + (c1 == 0) * w1[:, None]  # [c, w]
+        lose_r = (c0[:, r] == 1) * w0 + (c1[:, r] == 1) * w1  # [c]
+        cost = gain_t * double[r] - lose_r[:, None]
+        room = load[None, :] + wc[:, None] <= cap
         room[:, r] = False
         if not room.any():
             # nothing fits whole: move the smallest candidate to the least-loaded rank
-            c = int(np.argmin(weight[cand]))
+            c = int(np.argmin(wc))
             t = int(np.argmin(load))
             if t == r or load[t] + weight[cand[c]] >= load[r]:
                 break
             moves = [(c, t)]
         else:
             # prefer cheap moves that remove much of the excess; take several per round
-            score = np.where(room, cost / np.minimum(weight[cand], excess)[:, None], np.inf)
+            score = np.where(room, cost / np.minimum(wc, excess)[:, None], np.inf)
             best_t = np.argmin(score, axis=1)
             best = score[np.arange(len(cand)), best_t]
             order = np.argsort(best, kind="stable")[:64]
@@ -199,7 +202,7 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
             # the cheapest with room left (a tie: the lower rank); plain Python but for that
             loads, cap_f, left = load.tolist(), float(cap), float(excess)
             moves = []
-            for c, t, size in zip(order.tolist(), best_t[order].tolist(), weight[cand[order]].tolist()):
+            for c, t, size in zip(order.tolist(), best_t[order].tolist(), wc[order].tolist()):
                 if left <= 1e-9 * cap_f:
                     break
                 if not loads[t] + size <= cap_f:
