@@ -100,14 +100,20 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
     src_of = t["fetch_src"]
     kind_of = (Buf.Q, Buf.KV)
 
+    # fetches, received (I fetch) and sent (others fetch my blocks), by (division, peer, kind, block)
+    fb_all, fk_all, fd_all = t["fetch_block"], t["fetch_kind"], t["fetch_div"]
+    fetches = []
+    for sel_mask, peer_arr in ((t["fetch_rank"] == rank, src_of), (src_of == rank, t["fetch_rank"])):
+        sel = np.nonzero(sel_mask)[0]
+        sel = sel[np.lexsort((fb_all[sel], fk_all[sel], peer_arr[sel], fd_all[sel]))]
+        fetches.append((fb_all[sel], fk_all[sel], fd_all[sel], peer_arr[sel]))
+
     # rows of the work buffers: local blocks first, then fetched blocks by (division, peer, block)
-    mine = t["fetch_rank"] == rank
+    # (the receives of one kind, in their order)
     rows: dict[Buf, dict[int, int]] = {}
     ws_size: dict[Buf, int] = {}
     for kind_id, kind in enumerate(kind_of):
-        sel = np.nonzero(mine & (t["fetch_kind"] == kind_id))[0]
-        sel = sel[np.lexsort((t["fetch_block"][sel], src_of[sel], t["fetch_div"][sel]))]
-        fb = t["fetch_block"][sel]
+        fb = fetches[0][0][fetches[0][1] == kind_id]
         r = dict(zip(home.tolist(), home_row.tolist()))
         starts = S + np.concatenate(([0], np.cumsum(blen[fb])[:-1])) if len(fb) else np.zeros(0, np.int64)
         r.update(zip(fb.tolist(), starts.tolist()))
@@ -115,18 +121,14 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
         ws_size[kind] = S + int(blen[fb].sum())
 
     row_of = {kind: _row_array(rows[kind], wl.n_blocks) for kind in kind_of}
-    # fetch transfers per division: receives (I fetch) and sends (others fetch my blocks)
-    # (division -1: the opening phase, blocks a node's gateway fetches before division 0)
+    # fetch transfers per division (division -1: the opening phase, blocks a node's gateway
+    # fetches before division 0)
     fetch_recv: dict[int, list[Transfer]] = {d: [] for d in range(-1, T)}
     fetch_send: dict[int, list[Transfer]] = {d: [] for d in range(-1, T)}
-    for sel_mask, peer_arr, out in ((mine, src_of, fetch_recv), (src_of == rank, t["fetch_rank"], fetch_send)):
-        sel = np.nonzero(sel_mask)[0]
-        order = np.lexsort((t["fetch_block"][sel], t["fetch_kind"][sel], peer_arr[sel], t["fetch_div"][sel]))
-        sel = sel[order]
-        blocks, kinds = t["fetch_block"][sel], t["fetch_kind"][sel]
+    for (blocks, kinds, divs, peers), out in zip(fetches, (fetch_recv, fetch_send)):
         # a sender sends from its local rows; a transfer's blocks and rows are slices of these
         block_rows = np.where(kinds == 0, row_of[Buf.Q][blocks], row_of[Buf.KV][blocks])
-        for a, b, (d, peer, k) in _runs(t["fetch_div"][sel], peer_arr[sel], kinds):
+        for a, b, (d, peer, k) in _runs(divs, peers, kinds):
             out[d].append(Transfer(peer, kind_of[k], blocks[a:b], block_rows[a:b]))
 
     # tiles of this rank, grouped by (division, query block); groups by (home rank, query block)
