@@ -81,7 +81,13 @@ def pass_estimate_seconds(plan: Plan, cost_model: CostModel, backward: bool) -> 
     # one message per (phase, sender, receiver), as the executor sends them
     phase = np.where(fetch, 2 * div, 2 * div + 1)
     key = (phase + 2) * (w * w) + src * w + dst
-    uniq, inv = np.unique(key, return_inverse=True)
+    # np.unique(key, return_inverse=True) with one sort and without its generic wrapping
+    order = np.argsort(key, kind="stable")
+    first = np.ones(len(key), bool)
+    first[1:] = key[order[1:]] != key[order[:-1]]
+    uniq = key[order[first]]
+    inv = np.empty(len(key), np.int64)
+    inv[order] = np.cumsum(first) - 1
     msg_bytes = np.bincount(inv, weights=nbytes, minlength=len(uniq))
     m_phase = uniq // (w * w) - 2
     m_src, m_dst = (uniq % (w * w)) // w, uniq % w
@@ -99,19 +105,20 @@ def pass_estimate_seconds(plan: Plan, cost_model: CostModel, backward: bool) -> 
     n_links = 2 * w + 2 * n_rails
     n_win = n_div + 4  # windows -2 .. T + 1
     wslot = window + 2
-    load = np.zeros((n_win, n_links))
-    np.add.at(load, (wslot, out_link), dur)
-    np.add.at(load, (wslot, in_link), dur)
+    # every message's duration added to its two links' loads in message order (as np.add.at;
+    # a link is either a sender's or a receiver's, so no bin mixes the two)
+    cells = np.concatenate([wslot * n_links + out_link, wslot * n_links + in_link])
+    load = np.bincount(cells, weights=np.concatenate([dur, dur]), minlength=n_win * n_links).reshape(n_win, n_links)
     busy = np.maximum(load[wslot, out_link], load[wslot, in_link])  # each message's link's load
 
     # local copies before the first division, the final merge after the last (memory time)
     itb = item_token_bytes(plan.batch)
     local = np.bincount(plan.placement.block_rank, weights=plan.workload.block_len, minlength=w).astype(np.float64)
     q_row, kv_row = itb[(backward, Buf.Q)], itb[(backward, Buf.KV)]
-    copies = np.array([cm.memory_seconds(2.0 * x * (q_row + kv_row)) for x in local])
     merged = np.bincount(m_dst[~fetch_m], weights=msg_bytes[~fetch_m], minlength=w)
     out_row = (itb[(True, Buf.DQ)] + itb[(True, Buf.DKV)]) if backward else itb[(False, Buf.OPART)]
-    final = np.array([cm.memory_seconds(2.0 * x * out_row + y) for x, y in zip(local, merged)])
+    copies, final = (nb / cm.memory_bandwidth + np.where(nb > 0, cm.launch_overhead, 0.0)  # CostModel.memory_seconds
+                     for nb in (2.0 * local * (q_row + kv_row), 2.0 * local * out_row + merged))
 
     clock = copies.copy()
 

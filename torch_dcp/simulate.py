@@ -224,13 +224,19 @@ class _Pass:
     def on_copy(self, ins: BlockwiseCopy, r: int, t: float) -> None:
         self._compute(r, t, "copy", _memory_seconds(self.cm, ins, self.blen, self.row_bytes))
 
-    def on_attention(self, ins: BlockwiseAttention, r: int, t: float) -> None:
-        wl, b = self.plan.workload, self.plan.batch
+    def _attention_seconds(self, launches: list[BlockwiseAttention]) -> list[float]:
+        """:meth:`CostModel.attention_seconds` of every launch, the throughputs interpolated in
+        one call (the same operations element by element as one launch at a time)."""
+        wl, b, cm = self.plan.workload, self.plan.batch, self.cm
         flops_of = wl.tile_flops_bwd if self.backward else wl.tile_flops_fwd
-        pairs = float(wl.tile_pairs[ins.tile].sum()) * b.n_heads
-        causal = not bool(wl.tile_full[ins.tile].all())
-        self._compute(r, t, "attention", self.cm.attention_seconds(pairs, float(flops_of[ins.tile].sum()), self.backward,
-                                                                   causal, b.head_dim, b.dtype))
+        pairs = np.array([float(wl.tile_pairs[ins.tile].sum()) * b.n_heads for ins in launches], float)
+        flops = np.array([float(flops_of[ins.tile].sum()) for ins in launches], float)
+        causal = np.array([not bool(wl.tile_full[ins.tile].all()) for ins in launches], bool)
+        tf = cm.table_for(b.head_dim, b.dtype).tflops_array(np.sqrt(pairs), self.backward, causal)
+        return np.where(flops > 0, flops / (tf * 1e12) + cm.launch_overhead, 0.0).tolist()
+
+    def on_attention(self, ins: BlockwiseAttention, r: int, t: float) -> None:
+        self._compute(r, t, "attention", self.attention_s[id(ins)])
 
     def on_reduction(self, ins: BlockwiseReduction, r: int, t: float) -> None:
         self._compute(r, t, "reduction", _memory_seconds(self.cm, ins, self.blen, self.row_bytes))
@@ -272,13 +278,15 @@ class _Pass:
                 slot[1] = t
             if key not in keys:
                 keys.append(key)
+        scheduled = False
         for key in keys:
             if None not in self.launched[key] and key not in self.end_of:
                 self._schedule(key)
+                scheduled = True
         self.phase_keys[r][ins.phase] = keys
         self.pc[r] += 1
-        # ranks waiting on transfers that just got scheduled may go on
-        for q, need in list(self.blocked.items()):
+        # ranks waiting on transfers that just got scheduled may go on (none other can)
+        for q, need in list(self.blocked.items()) if scheduled else ():
             if all(k in self.end_of for k in need):
                 del self.blocked[q]
                 heapq.heappush(self.heap, (self.clock[q], q))
@@ -301,6 +309,8 @@ class _Pass:
         plan = self.plan
         w = plan.world_size
         progs = [plan.program(r, self.backward).instructions for r in range(w)]
+        launches = [ins for prog in progs for ins in prog if isinstance(ins, BlockwiseAttention)]
+        self.attention_s = dict(zip(map(id, launches), self._attention_seconds(launches)))  # the programs hold them
         while self.heap:
             t, r = heapq.heappop(self.heap)
             if self.pc[r] < len(progs[r]):

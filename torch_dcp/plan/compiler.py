@@ -26,6 +26,7 @@ point-to-point messages match pairwise in order.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
@@ -54,16 +55,20 @@ def _i64(a: Iterable[int] | np.ndarray) -> np.ndarray:
     return np.asarray(a if isinstance(a, np.ndarray) else list(a), dtype=np.int64)
 
 
-def _runs(keys: np.ndarray) -> list[np.ndarray]:
-    """Index runs of equal consecutive rows of ``keys`` ``[n, k]``."""
-    n = len(keys)
+def _runs(*cols: np.ndarray) -> list[tuple[int, int, tuple[int, ...]]]:
+    """Runs of equal consecutive rows over the columns ``cols`` (1-D, of one length): ``(start,
+    end, key)`` of each, ``key`` its columns' values as Python ints (taken once for all runs,
+    not row by row: a program has dozens of transfers)."""
+    n = len(cols[0])
     if n == 0:
         return []
-    change = np.ones(n, bool)
-    change[1:] = np.any(keys[1:] != keys[:-1], axis=1)
-    starts = np.nonzero(change)[0]
-    idx = np.arange(n)
-    return [idx[a:b] for a, b in zip(starts.tolist(), np.append(starts[1:], n).tolist())]
+    change = np.zeros(n, bool)
+    change[0] = True
+    for c in cols:
+        change[1:] |= c[1:] != c[:-1]
+    starts = np.flatnonzero(change)
+    keys = zip(*(c[starts].tolist() for c in cols))
+    return list(zip(starts.tolist(), starts[1:].tolist() + [n], keys))
 
 
 def _row_array(row_map: dict[int, int], n_blocks: int) -> np.ndarray:
@@ -75,9 +80,12 @@ def _row_array(row_map: dict[int, int], n_blocks: int) -> np.ndarray:
 
 
 def _reduction(op: ReduceOp, src: Buf, dst: Buf, entries: list[tuple[int, int, list[int]]]) -> BlockwiseReduction:
-    ptr = np.concatenate(([0], np.cumsum([len(e[2]) for e in entries]))).astype(np.int64)
-    return BlockwiseReduction(op, src, dst, _i64(e[0] for e in entries), _i64(e[1] for e in entries), ptr,
-                              _i64(r for e in entries for r in e[2]))
+    n = len(entries)
+    ptr = np.zeros(n + 1, np.int64)
+    np.cumsum([len(e[2]) for e in entries], out=ptr[1:])
+    return BlockwiseReduction(op, src, dst, np.fromiter((e[0] for e in entries), np.int64, n),
+                              np.fromiter((e[1] for e in entries), np.int64, n), ptr,
+                              np.fromiter(itertools.chain.from_iterable(e[2] for e in entries), np.int64, int(ptr[-1])))
 
 
 def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
@@ -92,14 +100,20 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
     src_of = t["fetch_src"]
     kind_of = (Buf.Q, Buf.KV)
 
+    # fetches, received (I fetch) and sent (others fetch my blocks), by (division, peer, kind, block)
+    fb_all, fk_all, fd_all = t["fetch_block"], t["fetch_kind"], t["fetch_div"]
+    fetches = []
+    for sel_mask, peer_arr in ((t["fetch_rank"] == rank, src_of), (src_of == rank, t["fetch_rank"])):
+        sel = np.nonzero(sel_mask)[0]
+        sel = sel[np.lexsort((fb_all[sel], fk_all[sel], peer_arr[sel], fd_all[sel]))]
+        fetches.append((fb_all[sel], fk_all[sel], fd_all[sel], peer_arr[sel]))
+
     # rows of the work buffers: local blocks first, then fetched blocks by (division, peer, block)
-    mine = t["fetch_rank"] == rank
+    # (the receives of one kind, in their order)
     rows: dict[Buf, dict[int, int]] = {}
     ws_size: dict[Buf, int] = {}
     for kind_id, kind in enumerate(kind_of):
-        sel = np.nonzero(mine & (t["fetch_kind"] == kind_id))[0]
-        sel = sel[np.lexsort((t["fetch_block"][sel], src_of[sel], t["fetch_div"][sel]))]
-        fb = t["fetch_block"][sel]
+        fb = fetches[0][0][fetches[0][1] == kind_id]
         r = dict(zip(home.tolist(), home_row.tolist()))
         starts = S + np.concatenate(([0], np.cumsum(blen[fb])[:-1])) if len(fb) else np.zeros(0, np.int64)
         r.update(zip(fb.tolist(), starts.tolist()))
@@ -107,20 +121,15 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
         ws_size[kind] = S + int(blen[fb].sum())
 
     row_of = {kind: _row_array(rows[kind], wl.n_blocks) for kind in kind_of}
-    # fetch transfers per division: receives (I fetch) and sends (others fetch my blocks)
-    # (division -1: the opening phase, blocks a node's gateway fetches before division 0)
+    # fetch transfers per division (division -1: the opening phase, blocks a node's gateway
+    # fetches before division 0)
     fetch_recv: dict[int, list[Transfer]] = {d: [] for d in range(-1, T)}
     fetch_send: dict[int, list[Transfer]] = {d: [] for d in range(-1, T)}
-    for sel_mask, peer_arr, out in ((mine, src_of, fetch_recv), (src_of == rank, t["fetch_rank"], fetch_send)):
-        sel = np.nonzero(sel_mask)[0]
-        order = np.lexsort((t["fetch_block"][sel], t["fetch_kind"][sel], peer_arr[sel], t["fetch_div"][sel]))
-        sel = sel[order]
-        keys = np.stack([t["fetch_div"][sel], peer_arr[sel], t["fetch_kind"][sel]], axis=1)
-        for grp in _runs(keys):
-            d, peer, k = (int(x) for x in keys[grp[0]])
-            blocks = t["fetch_block"][sel[grp]]
-            # a sender sends from its local rows
-            out[d].append(Transfer(peer, kind_of[k], blocks, row_of[kind_of[k]][blocks]))
+    for (blocks, kinds, divs, peers), out in zip(fetches, (fetch_recv, fetch_send)):
+        # a sender sends from its local rows; a transfer's blocks and rows are slices of these
+        block_rows = np.where(kinds == 0, row_of[Buf.Q][blocks], row_of[Buf.KV][blocks])
+        for a, b, (d, peer, k) in _runs(divs, peers, kinds):
+            out[d].append(Transfer(peer, kind_of[k], blocks[a:b], block_rows[a:b]))
 
     # tiles of this rank, grouped by (division, query block); groups by (home rank, query block)
     tiles = np.nonzero(pl.tile_rank == rank)[0]
@@ -174,6 +183,7 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
     recv_slots: dict[Buf, dict[int, list[int]]] = {Buf.Q: {}, Buf.KV: {}}
     recv_phase: dict[Buf, dict[int, set[int]]] = {Buf.Q: {}, Buf.KV: {}}
     hb = home.tolist()
+    blen_l = blen.tolist()
     home_set = set(hb)
     sides = ((Buf.Q, Buf.DQ if backward else Buf.OPART),) + (((Buf.KV, Buf.DKV),) if backward else ())
     for side, kind in sides:
@@ -182,16 +192,16 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
         # receives: partials sent to me, by (division, peer, block)
         sel = np.nonzero(rt == rank)[0]
         sel = sel[np.lexsort((rb[sel], rr[sel], rd[sel]))]
-        keys = np.stack([rd[sel], rr[sel]], axis=1)
-        for grp in _runs(keys):
-            d, peer = (int(x) for x in keys[grp[0]])
-            blocks = rb[sel[grp]]
+        blocks_all = rb[sel]
+        blocks_l = blocks_all.tolist()
+        for a, e, (d, peer) in _runs(rd[sel], rr[sel]):
+            blocks = blocks_all[a:e]
             dst_rows = []
-            for b in blocks.tolist():
+            for b in blocks_l[a:e]:
                 if side == Buf.Q:
-                    row, part_rows = part_rows, part_rows + int(blen[b])
+                    row, part_rows = part_rows, part_rows + blen_l[b]
                 else:
-                    row, kv_part_rows = kv_part_rows, kv_part_rows + int(blen[b])
+                    row, kv_part_rows = kv_part_rows, kv_part_rows + blen_l[b]
                 dst_rows.append(row)
                 recv_slots[side].setdefault(b, []).append(row)
                 recv_phase[side].setdefault(b, set()).add(2 * d + 1)
@@ -199,13 +209,13 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
         # sends: my partials of blocks held elsewhere, after the last division using them
         sel = np.nonzero(rr == rank)[0]
         sel = sel[np.lexsort((rb[sel], rt[sel], rd[sel]))]
-        keys = np.stack([rd[sel], rt[sel]], axis=1)
         op = ReduceOp.SUM if backward else ReduceOp.LSE_MERGE
-        for grp in _runs(keys):
-            d, peer = (int(x) for x in keys[grp[0]])
-            blocks = rb[sel[grp]]
+        blocks_all = rb[sel]
+        blocks_l = blocks_all.tolist()
+        for a, e, (d, peer) in _runs(rd[sel], rt[sel]):
+            blocks = blocks_all[a:e]
             send_rows = []
-            for b in blocks.tolist():
+            for b in blocks_l[a:e]:
                 if backward:
                     own = [rows[side][b]] if b in rows[side] else []
                 else:
@@ -217,9 +227,9 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
                     send_rows.append(slots[0])
                     continue
                 if side == Buf.Q:
-                    row, part_rows = part_rows, part_rows + int(blen[b])
+                    row, part_rows = part_rows, part_rows + blen_l[b]
                 else:
-                    row, kv_part_rows = kv_part_rows, kv_part_rows + int(blen[b])
+                    row, kv_part_rows = kv_part_rows, kv_part_rows + blen_l[b]
                 pre_send_reductions.setdefault((d, op, kind), []).append((b, row, slots))
                 send_rows.append(row)
             ret_send[d].append(Transfer(peer, kind, blocks, _i64(send_rows)))
