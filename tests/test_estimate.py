@@ -105,3 +105,22 @@ def test_auto_head_parallelism_simulates_the_rivals_at_one_and_hcp_only():
     assert t <= simulate(hcp, CM).makespan_s * (1 + 1e-12)
     sims = [lab for lab, s in plan.candidates if not math.isnan(s) and "(local tail)" not in lab]
     assert len(sims) <= SIMULATED + len(protected)
+
+
+def test_cost_model_array_forms_equal_the_scalar_ones_element_by_element():
+    # the simulator, its floors and the estimate time launches and memory passes in arrays
+    import numpy as np
+
+    from torch_dcp.cost import CostModel
+
+    rng = np.random.default_rng(0)
+    pairs = rng.uniform(0, 1e9, 64)
+    flops = np.where(rng.random(64) < 0.2, 0.0, rng.uniform(1e6, 1e12, 64))
+    causal = rng.random(64) < 0.5
+    for cm in (CostModel.a100(), CostModel.h100()):
+        for backward in (False, True):
+            got = cm.attention_seconds_array(pairs, flops, backward, causal, 128, "bfloat16")
+            want = [cm.attention_seconds(p, f, backward, bool(c), 128, "bfloat16") for p, f, c in zip(pairs, flops, causal)]
+            assert got.tolist() == want
+        nbytes = np.where(rng.random(64) < 0.2, 0.0, rng.uniform(1, 1e9, 64))
+        assert cm.memory_seconds_array(nbytes).tolist() == [cm.memory_seconds(x) for x in nbytes]

@@ -150,9 +150,23 @@ class CostModel:
         tf = self.table_for(head_dim, dtype).tflops(float(np.sqrt(pairs)), backward, causal)
         return flops / (tf * 1e12) + self.launch_overhead
 
+    def attention_seconds_array(self, pairs: np.ndarray, flops: np.ndarray, backward: bool, causal: np.ndarray,
+                                head_dim: int | None = None, dtype: str | None = None) -> np.ndarray:
+        """:meth:`attention_seconds` of many launches at once (the same operations element by
+        element): float64 ``[n]`` seconds for ``[n]`` pairs, FLOPs and causal flags."""
+        flops = np.asarray(flops, float)
+        tf = self.table_for(head_dim, dtype).tflops_array(np.sqrt(np.asarray(pairs, float)), backward, causal)
+        return np.where(flops > 0, flops / (tf * 1e12) + self.launch_overhead, 0.0)
+
     def memory_seconds(self, nbytes: float) -> float:
         """A memory-bound pass that reads and writes ``nbytes`` in total."""
         return nbytes / self.memory_bandwidth + (self.launch_overhead if nbytes > 0 else 0.0)
+
+    def memory_seconds_array(self, nbytes: np.ndarray) -> np.ndarray:
+        """:meth:`memory_seconds` of many passes at once (the same operations element by
+        element): float64 ``[n]`` seconds for ``[n]`` byte counts."""
+        nbytes = np.asarray(nbytes, float)
+        return nbytes / self.memory_bandwidth + np.where(nbytes > 0, self.launch_overhead, 0.0)
 
     @staticmethod
     def transfer_seconds(nbytes: float, topology: Any, inter_node: bool) -> float:

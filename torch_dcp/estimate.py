@@ -117,8 +117,8 @@ def pass_estimate_seconds(plan: Plan, cost_model: CostModel, backward: bool) -> 
     q_row, kv_row = itb[(backward, Buf.Q)], itb[(backward, Buf.KV)]
     merged = np.bincount(m_dst[~fetch_m], weights=msg_bytes[~fetch_m], minlength=w)
     out_row = (itb[(True, Buf.DQ)] + itb[(True, Buf.DKV)]) if backward else itb[(False, Buf.OPART)]
-    copies, final = (nb / cm.memory_bandwidth + np.where(nb > 0, cm.launch_overhead, 0.0)  # CostModel.memory_seconds
-                     for nb in (2.0 * local * (q_row + kv_row), 2.0 * local * out_row + merged))
+    copies = cm.memory_seconds_array(2.0 * local * (q_row + kv_row))
+    final = cm.memory_seconds_array(2.0 * local * out_row + merged)
 
     clock = copies.copy()
 

@@ -232,8 +232,7 @@ class _Pass:
         pairs = np.array([float(wl.tile_pairs[ins.tile].sum()) * b.n_heads for ins in launches], float)
         flops = np.array([float(flops_of[ins.tile].sum()) for ins in launches], float)
         causal = np.array([not bool(wl.tile_full[ins.tile].all()) for ins in launches], bool)
-        tf = cm.table_for(b.head_dim, b.dtype).tflops_array(np.sqrt(pairs), self.backward, causal)
-        return np.where(flops > 0, flops / (tf * 1e12) + cm.launch_overhead, 0.0).tolist()
+        return cm.attention_seconds_array(pairs, flops, self.backward, causal, b.head_dim, b.dtype).tolist()
 
     def on_attention(self, ins: BlockwiseAttention, r: int, t: float) -> None:
         self._compute(r, t, "attention", self.attention_s[id(ins)])
@@ -368,10 +367,8 @@ def division_launch_seconds(plan: Plan, cost_model: CostModel | None = None, bac
     key = plan.placement.tile_rank.astype(np.int64) * t + np.asarray(plan.tile_division, np.int64)
     pairs = np.bincount(key, weights=wl.tile_pairs, minlength=w * t) * b.n_heads
     masked = np.bincount(key, weights=~np.asarray(wl.tile_full, bool), minlength=w * t) > 0
-    table = cm.table_for(b.head_dim, b.dtype)
     flops = np.bincount(key, weights=wl.tile_flops_bwd if backward else wl.tile_flops_fwd, minlength=w * t)
-    tf = table.tflops_array(np.sqrt(pairs), backward, masked)
-    return np.where(flops > 0, flops / (tf * 1e12) + cm.launch_overhead, 0.0).reshape(w, t)
+    return cm.attention_seconds_array(pairs, flops, backward, masked, b.head_dim, b.dtype).reshape(w, t)
 
 
 def kernel_floor_seconds(plan: Plan, cost_model: CostModel | None = None, backward: bool | None = None) -> float:
