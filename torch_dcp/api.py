@@ -14,7 +14,7 @@ from .batch import BatchSpec
 from .plan import Plan
 from .plan.heads import HeadLayout, HeadParallelPlan, head_parallel_sizes
 from .planners import CANDIDATES, HEAD_PLANNERS, Placement, Routing, get_planner
-from .schedule import assign_divisions
+from .schedule import assign_divisions, mixes_nodes
 from .topology import Topology
 from .workload import check_block_size
 
@@ -28,6 +28,11 @@ DEFAULT_DIVISIONS = 4
 #: share of every rank's local compute the alternative schedule of a timed plan runs last
 #: (:func:`torch_dcp.schedule.assign_divisions`); 0.25 beat 0.1 on most batches where it wins
 LOCAL_TAIL = 0.25
+#: divisions the node-first alternative adds to the chosen plan's (when ``divisions`` is left to
+#: ``plan``): on the paper's 8 causal batches over 4 x 8 A100s, node first was 5-19 % faster at
+#: T = 6 than at T = 4 on dcp's chosen placement (one more simulation at T = 4 as well would
+#: cost some 5 % more planning time at 131K tokens / 32 ranks for a few blockwise batches)
+NODE_FIRST_EXTRA_DIVISIONS = 2
 #: dcp's own placements timed at every head parallelism N > 1 (the best by its estimate; the
 #: rivals and the bytes objective's choice follow, as at N = 1, where all are timed): on the
 #: paper's batches (4 x 8 and 1 x 8, A100 and H100, GQA 8/2 and 32/8, causal and lambda) the
@@ -74,7 +79,8 @@ def plan(
         divisions: ``T``, divisions per rank for compute/communication overlap (per
             scheduling round, for planners with rounds): an integer in ``1 .. n_tiles`` (the
             placement's number of tiles; 1 when it has none), or ``None`` (default) for
-            ``min(4, n_tiles)`` (at least 1), so that tiny batches plan too.
+            ``min(4, n_tiles)`` (at least 1), so that tiny batches plan too (a timed plan may
+            then keep a deeper node-first schedule, see ``cost_model``).
         cost_model: for planners that offer several candidates (``"dcp"`` with its default
             time objective: its placements, ring attention's and Megatron's plans, see
             :func:`~torch_dcp.planners.dcp.dcp_candidates`, for every head parallelism tried),
@@ -83,7 +89,9 @@ def plan(
             (:func:`torch_dcp.simulate.simulate`); default ``"a100"``. The fastest placement is
             then also timed with its last division running a local tail (:data:`LOCAL_TAIL` of
             every rank's local compute, the remote tiles in the divisions before:
-            :func:`~torch_dcp.schedule.assign_divisions`), kept if faster.
+            :func:`~torch_dcp.schedule.assign_divisions`) and, on several nodes, with its
+            intra-node tiles first (``node_first``, at ``T +`` :data:`NODE_FIRST_EXTRA_DIVISIONS`
+            when ``divisions`` is ``None``, else at ``T``), each kept if faster.
         head_parallel: ``N``, ranks of a head group trading heads by all-to-all
             (:mod:`torch_dcp.plan.heads`): ``N`` must divide ``n_heads`` and the ranks per
             node (or be a multiple of them dividing the world size), and ``N`` and
@@ -138,7 +146,7 @@ def plan(
             from .cost import CostModel
 
             cm = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model or "a100")
-            chosen, timed = _fastest(plans, cm, SIMULATED)
+            chosen, timed = _fastest(plans, cm, SIMULATED, deeper=divisions is None)
         else:
             chosen = plans[0]
     chosen.plan_seconds = time.perf_counter() - t0
@@ -162,15 +170,16 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel",
-             simulated: int) -> "tuple[Plan | HeadParallelPlan, list[tuple[str, float]]]":
+def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel", simulated: int,
+             deeper: bool = False) -> "tuple[Plan | HeadParallelPlan, list[tuple[str, float]]]":
     """The fastest of ``plans`` on the simulator, and ``(label, simulated seconds)`` of every
     candidate (NaN: not simulated). Every candidate is estimated
     (:func:`torch_dcp.estimate.estimate_seconds`); the ``simulated`` best by estimate are
     simulated, and so are the rivals' plans and the bytes objective's (:func:`_rival`), so the
     plan returned is never slower than theirs; a candidate whose floor
     (:func:`torch_dcp.simulate.floor_seconds`) lies above a simulated time is skipped, since
-    it cannot win. The winner is then also timed with a local tail (:func:`_local_tail`)."""
+    it cannot win. The winner is then also timed with other schedules of its placement
+    (:func:`_reschedules`; ``deeper``: with more divisions too)."""
     from .estimate import estimate_seconds
     from .simulate import floor_seconds, simulate
 
@@ -193,9 +202,8 @@ def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel",
         if k < simulated or _rival(plans[i], widest):
             times[i] = consider(plans[i], floors[i])
     timed = [(p.planner, t) for p, t in zip(plans, times)]
-    tail = _local_tail(chosen)
-    if tail is not None:
-        timed.append((f"{chosen.planner} (local tail)", consider(tail, floor_seconds(tail, cm))))
+    for name, other in _reschedules(chosen, deeper):
+        timed.append((f"{chosen.planner} ({name})", consider(other, floor_seconds(other, cm))))
     return chosen, timed
 
 
@@ -271,25 +279,35 @@ def _plans_at(batch: BatchSpec, topology: Topology, planner: str, n: int, block_
     return [HeadParallelPlan(p, batch, topology, n, name(p)) for p in plans]
 
 
-def _local_tail(chosen: "Plan | HeadParallelPlan") -> "Plan | HeadParallelPlan | None":
-    """``chosen`` with a local tail (:data:`LOCAL_TAIL`), or None where it has no such variant
-    (ring attention's own steps, fewer than 3 divisions)."""
+def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple[str, Plan | HeadParallelPlan]]":
+    """Other schedules of ``chosen``'s placement, ``(label, plan)``: intra-node tiles first (on
+    several nodes, where some rank has both intra- and inter-node tiles; at ``T +``
+    :data:`NODE_FIRST_EXTRA_DIVISIONS` if ``deeper`` and the placement has the tiles, else at its
+    ``T``), then a local tail (:data:`LOCAL_TAIL`). None where the placement has no such variant
+    (ring attention's own steps, fewer than 3 divisions per round)."""
     outer = chosen.outer if isinstance(chosen, HeadParallelPlan) else chosen
-    rounds = outer.placement.tile_round
+    pl, topo = outer.placement, outer.topology
+    rounds = pl.tile_round
     per_round = outer.divisions // (1 if rounds is None or rounds.size == 0 else int(rounds.max()) + 1)
-    if per_round < 3 or outer.placement.routing is Routing.RING:
-        return None
-    tail = divide(outer.placement, outer.topology, per_round, local_tail=LOCAL_TAIL)
+    if per_round < 3 or pl.routing is Routing.RING:
+        return []
+    variants: list[tuple[str, Plan]] = []
+    if mixes_nodes(pl, topo):
+        t = per_round + NODE_FIRST_EXTRA_DIVISIONS
+        t = t if deeper and t <= pl.workload.n_tiles else per_round
+        variants.append((f"node first, T={t}", divide(pl, topo, t, node_first=True)))
+    variants.append(("local tail", divide(pl, topo, per_round, local_tail=LOCAL_TAIL)))
     if isinstance(chosen, HeadParallelPlan):
-        return HeadParallelPlan(tail, chosen.batch, chosen.topology, chosen.head_parallel, chosen.label,
-                                chosen.keep_sharded)
-    return tail
+        return [(name, HeadParallelPlan(p, chosen.batch, chosen.topology, chosen.head_parallel, chosen.label,
+                                        chosen.keep_sharded)) for name, p in variants]
+    return variants
 
 
-def divide(placement: Placement, topology: Topology, divisions: int, local_tail: float = 0.0) -> Plan:
+def divide(placement: Placement, topology: Topology, divisions: int, local_tail: float = 0.0,
+           node_first: bool = False) -> Plan:
     """The plan of ``placement`` with ``divisions`` per rank (ring attention: its own steps;
-    ``local_tail``: see :func:`~torch_dcp.schedule.assign_divisions`), as :func:`plan` builds
-    every candidate it times.
+    ``local_tail`` and ``node_first``: see :func:`~torch_dcp.schedule.assign_divisions`), as
+    :func:`plan` builds every candidate it times.
 
     Raises:
         ValueError: ``divisions`` is not a positive integer or ``local_tail`` lies outside ``[0, 1)``.
@@ -297,7 +315,7 @@ def divide(placement: Placement, topology: Topology, divisions: int, local_tail:
     if placement.routing is Routing.RING:  # ring attention's own steps, whatever divisions asks
         tile_division, n_div = placement.ring_steps()
     else:
-        tile_division = assign_divisions(placement, divisions, topology, local_tail)
+        tile_division = assign_divisions(placement, divisions, topology, local_tail, node_first)
         rounds = placement.tile_round
         n_div = divisions * (1 if rounds is None or rounds.size == 0 else int(rounds.max()) + 1)
     return Plan(placement, topology, tile_division, n_div)
