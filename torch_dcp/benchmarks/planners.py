@@ -13,7 +13,8 @@ line per planner.
     python -m torch_dcp.benchmarks paper [--scales 0.5,1,2,4] [--block-sizes 512,1024,2048,4096]
 
 ``paper`` reproduces the DCP paper's microbenchmark setup (§7.1: 4 × 8 A100, GQA 8/2,
-head_dim 128, 131,072-token batches, T = 4, document lengths scaled by 0.5/1/2/4) in the
+head_dim 128, 131,072-token batches, T = 4, document lengths scaled by 0.5/1/2/4; dcp's default
+plan may keep a node-first schedule at T = 6 where it is faster, see ``--divisions``) in the
 simulator: every planner on the same batches, the best block size per batch, forward and
 backward attention time, speedups over ring and over the best baseline, ratio to the ideal
 (every rank's simulated busy time spread evenly) and to the compute floor
@@ -36,7 +37,7 @@ from .common import MASKS, bench_batch, paper_batches, paper_sources, planner_ba
 __all__ = ["bench_planners", "bench_paper"]
 
 
-def bench_planners(planners: list[str], masks: list[str], batches: list[str], block_size: int, divisions: int,
+def bench_planners(planners: list[str], masks: list[str], batches: list[str], block_size: int, divisions: int | None,
                    topology: Topology, out=sys.stdout, heads: tuple[int, int] = (8, 2)) -> list[dict]:
     """Run the planner benchmark; returns the rows it printed (a planner that cannot run the
     batch, e.g. ``ulysses`` with more ranks than heads, prints a ``refused`` line instead)."""
@@ -90,7 +91,7 @@ def bench_planners(planners: list[str], masks: list[str], batches: list[str], bl
     return rows
 
 
-def bench_paper(planners: list[str], masks: list[str], scales: list[float], block_sizes: list[int], divisions: int,
+def bench_paper(planners: list[str], masks: list[str], scales: list[float], block_sizes: list[int], divisions: int | None,
                 topology: Topology, cost="a100", out=sys.stdout, sources: dict[str, list[int]] | None = None,
                 total: int = 131072, heads: tuple[int, int] = (8, 2)) -> list[dict]:
     """Simulated attention time of every planner on the paper's microbenchmark batches (best

@@ -106,8 +106,8 @@ def bench_readiness(topology: Topology, cost: CostModel | str = "a100", masks: t
 def _reach(acc: dict, batch, topology: Topology, cm: CostModel, block_size: int, divisions: int) -> None:
     """Fold every dcp candidate placement of ``batch`` at ``block_size`` into ``acc``: the
     count, and the lowest ratio to ideal in each execution model (each placement divided
-    plainly; the local-tail variant :func:`~torch_dcp.api.plan` may pick is folded in by the
-    caller, as the chosen plan)."""
+    plainly; the node-first or local-tail schedule :func:`~torch_dcp.api.plan` may pick is
+    folded in by the caller, as the chosen plan)."""
     for placement in dcp_candidates(batch, topology, block_size):
         plan = divide(placement, topology, divisions)
         sim = simulate(plan, cm)

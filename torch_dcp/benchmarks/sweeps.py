@@ -20,7 +20,7 @@ __all__ = ["SWEEPS", "bench_sweep"]
 SWEEPS = ("block-size", "sparsity", "eps")
 
 
-def bench_sweep(sweep: str, topology: Topology, masks: list[str], block_sizes: list[int], divisions: int = 4,
+def bench_sweep(sweep: str, topology: Topology, masks: list[str], block_sizes: list[int], divisions: int | None = 4,
                 batch_name: str = "longtail", scale: float = 1.0, baseline: str = "ring", out=sys.stdout,
                 sources: dict[str, list[int]] | None = None, total: int = 131072) -> list[dict]:
     """The paper's traffic sweeps on one batch (DCP paper §7.3), printed as JSON lines and a
