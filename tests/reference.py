@@ -53,6 +53,18 @@ def reference_with_grads(batch: BatchSpec, q, k, v, go):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def assert_emulation_exact(plan, batch: BatchSpec, tol: float = 1e-10, seed: int = 0) -> None:
+    """``plan`` emulated in one process with the reference kernel, forward and backward, within
+    ``tol`` of the float64 dense reference (out, dq, dk, dv) on random float64 inputs."""
+    import torch_dcp
+
+    q, k, v, go = random_qkv(batch, torch.float64, seed)
+    want = reference_with_grads(batch, q, k, v, go)
+    got = torch_dcp.emulate(plan, q, k, v, go, kernel="reference")
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert (g - w).abs().max().item() < tol, name
+
+
 def needs_cuda(reason: str = "needs a CUDA device"):
     """Decorator of a GPU test: marked ``cuda`` (``pytest -m cuda`` selects the suite's CUDA
     tests, as ``benchmarks gpu-report`` does) and skipped where no CUDA device is available."""

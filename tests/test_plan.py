@@ -447,7 +447,7 @@ def test_division_shares_halve_the_last_division():
 def test_local_tail_runs_local_work_last_and_stays_exact(mask):
     # remote tiles in divisions 1 .. T-2, each rank's local compute split between division 0
     # and a tail in T-1 of about the requested share; the plan validates and runs exactly
-    from reference import reference_with_grads
+    from reference import assert_emulation_exact
     from torch_dcp.api import divide
     from torch_dcp.schedule import assign_divisions
 
@@ -471,11 +471,7 @@ def test_local_tail_runs_local_work_last_and_stays_exact(mask):
         assign_divisions(pl, 4, topo, local_tail=1.0)
     plan = divide(pl, topo, 4, local_tail=0.25)
     assert np.array_equal(plan.tile_division, div)
-    q, k, v, go = random_qkv(batch, torch.float64, 0)
-    want = reference_with_grads(batch, q, k, v, go)
-    got = torch_dcp.emulate(plan, q, k, v, go, kernel="reference")
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-        assert (g - w).abs().max().item() < 1e-10, name
+    assert_emulation_exact(plan, batch)
 
 
 def test_timed_plans_also_time_a_local_tail():

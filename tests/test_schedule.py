@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import torch_dcp
 from torch_dcp import BatchSpec, Causal, Lambda, SharedQuestion
 from torch_dcp.api import divide
 from torch_dcp.schedule import assign_divisions, mixes_nodes, node_tiers
-from reference import random_qkv, reference_with_grads
+from reference import assert_emulation_exact
 
 TOPO = torch_dcp.Topology(n_nodes=2, ranks_per_node=2)
 
@@ -83,11 +82,7 @@ def test_node_first_plans_stay_exact(mask, planner):
     batch, pl = _placement(mask, lengths=(900, 97, 211, 41, 163), planner=planner)
     plan = divide(pl, TOPO, 5, node_first=True)
     plan.validate()
-    q, k, v, go = random_qkv(batch, torch.float64, 0)
-    want = reference_with_grads(batch, q, k, v, go)
-    got = torch_dcp.emulate(plan, q, k, v, go, kernel="reference")
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-        assert (g - w).abs().max().item() < 1e-10, name
+    assert_emulation_exact(plan, batch)
 
 
 def test_timed_plans_also_time_a_node_first_schedule():
