@@ -230,3 +230,32 @@ def test_link_seconds_charge_ports_inside_a_node_and_rails_between_nodes():
     assert topo.rail_bandwidth == 10.0 and topo.rail_index(7) == 3
     assert s[("rail", "out")].tolist() == [1.0, 3.0, 0.0, 0.0]
     assert s[("rail", "in")].tolist() == [0.0, 0.0, 1.0, 3.0]
+
+
+@pytest.mark.parametrize("head_parallel", [1, 2])
+def test_simulate_within_gives_up_only_on_runs_that_cannot_finish_under_the_bound(head_parallel):
+    # the forward runs first; the backward only where the forward plus the backward's floor
+    # (and a head-parallel plan's all-to-alls) can still finish under the bound
+    from torch_dcp.simulate import simulate_within
+
+    batch = BatchSpec([3000, 900, 700, 300], Causal(), n_heads=8, n_kv_heads=2, head_dim=64)
+    topo = Topology(n_nodes=2, ranks_per_node=2)
+    plan = torch_dcp.plan(batch, topo, planner="greedy", block_size=256, head_parallel=head_parallel)
+    cm = CostModel.a100()
+    full = simulate(plan, cm)
+    unbounded = simulate_within(plan, cm)
+    assert unbounded.makespan_s == full.makespan_s and unbounded.ideal_s == full.ideal_s
+    assert np.array_equal(unbounded.backward.finish_s, full.backward.finish_s)
+    # a bound the run meets, or only ties: the whole run, the same
+    for bound in (full.makespan_s, full.makespan_s * 1.5):
+        assert simulate_within(plan, cm, bound).makespan_s == full.makespan_s
+    # a bound under the forward alone: given up
+    assert simulate_within(plan, cm, full.forward.makespan_s * 0.5) is None
+    # between: given up exactly where the forward plus the backward's lower bound exceeds it
+    outer = plan.outer if head_parallel > 1 else plan
+    a2a = sum(plan.all_to_all_seconds(bw) for bw in (False, True)) if head_parallel > 1 else 0.0
+    inner_fwd = simulate(outer, cm).forward.makespan_s
+    lower = inner_fwd + max(kernel_floor_seconds(outer, cm, True), link_floor_seconds(outer, True)) + a2a
+    assert lower <= full.makespan_s * (1 + 1e-12)
+    assert simulate_within(plan, cm, lower * 0.99) is None
+    assert simulate_within(plan, cm, lower * 1.01) is not None

@@ -111,8 +111,8 @@ def plan(
         ``plan.plan_seconds`` holds the planning time (placement, divisions and, where
         candidates are timed, their simulation); ``plan.candidates`` the ``(planner label,
         simulated seconds)`` of every candidate (NaN for one not simulated because its floor,
-        :func:`torch_dcp.simulate.floor_seconds`, lies above a faster candidate's time; empty
-        when the planner offers one). Labels of head-parallel candidates end in ``/hpN``.
+        :func:`torch_dcp.simulate.floor_seconds`, or its forward plus its backward's floor, lies
+        above a faster candidate's time; empty when the planner offers one). Labels of head-parallel candidates end in ``/hpN``.
 
     Raises:
         ValueError: unknown planner, a bad topology, a block size that is not an integer in
@@ -178,16 +178,18 @@ def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel", simulated:
     simulated, and so are the rivals' plans and the bytes objective's (:func:`_rival`), so the
     plan returned is never slower than theirs; a candidate whose floor
     (:func:`torch_dcp.simulate.floor_seconds`) lies above a simulated time is skipped, since
-    it cannot win. The winner is then also timed with other schedules of its placement
+    it cannot win, and so is the backward of one whose forward and backward floor do
+    (:func:`torch_dcp.simulate.simulate_within`). The winner is then also timed with other schedules of its placement
     (:func:`_reschedules`; ``deeper``: with more divisions too)."""
     from .estimate import estimate_seconds
-    from .simulate import floor_seconds, simulate
+    from .simulate import floor_seconds, simulate_within
 
     chosen, best = plans[0], float("inf")
 
     def consider(p: "Plan | HeadParallelPlan", floor: float) -> float:
         nonlocal chosen, best
-        t = simulate(p, cm).makespan_s if floor < best else float("nan")
+        run = simulate_within(p, cm, best) if floor < best else None
+        t = run.makespan_s if run is not None else float("nan")
         if t < best:
             chosen, best = p, t
         return t

@@ -35,8 +35,9 @@ from .planners.base import Routing
 from .batch import BatchSpec
 from .workload import Buf, Workload, item_token_bytes
 
-__all__ = ["simulate", "SimResult", "PassResult", "ring_step_seconds", "floor_seconds", "compute_floor_seconds",
-           "kernel_floor_seconds", "division_launch_seconds", "link_floor_seconds", "batch_floor_seconds"]
+__all__ = ["simulate", "simulate_within", "SimResult", "PassResult", "ring_step_seconds", "floor_seconds",
+           "compute_floor_seconds", "kernel_floor_seconds", "division_launch_seconds", "link_floor_seconds",
+           "batch_floor_seconds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,17 +91,46 @@ def simulate(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None)
     Raises:
         RuntimeError: the programs deadlock (a plan that does not validate).
     """
+    result = simulate_within(plan, cost_model)
+    assert result is not None  # no bound: always simulated
+    return result
+
+
+#: relative margin by which a run's lower bound must exceed the bound before
+#: :func:`simulate_within` gives up (so that rounding never drops a run that would tie or win)
+PRUNE_MARGIN = 1e-9
+
+
+def simulate_within(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None,
+                    bound: float = float("inf")) -> SimResult | None:
+    """:func:`simulate`, or None where the run cannot take less than ``bound`` seconds: the
+    forward pass runs first, and if it plus the backward's floor (the larger of
+    :func:`kernel_floor_seconds` and :func:`link_floor_seconds` of the backward; a
+    head-parallel plan's all-to-alls added) exceeds ``bound`` (by :data:`PRUNE_MARGIN`), the
+    backward is not simulated. :func:`torch_dcp.plan` times its candidates so: a loser's
+    backward costs nothing, and the fastest is the same as with every run complete.
+
+    Raises:
+        RuntimeError: the programs deadlock (a plan that does not validate).
+    """
     cm = cost_model or CostModel.a100()
     if isinstance(plan, HeadParallelPlan):
-        return _simulate_heads(plan, cm)
+        a2a = sum(plan.all_to_all_seconds(bw) for bw in (False, True))
+        inner = simulate_within(plan.outer, cm, bound - a2a)
+        return None if inner is None else _simulate_heads(plan, inner)
     fwd = _Pass(plan, cm, backward=False).run()
+    if bound < float("inf"):
+        floor = max(kernel_floor_seconds(plan, cm, True), link_floor_seconds(plan, True))
+        if fwd.makespan_s + floor > bound * (1.0 + PRUNE_MARGIN):
+            return None
     bwd = _Pass(plan, cm, backward=True).run()
     ideal = (fwd.busy_s.sum() + bwd.busy_s.sum()) / plan.world_size
     return SimResult(fwd, bwd, fwd.makespan_s + bwd.makespan_s, float(ideal))
 
 
-def _simulate_heads(plan: HeadParallelPlan, cm: CostModel) -> SimResult:
-    inner, n = simulate(plan.outer, cm), plan.head_parallel
+def _simulate_heads(plan: HeadParallelPlan, inner: SimResult) -> SimResult:
+    """The head-parallel plan's run from its outer plan's (``inner``)."""
+    n = plan.head_parallel
     passes = []
     for res, backward in ((inner.forward, False), (inner.backward, True)):
         a_in, a_out = plan.all_to_all_seconds(backward, "in"), plan.all_to_all_seconds(backward, "out")
