@@ -29,9 +29,10 @@ DEFAULT_DIVISIONS = 4
 #: (:func:`torch_dcp.schedule.assign_divisions`); 0.25 beat 0.1 on most batches where it wins
 LOCAL_TAIL = 0.25
 #: divisions the node-first alternative adds to the chosen plan's (when ``divisions`` is left to
-#: ``plan``): on the paper's 8 causal batches over 4 x 8 A100s, node first was 5-19 % faster at
-#: T = 6 than at T = 4 on dcp's chosen placement (one more simulation at T = 4 as well would
-#: cost some 5 % more planning time at 131K tokens / 32 ranks for a few blockwise batches)
+#: ``plan``): on the paper's 8 causal batches over 4 x 8 A100s, node first was up to 19 % faster
+#: at T = 6 than at T = 4 on dcp's chosen placement (never slower; one more simulation at T = 4
+#: as well would cost some 5 % more planning time at 131K tokens / 32 ranks, for a few
+#: blockwise batches where T = 4 wins)
 NODE_FIRST_EXTRA_DIVISIONS = 2
 #: dcp's own placements timed at every head parallelism N > 1 (the best by its estimate; the
 #: rivals and the bytes objective's choice follow, as at N = 1, where all are timed): on the

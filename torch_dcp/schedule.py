@@ -30,11 +30,11 @@ tiles whose inputs all live in its own node run in division 1, and the tiles wit
 another node fill divisions ``2 .. T-1`` (cut as above): the fast intra-node fetches open the
 pass, and the compute they feed hides the first inter-node fetches, which otherwise only the
 local division 0 would hide (a causal document split over many ranks leaves each rank little
-local work). A rank without such intra-node tiles keeps the plain cut. On the paper's causal
-batches over 4 x 8 A100s it is 3-14 % faster in the simulator than the plain cut at ``T = 6``
-and the default ``T = 4`` (some λ and shared-question batches are slower), so
-:func:`torch_dcp.plan` times it as an alternative for dcp's chosen placement and keeps it
-where faster.
+local work). A rank without such intra-node tiles keeps the plain cut. On the paper's 8 causal
+batches over 4 x 8 A100s (GQA 8/2), dcp's chosen placement divided node first at ``T = 6`` ran
+0.5-14 % faster in the simulator than its plain cut at ``T = 4``; some λ and shared-question
+batches run slower, so :func:`torch_dcp.plan` times it as an alternative for dcp's chosen
+placement and keeps it where faster.
 """
 
 from __future__ import annotations
