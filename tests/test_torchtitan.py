@@ -40,7 +40,20 @@ BAD_CONFIGS = {  # torchtitan arguments -> what the start-up error must name
     "kernel": (["--dcp.kernel", "fast"], "--dcp.kernel"),
     "objective": (["--dcp.objective", "speed"], "--dcp.objective"),
     "head_parallel": (["--dcp.head-parallel", "two"], "--dcp.head-parallel"),
+    "divisions": (["--dcp.divisions", "0"], "--dcp.divisions"),
 }
+
+
+def test_divisions_key_takes_default_or_a_positive_integer():
+    # default: torch_dcp.plan's own choice (None), as the main job's loader passes it on
+    from torch_dcp.integrations.torchtitan import DCPConfig
+
+    assert DCPConfig().divisions == "default" and DCPConfig().division_count() is None
+    assert DCPConfig(divisions="6").division_count() == 6 and DCPConfig(divisions=3).division_count() == 3
+    DCPConfig(divisions="6").validate()
+    for bad in ("0", "-2", "four", "", True, 2.5):
+        with pytest.raises(ValueError, match="--dcp.divisions must be default or a positive integer"):
+            DCPConfig(divisions=bad).validate()
 
 
 def _assets(tmp: Path) -> tuple[Path, Path]:

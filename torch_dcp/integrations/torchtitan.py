@@ -91,8 +91,9 @@ class DCPConfig:
     block_size: int = 1024
     """Tokens per block (ignored by ring, whose chunks are 1/(2W) of each document)."""
 
-    divisions: int = 4
-    """Divisions per rank, to overlap communication with compute."""
+    divisions: str = "default"
+    """Divisions per rank, to overlap communication with compute: a positive integer, or default
+    (torch_dcp.plan's: 4, where dcp's time objective may keep its plan's intra-node tiles first at 6)."""
 
     objective: str = "time"
     """dcp only: time (candidates timed on the simulator, compute balance may loosen to 2x where links are the
@@ -119,6 +120,10 @@ class DCPConfig:
     plan_workers: int = 1
     """Planning worker processes per rank (with plan_ahead > 0)."""
 
+    def division_count(self) -> int | None:
+        """``divisions`` as :func:`torch_dcp.plan` takes it: an integer, or None for its default."""
+        return None if str(self.divisions) == "default" else int(self.divisions)
+
     def planner_options(self) -> dict:
         """Options of the planner beyond block size and divisions (dcp's objective, the head parallelism)."""
         out: dict = {"objective": self.objective} if self.planner == "dcp" else {}
@@ -131,10 +136,12 @@ class DCPConfig:
         """Raise ``ValueError`` naming the first bad key."""
         if self.planner not in PLANNERS:
             raise ValueError(f"--dcp.planner: unknown planner {self.planner!r}; choose one of {sorted(PLANNERS)}")
-        for key, value in (("block-size", self.block_size), ("divisions", self.divisions),
-                           ("plan-workers", self.plan_workers)):
+        for key, value in (("block-size", self.block_size), ("plan-workers", self.plan_workers)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"--dcp.{key} must be a positive integer, got {value!r}")
+        div = str(self.divisions)
+        if isinstance(self.divisions, bool) or not (div == "default" or (div.isdigit() and int(div) > 0)):
+            raise ValueError(f"--dcp.divisions must be default or a positive integer, got {self.divisions!r}")
         if isinstance(self.plan_ahead, bool) or not isinstance(self.plan_ahead, int) or self.plan_ahead < 0:
             raise ValueError(f"--dcp.plan-ahead must be an integer >= 0, got {self.plan_ahead!r}")
         if self.objective not in ("time", "bytes"):
@@ -246,7 +253,7 @@ class DCPTrainer(Trainer):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         source = _GatheredSource(self, base)
         config = PlanningConfig(self.dcp_topology, planner=cfg.planner, block_size=cfg.block_size,
-                                divisions=cfg.divisions, options=cfg.planner_options(), validate=cfg.check_plan,
+                                divisions=cfg.division_count(), options=cfg.planner_options(), validate=cfg.check_plan,
                                 compare=("ring",))
         loader = PlanningLoader(source, config, lookahead=cfg.plan_ahead, workers=cfg.plan_workers, rank=rank,
                                 world_size=world, timeout=cfg.timeout, device=self.device, kernel=cfg.kernel)
@@ -303,7 +310,7 @@ class DCPTrainer(Trainer):
         else:
             batch, (g_tokens, g_labels, g_positions) = self._dcp_gather(input_dict, labels)
             plan = torch_dcp.plan(batch, self.dcp_topology, planner=cfg.planner, block_size=cfg.block_size,
-                                  divisions=cfg.divisions, **cfg.planner_options())
+                                  divisions=cfg.division_count(), **cfg.planner_options())
             if cfg.check_plan:
                 plan.validate()
             self._dcp_device_plan = None
@@ -323,7 +330,8 @@ class DCPTrainer(Trainer):
         planning worker computed them; else computed here)."""
         s = s if s is not None else plan.stats()
         if not ring or "comm_bytes" not in ring:
-            ring = torch_dcp.plan(batch, self.dcp_topology, planner="ring", divisions=self.config.dcp.divisions).stats()
+            ring = torch_dcp.plan(batch, self.dcp_topology, planner="ring",
+                                  divisions=self.config.dcp.division_count()).stats()
         n = self._dcp_layers
         mib = 1024 * 1024
         saved = 1 - s["comm_bytes"] / ring["comm_bytes"] if ring["comm_bytes"] else 0.0
