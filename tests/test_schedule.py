@@ -75,7 +75,8 @@ def test_node_first_is_the_plain_cut_where_it_cannot_differ():
         assign_divisions(pl, 4, node_first=True)
 
 
-@pytest.mark.parametrize("mask", [Causal(), Lambda(sink=16, window=48), SharedQuestion()], ids=["causal", "lambda", "sq"])
+@pytest.mark.parametrize("mask", [Causal(), Lambda(sink=16, window=48), SharedQuestion()],
+                         ids=["causal", "lambda", "sq"])
 @pytest.mark.parametrize("planner", ["greedy", "dcp"])
 def test_node_first_plans_stay_exact(mask, planner):
     # forward and backward against the float64 dense reference, GQA, odd lengths

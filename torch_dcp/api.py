@@ -113,7 +113,9 @@ def plan(
         candidates are timed, their simulation); ``plan.candidates`` the ``(planner label,
         simulated seconds)`` of every candidate (NaN for one not simulated because its floor,
         :func:`torch_dcp.simulate.floor_seconds`, or its forward plus its backward's floor, lies
-        above a faster candidate's time; empty when the planner offers one). Labels of head-parallel candidates end in ``/hpN``.
+        above a faster candidate's time; empty when the planner offers one). Labels of
+        head-parallel candidates end in ``/hpN``, those of the winner's other schedules in a
+        parenthesis (``"dcp (node first, T=6)"``, ``"dcp (local tail)"``).
 
     Raises:
         ValueError: unknown planner, a bad topology, a block size that is not an integer in
@@ -180,8 +182,8 @@ def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel", simulated:
     plan returned is never slower than theirs; a candidate whose floor
     (:func:`torch_dcp.simulate.floor_seconds`) lies above a simulated time is skipped, since
     it cannot win, and so is the backward of one whose forward and backward floor do
-    (:func:`torch_dcp.simulate.simulate_within`). The winner is then also timed with other schedules of its placement
-    (:func:`_reschedules`; ``deeper``: with more divisions too)."""
+    (:func:`torch_dcp.simulate.simulate_within`). The winner is then also timed with other
+    schedules of its placement (:func:`_reschedules`; ``deeper``: with more divisions too)."""
     from .estimate import estimate_seconds
     from .simulate import floor_seconds, simulate_within
 
@@ -286,8 +288,8 @@ def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple
     """Other schedules of ``chosen``'s placement, ``(label, plan)``: intra-node tiles first (on
     several nodes, where some rank has both intra- and inter-node tiles; at ``T +``
     :data:`NODE_FIRST_EXTRA_DIVISIONS` if ``deeper`` and the placement has the tiles, else at its
-    ``T``), then a local tail (:data:`LOCAL_TAIL`). None where the placement has no such variant
-    (ring attention's own steps, fewer than 3 divisions per round)."""
+    ``T``), then a local tail (:data:`LOCAL_TAIL`). Empty where the placement has no such
+    variant (ring attention's own steps, fewer than 3 divisions per round)."""
     outer = chosen.outer if isinstance(chosen, HeadParallelPlan) else chosen
     pl, topo = outer.placement, outer.topology
     rounds = pl.tile_round
