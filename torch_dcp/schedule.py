@@ -120,11 +120,13 @@ def _node_first(placement: Placement, tiles: np.ndarray, divisions: int, topolog
     """Divisions with each rank's remote tiles fed from its own node only in division 1 and
     those with an input from another node in ``2 .. T-1``; a rank without the former keeps the
     plain cut (:func:`_divisions`)."""
-    out = _divisions(placement, tiles, divisions, topology, local_tail)
     if divisions < 3 or len(tiles) == 0:
-        return out
+        return _divisions(placement, tiles, divisions, topology, local_tail)
     in_node, inter = node_tiers(placement, topology, tiles)
     on = _ranks_with_both(placement, tiles, in_node, inter)[placement.tile_rank[tiles]]
+    out = np.zeros(len(tiles), np.int64)
+    plain = np.nonzero(~on)[0]  # each rank's cut depends on its own tiles only
+    out[plain] = _divisions(placement, tiles[plain], divisions, topology, local_tail)
     out[on & in_node] = 1
     far = np.nonzero(on & inter)[0]
     out[far] = 1 + _divisions(placement, tiles[far], divisions - 1, topology, 0.0)

@@ -18,6 +18,9 @@ from . import (balance, common, gpu_report, kernels, loader, ops, pictures, plan
                sweeps)
 from .common import MASKS
 
+_DIVISIONS_HELP = ("divisions T per rank (default: each planner's own: T = 4 on these batches, where dcp's time "
+                   "objective may keep a node-first schedule at T = 6, as its default plan does)")
+
 __all__ = ["main", "parser"]
 
 
@@ -40,8 +43,7 @@ def parser() -> argparse.ArgumentParser:
     pp.add_argument("--batches", default="corpus,longtail,one")
     pp.add_argument("--block-size", type=int, default=1024)
     pp.add_argument("--divisions", type=int, default=None,
-                    help="divisions T per rank (default: each planner's own: T = 4 on these batches, where dcp's time "
-                          "objective may keep a node-first schedule at T = 6, as its default plan does)")
+                    help=_DIVISIONS_HELP)
     pp.add_argument("--nodes", type=int, default=4)
     pp.add_argument("--ranks-per-node", type=int, default=8)
     pp.set_defaults(run=_planners, error=pp.error)
@@ -56,8 +58,7 @@ def parser() -> argparse.ArgumentParser:
     pp2.add_argument("--scales", default="0.5,1,2,4")
     pp2.add_argument("--block-sizes", default="512,1024,2048,4096")
     pp2.add_argument("--divisions", type=int, default=None,
-                     help="divisions T per rank (default: each planner's own: T = 4 on these batches, where dcp's time "
-                          "objective may keep a node-first schedule at T = 6, as its default plan does)")
+                     help=_DIVISIONS_HELP)
     pp2.add_argument("--cost", default="a100",
                      help="a100, h100, or JSON cost tables measured on your GPU (CostModel.to_json format), "
                           "comma-separated, e.g. one per head_dim")
