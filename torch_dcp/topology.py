@@ -136,43 +136,56 @@ class Topology:
         raise ValueError(f"topology must be a Topology or a positive world size, got {topology!r}")
 
     @classmethod
-    def from_mesh(cls, mesh: Any, ranks_per_node: int | None = None, **links: float) -> "Topology":
-        """Topology of a live one-dimensional ``DeviceMesh`` (or a process group).
+    def from_mesh(cls, mesh: Any, ranks_per_node: int | None = None, *, dims: "str | tuple[str, ...] | None" = None,
+                  **links: float) -> "Topology":
+        """Topology of the DCP group of a live ``DeviceMesh`` (or a process group).
 
-        Ranks are grouped into nodes by host name (gathered over the mesh's group), unless
-        ``ranks_per_node`` is given. Ranks of one node must be consecutive in the group.
+        The DCP group is a one-dimensional mesh or group as is, or the dimension(s) ``dims`` of a
+        multi-dimensional mesh (e.g. ``("dp_replicate", "dp_shard")`` beside ``"tp"``; several
+        dimensions are flattened in row-major order): this rank's ranks along them, the other
+        dimensions held at this rank's coordinates. Its ranks are grouped into nodes by host
+        name (gathered over the mesh's ranks: every rank of the mesh calls this), or, with
+        ``ranks_per_node`` given, as ``torchrun`` lays processes out: consecutive global ranks,
+        ``ranks_per_node`` per node. With tensor parallelism filling a node (``tp`` =
+        ``ranks_per_node``), every DCP rank is on a node of its own.
+
+        Args:
+            mesh: a ``DeviceMesh`` or a process group.
+            ranks_per_node: processes per node (global ranks ``n·ranks_per_node ..`` share node
+                ``n``); ``None``: by host name.
+            dims: the DCP dimension name(s) of a multi-dimensional mesh (``None`` for a 1-D mesh).
+            links: bandwidths and latencies, as the class's fields.
 
         Raises:
-            ValueError: the mesh is not one-dimensional, or hosts hold different numbers of
-                ranks or non-consecutive ranks.
+            ValueError: a multi-dimensional mesh without ``dims``, an unknown dimension name,
+                ``dims`` with a process group, ``ranks_per_node`` that is not a positive integer,
+                or DCP ranks whose nodes hold different numbers of them or are not consecutive
+                in the group.
         """
         import socket
 
         import torch.distributed as dist
 
-        if hasattr(mesh, "get_group"):
-            if mesh.ndim != 1:
-                raise ValueError(f"Topology.from_mesh: expected a 1-D DeviceMesh, got {mesh.ndim}-D")
-            group = mesh.get_group()
-        else:
-            group = mesh
-        world = dist.get_world_size(group)
+        members, group = _dcp_members(mesh, dims)
         if ranks_per_node is None:
-            hosts: list[Any] = [None] * world
-            dist.all_gather_object(hosts, socket.gethostname(), group=group)
-            names = []
-            for h in hosts:
-                if not names or names[-1] != h:
-                    names.append(h)
-            if len(set(names)) != len(names):
-                raise ValueError(f"Topology.from_mesh: ranks of one host are not consecutive: {hosts}")
-            counts = {h: hosts.count(h) for h in names}
-            if len(set(counts.values())) != 1:
-                raise ValueError(f"Topology.from_mesh: hosts hold different numbers of ranks: {counts}")
-            ranks_per_node = world // len(names)
-        if world % ranks_per_node:
-            raise ValueError(f"Topology.from_mesh: ranks_per_node={ranks_per_node} does not divide {world}")
-        return cls(n_nodes=world // ranks_per_node, ranks_per_node=ranks_per_node, **links)
+            if group is None:  # several dimensions: host names of every rank of the mesh
+                everyone = [int(r) for r in mesh.mesh.flatten().tolist()]
+                whole = dist.get_world_size() == len(everyone)
+                names: list[Any] = [None] * len(everyone)
+                dist.all_gather_object(names, socket.gethostname(),
+                                       group=None if whole else dist.new_group(everyone, use_local_synchronization=True))
+                host = dict(zip(everyone, names))
+                hosts = [host[r] for r in members]
+            else:
+                hosts = [None] * len(members)
+                dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        else:
+            if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, (int, np.integer)) \
+                    or ranks_per_node <= 0:
+                raise ValueError(f"Topology.from_mesh: ranks_per_node must be a positive integer, got {ranks_per_node!r}")
+            hosts = [r // int(ranks_per_node) for r in members]
+        n_nodes, per_node = _consecutive_nodes(hosts, members)
+        return cls(n_nodes=n_nodes, ranks_per_node=per_node, **links)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -180,6 +193,56 @@ class Topology:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Topology":
         return cls(**d)
+
+
+def _dcp_members(mesh: Any, dims: "str | tuple[str, ...] | None") -> tuple[list[int], Any]:
+    """The global ranks of this rank's DCP group in group order, and its process group (``None``
+    when ``dims`` names several dimensions of a mesh: no group is created here)."""
+    import torch.distributed as dist
+
+    if not hasattr(mesh, "get_group"):
+        if dims is not None:
+            raise ValueError("Topology.from_mesh: dims= names dimensions of a DeviceMesh, got a process group")
+        return list(dist.get_process_group_ranks(mesh)), mesh
+    if dims is None:
+        if mesh.ndim != 1:
+            raise ValueError(f"Topology.from_mesh: a {mesh.ndim}-D mesh needs dims= (the DCP dimension names among "
+                             f"{mesh.mesh_dim_names})")
+        group = mesh.get_group()
+        return list(dist.get_process_group_ranks(group)), group
+    names = (dims,) if isinstance(dims, str) else tuple(dims)
+    known = tuple(mesh.mesh_dim_names or ())
+    unknown = [d for d in names if d not in known]
+    if unknown or not names:
+        raise ValueError(f"Topology.from_mesh: unknown mesh dimension(s) {unknown or list(names)}; the mesh has {known}")
+    if len(names) == 1:
+        group = mesh.get_group(names[0])
+        return list(dist.get_process_group_ranks(group)), group
+    coord = mesh.get_coordinate()
+    axes = [known.index(d) for d in names]
+    index = tuple(slice(None) if i in axes else coord[i] for i in range(mesh.ndim))
+    sub = mesh.mesh[index].permute(*np.argsort(np.argsort(axes)).tolist())  # the kept axes in the order of dims
+    return [int(r) for r in sub.flatten().tolist()], None
+
+
+def _consecutive_nodes(hosts: list[Any], members: list[int]) -> tuple[int, int]:
+    """``(n_nodes, ranks_per_node)`` of a group whose rank ``i`` is on node ``hosts[i]``.
+
+    Raises:
+        ValueError: a node's ranks are not consecutive in the group, or nodes hold different
+            numbers of them.
+    """
+    order: list[Any] = []
+    for h in hosts:
+        if not order or order[-1] != h:
+            order.append(h)
+    if len(set(order)) != len(order):
+        raise ValueError(f"Topology.from_mesh: the DCP ranks of one node are not consecutive in the group (global ranks "
+                         f"{members} on nodes {hosts})")
+    counts = {h: hosts.count(h) for h in order}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"Topology.from_mesh: nodes hold different numbers of DCP ranks: {counts}")
+    return len(order), len(hosts) // len(order)
 
 
 #: Named clusters (4 nodes each; :meth:`Topology.preset` changes the node count):
