@@ -3,6 +3,7 @@ processes, spread over the ranks and shared through the process group's Store.""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import functools
 import os
@@ -239,6 +240,41 @@ def _silent_rank(rank, world, mesh):
 
 def test_a_rank_that_never_publishes_gives_a_timeout_naming_step_and_rank(tmp_path):
     run_ranks(_silent_rank, 2, tmp_path, timeout=60)
+
+
+# ---------------------------------------------------------------------- replicas (tensor parallelism)
+class _CountingPool(cf.ThreadPoolExecutor):
+    """Plans in a thread of this rank and counts the steps it was given."""
+
+    submitted = 0
+
+    def submit(self, *args, **kwargs):
+        type(self).submitted += 1
+        return super().submit(*args, **kwargs)
+
+
+def _replicas(rank, world, mesh):
+    """2 DCP ranks x 2 TP ranks: the loaders of both TP indices read every step's one plan."""
+    dcp_rank, tp = divmod(rank, 2)
+    store = dist.distributed_c10d._get_default_store()
+    ref = [torch_dcp.plan(_batch(s), 2, planner="dcp", block_size=16, divisions=2).digest() for s in range(STEPS)]
+    with _CountingPool(1) as pool, PlanningLoader(_source(), _config(2), rank=dcp_rank, world_size=2, replica=tp,
+                                                  replicas=2, pool=pool, timeout=60, store=store) as loader:
+        keys = _store_keys(loader, STEPS)
+        got = [pb.plan.digest() for pb in loader]
+    assert got == ref
+    planned = torch.tensor([_CountingPool.submitted])
+    assert planned.item() == (sum(1 for s in range(STEPS) if s % 2 == dcp_rank) if tp == 0 else 0)
+    dist.all_reduce(planned)
+    assert planned.item() == STEPS  # every step planned once, not once per TP index
+    dist.barrier()  # every rank of both replicas read every step: no key is left
+    assert not any(store.check([k]) for k in keys + [k + "/read" for k in keys])
+
+
+def test_replicas_share_one_plan_per_step(tmp_path):
+    run_ranks(_replicas, 4, tmp_path, timeout=120)
+    with pytest.raises(ValueError, match="replica must be an integer"):
+        PlanningLoader([], _config(1), lookahead=0, replica=2, replicas=2)
 
 
 # ---------------------------------------------------------------------- one process

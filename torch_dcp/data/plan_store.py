@@ -105,7 +105,8 @@ class PlanStore:
             used where the store supports ``clone()``, so blocking waits here never hold the
             connection the process group or the caller uses.
         namespace: key prefix, the same on every rank of the group, unique per loader.
-        rank, world_size: this rank and the size of the DCP group.
+        rank, world_size: this rank and the number of ranks that read every record (the DCP
+            group's size, times the number of DCP groups sharing the plans).
         poll: the longest pause between two checks while waiting for a step to be gone, seconds.
 
     Attributes:

@@ -131,6 +131,11 @@ class PlanningLoader(Generic[T]):
         workers: planning processes of this rank (default 1).
         rank, world_size: this rank and the group's size (default: the default process
             group's, or 0 and 1).
+        replica, replicas: this DCP group's index among the ``replicas`` groups that run the
+            same plans (one per tensor- and pipeline-parallel coordinate of a mesh; default 0
+            of 1). Only replica 0's ranks plan (step ``i`` on its rank ``i % W``); every rank of
+            every replica reads each plan from the one store (same ``namespace``), so a step
+            is planned once for all of them, not once per replica.
         store: a ``torch.distributed.Store`` shared by the group (default: the default process
             group's store; a ``HashStore`` on one rank).
         timeout: seconds any wait may block (the loop for its plan, a fetch from the store,
@@ -160,7 +165,8 @@ class PlanningLoader(Generic[T]):
 
     def __init__(self, source: Iterable[Any], config: PlanningConfig, *,
                  batch_of: Callable[[Any], tuple[BatchSpec, T]] | None = None, lookahead: int = 2, workers: int = 1,
-                 rank: int | None = None, world_size: int | None = None, store: Any = None, timeout: float = 600.0,
+                 rank: int | None = None, world_size: int | None = None, replica: int = 0, replicas: int = 1,
+                 store: Any = None, timeout: float = 600.0,
                  device: torch.device | str | None = None, kernel: str | DivisionKernel = "auto",
                  device_plans: bool = True, namespace: str | None = None, pool: cf.Executor | None = None,
                  warmup: bool = True):
@@ -177,12 +183,17 @@ class PlanningLoader(Generic[T]):
             world_size = (dist.get_world_size() if on else 1) if world_size is None else world_size
         if not 0 <= int(rank) < int(world_size):
             raise ValueError(f"PlanningLoader: rank {rank} is outside [0, {world_size})")
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1 \
+                or isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < replicas:
+            raise ValueError(f"PlanningLoader: replica must be an integer in [0, replicas) and replicas >= 1, got "
+                             f"replica={replica!r}, replicas={replicas!r}")
         if config.topology.world_size != int(world_size):
             raise ValueError(f"PlanningLoader: the config's topology has {config.topology.world_size} ranks, the group "
                              f"{world_size}")
         self.source, self.config = source, config
         self.lookahead, self.workers, self.timeout = int(lookahead), int(workers), float(timeout)
         self.rank, self.world = int(rank), int(world_size)
+        self.replica, self.replicas = replica, replicas
         self.device = torch.device(device) if device is not None else (torch.device("cpu") if device_plans else None)
         self.kernel, self.device_plans = kernel, bool(device_plans)
         self._split = batch_of or _split_default
@@ -205,9 +216,12 @@ class PlanningLoader(Generic[T]):
         if self.lookahead == 0:
             return
         if store is None:
-            store = dist.distributed_c10d._get_default_store() if self.world > 1 else dist.HashStore()
+            shared = self.world * self.replicas > 1
+            store = dist.distributed_c10d._get_default_store() if shared else dist.HashStore()
         ns = namespace if namespace is not None else f"torch_dcp/planning/{next(_LOADERS)}"
-        self._store = PlanStore(store, ns, self.rank, self.world)
+        self._store = PlanStore(store, ns, self.rank, self.world * self.replicas)
+        if self.replica:  # replica 0's ranks plan; this one only reads
+            return
         self._own_pool = pool is None
         self._pool = planning_pool(self.workers, config if warmup else None) if pool is None else pool
 
@@ -264,10 +278,14 @@ class PlanningLoader(Generic[T]):
             old = step - self.lookahead - 1
             gate = (old, self._digests.pop(old)) if old in self._digests else None
             st = _Step(step, batch, data, digest, step % self.world, state, gate)
-            if st.planning_rank == self.rank:
+            if self._plans(st):
                 st.job = self._submit(batch)
             self._steps[step] = st
             self._queue.put(st)
+
+    def _plans(self, st: _Step) -> bool:
+        """Whether this rank plans and publishes step ``st`` (its planning rank, of replica 0)."""
+        return st.planning_rank == self.rank and self.replica == 0
 
     def _submit(self, batch: BatchSpec) -> cf.Future:
         try:
@@ -367,7 +385,7 @@ class PlanningLoader(Generic[T]):
         if self._stopped():
             raise PlanningError(st.step, st.planning_rank, "the loader was closed")
         op0, poll0 = ps.op_seconds, ps.poll_seconds
-        if st.planning_rank == self.rank:
+        if self._plans(st):
             self._publish(st)
         try:
             arrived = ps.wait(st.step, st.digest, time.monotonic() + self.timeout, self._stopped)
