@@ -19,7 +19,12 @@ What happens every step:
   document-local position ids to this rank's planned tokens, and runs every
   ``F.scaled_dot_product_attention`` of the model under the plan, forward and backward;
 * parameters are sharded with FSDP2 (``fully_shard``) over the same one-dimensional mesh:
-  DCP unifies data and context parallelism in one dimension;
+  DCP unifies data and context parallelism in one dimension; with ``--tp N`` the mesh is
+  ``(dcp, tp)``: attention and MLP are sharded by heads and hidden units with PyTorch's
+  ``parallelize_module`` (Megatron-LM's column/row split), every TP rank runs the step's one
+  plan over its own heads (``TensorParallelHeads``) through its DCP sub-group, the plan is
+  made once per step for all TP ranks (``PlanningLoader(replica=, replicas=)``), and FSDP2
+  shards over the ``dcp`` dimension;
 * the loss is the sum of token losses divided by the global token count, so gradients do not
   depend on where tokens were placed.
 
@@ -47,6 +52,7 @@ import torch.nn.functional as F
 import torch_dcp
 from torch_dcp.data import PlanningConfig, PlanningLoader, byte_tokenize, load_documents, pack_batches, planning_pool
 from torch_dcp.executor.device_plan import host_to_device
+from torch_dcp.tensor_parallel import TensorParallelHeads
 
 MASKS = {
     "causal": lambda: torch_dcp.Causal(),
@@ -105,9 +111,10 @@ class Attention(nn.Module):
     def forward(self, x, positions, attn_mask=None):
         b, s, _ = x.shape
         a = self.a
-        q = self.wq(x).view(b, s, a.n_heads, a.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, a.n_kv_heads, a.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, a.n_kv_heads, a.head_dim).transpose(1, 2)
+        # -1 heads: all of them, or this rank's under tensor parallelism (wq, wk, wv sharded by heads)
+        q = self.wq(x).view(b, s, -1, a.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, a.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, a.head_dim).transpose(1, 2)
         q, k = rope(q, positions, a.rope_theta), rope(k, positions, a.rope_theta)
         if attn_mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -156,6 +163,41 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x, positions, attn_mask)
         return self.output(self.norm(x))
+
+
+def tensor_parallel(model: Transformer, mesh) -> None:
+    """Shard every block over the TP ``mesh`` with PyTorch's ``parallelize_module``
+    (Megatron-LM's split, Shoeybi et al., arXiv 1909.08053, §3): ``wq``, ``wk``, ``wv`` and the
+    MLP's ``w1``, ``w3`` by output (heads, hidden units), ``wo`` and ``w2`` by input, so each
+    TP rank attends over its own heads; embeddings, norms and the output stay replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    col, row = ColwiseParallel(), RowwiseParallel()
+    plan = {"attention.wq": col, "attention.wk": col, "attention.wv": col, "attention.wo": row,
+            "feed_forward.w1": col, "feed_forward.w3": col, "feed_forward.w2": row}
+    for layer in model.layers:
+        parallelize_module(layer, mesh, plan)
+
+
+def clip_grad_norm(parameters, max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_`` over parameters that live on several meshes (FSDP2's
+    DCP mesh, FSDP2 x TP's 2-D one, none): each mesh's gradient norm, the total norm of those,
+    every gradient scaled by ``max_norm / (total + 1e-6)`` when that is below 1. Returns the
+    total norm (one host read, as ``clip_grad_norm_`` callers make to log it)."""
+    from torch.nn.utils import get_total_norm
+
+    groups: dict = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    norms = [get_total_norm(grads) for grads in groups.values()]
+    total = float(torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]).norm())
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for grads in groups.values():
+            for g in grads:
+                g.mul_(coef)
+    return total
 
 
 # ---------------------------------------------------------------------- data
@@ -283,6 +325,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--ffn-hidden", type=int, default=352)
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: consecutive ranks of a (dcp, tp) mesh split the heads and MLP; DCP "
+                        "and FSDP2 run over the other dimension (--kv-heads must be divisible by it)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", default=None, help="also write one JSON line per step to this file (rank 0)")
@@ -299,13 +344,23 @@ class Job:
 
     def __init__(self, args: argparse.Namespace, device: torch.device, rank: int, world: int, distributed: bool):
         self.args, self.device, self.rank, self.world, self.distributed = args, device, rank, world, distributed
+        # the (dcp, tp) mesh is dcp-major: the TP ranks of one DCP rank are consecutive (one node's GPUs)
+        self.tp = args.tp
+        self.dcp_size, (self.dcp_rank, self.tp_rank) = world // args.tp, divmod(rank, args.tp)
+        self.heads = TensorParallelHeads(args.heads, args.kv_heads, args.tp)
         # the planning workers start first (spawn + imports take seconds), while the rest is set up
-        ahead = args.cp_impl == "torch_dcp" and (args.plan_ahead > 0 or args.compare_precomputed)
+        ahead = args.cp_impl == "torch_dcp" and (args.plan_ahead > 0 or args.compare_precomputed) and self.tp_rank == 0
         self.pool = planning_pool(args.plan_workers, self.planning_config()) if ahead else None
         self.margs = ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads,
                                ffn_hidden=args.ffn_hidden)
-        self.mesh = None
-        if distributed:
+        self.mesh = self.tp_mesh = None  # the DCP mesh (FSDP2 shards over it too), the TP mesh
+        if distributed and args.tp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(device.type, (self.dcp_size, args.tp), mesh_dim_names=("dcp", "tp"))
+            self.mesh, self.tp_mesh = mesh["dcp"], mesh["tp"]
+            mesh._flatten("dcp_tp")  # one all-reduce, not one per dimension, for a norm over both (grad clipping)
+        elif distributed:
             from torch.distributed.device_mesh import init_device_mesh
 
             self.mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dcp",))
@@ -316,6 +371,8 @@ class Job:
         """The same initial weights on every rank (and in every benchmark round), a fresh optimizer."""
         torch.manual_seed(self.args.seed)
         self.model = Transformer(self.margs).to(self.device)
+        if self.tp_mesh is not None:
+            tensor_parallel(self.model, self.tp_mesh)
         if self.distributed:
             from torch.distributed.fsdp import fully_shard
 
@@ -333,20 +390,21 @@ class Job:
         """A global batch's BatchSpec and tensors (tokens, labels, positions, lengths)."""
         tokens, labels, positions, lens = global_batch(docs, self.device)
         m = self.margs
-        spec = torch_dcp.BatchSpec(lens, MASKS[self.args.mask](), n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                                   head_dim=m.head_dim, dtype="float32")
+        spec = torch_dcp.BatchSpec(lens, MASKS[self.args.mask](), n_heads=self.heads.local_heads,
+                                   n_kv_heads=self.heads.local_kv_heads, head_dim=m.head_dim, dtype="float32")
         return spec, (tokens, labels, positions, lens)
 
     def planning_config(self) -> PlanningConfig:
         a = self.args
         options = {} if a.head_parallel is None else {"head_parallel": a.head_parallel}
-        return PlanningConfig(self.world, planner=a.planner, block_size=a.block_size, divisions=a.divisions,
+        return PlanningConfig(self.dcp_size, planner=a.planner, block_size=a.block_size, divisions=a.divisions,
                               options=options, compare=("ring",) if a.ring_stats else ())
 
     def loader(self, lookahead: int) -> PlanningLoader:
         a = self.args
         return PlanningLoader(self.batches(), self.planning_config(), batch_of=self.to_batch, lookahead=lookahead,
-                              workers=a.plan_workers, rank=self.rank, world_size=self.world, timeout=a.plan_timeout,
+                              workers=a.plan_workers, rank=self.dcp_rank, world_size=self.dcp_size,
+                              replica=self.tp_rank, replicas=self.tp, timeout=a.plan_timeout,
                               device=self.device, pool=self.pool)
 
     def close(self) -> None:
@@ -358,17 +416,16 @@ class Job:
         ``n_tokens``: the global batch's count of labels (the same on every rank)."""
         with ctx:
             loss = step_loss(self.model, tokens, labels, positions, n_tokens, attn_mask)
-            # FSDP2 averages gradients over the mesh; each rank's loss already is its share of
-            # the global mean, so scale by the world size to get the sum of the shares
-            (loss * self.world).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            # FSDP2 averages gradients over the DCP mesh; each rank's loss already is its share
+            # of the global mean, so scale by the DCP size to get the sum of the shares
+            (loss * self.dcp_size).backward()
+        grad_norm = clip_grad_norm(self.model.parameters(), 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         total = loss.detach().clone()
-        if self.distributed:
-            dist.all_reduce(total)
-        return total.item(), float(grad_norm)
+        if self.distributed:  # the TP ranks of a DCP rank hold the same loss
+            dist.all_reduce(total, group=self.mesh.get_group())
+        return total.item(), grad_norm
 
     def run_dcp(self, planned, emit) -> list[dict]:
         """Train on :class:`PlannedBatch` items (from a loader or precomputed); one row per step."""
@@ -385,7 +442,8 @@ class Job:
                    "plan_wait_ms": round(1000 * pb.wait_seconds, 2), "store_ms": round(1000 * pb.store_seconds, 3),
                    "poll_ms": round(1000 * pb.poll_seconds, 3),
                    "comm_bytes": s["comm_bytes"] * self.margs.n_layers,
-                   "compute_imbalance": round(s["compute_imbalance"], 3), "head_parallel": s.get("head_parallel", 1)}
+                   "compute_imbalance": round(s["compute_imbalance"], 3), "head_parallel": s.get("head_parallel", 1),
+                   "plan_heads": [pb.plan.batch.n_heads, pb.plan.batch.n_kv_heads]}
             ring = pb.compare.get("ring")
             if ring and "comm_bytes" in ring:
                 row.update(ring_comm_bytes=ring["comm_bytes"] * self.margs.n_layers,
@@ -496,8 +554,18 @@ def main() -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
         rank, world = 0, 1
-    if args.cp_impl == "none" and world != 1:
-        raise SystemExit("--cp-impl none runs in one process (no parallelism)")
+    if args.tp < 1 or world % args.tp:
+        raise SystemExit(f"--tp {args.tp} must be a positive divisor of the {world} rank(s)")
+    try:
+        TensorParallelHeads(args.heads, args.kv_heads, args.tp)
+    except ValueError as err:
+        raise SystemExit(f"--tp {args.tp} with --heads {args.heads} --kv-heads {args.kv_heads}: {err}") from None
+    if args.kv_heads % args.tp:
+        raise SystemExit(f"--tp {args.tp} must divide --kv-heads {args.kv_heads} (this recipe shards wk and wv by heads)")
+    if args.cp_impl == "none" and world != args.tp:
+        raise SystemExit("--cp-impl none runs without data or context parallelism: one process, or --tp processes")
+    if args.cp_impl == "torch" and args.tp > 1:
+        raise SystemExit("--cp-impl torch runs without tensor parallelism (--tp 1)")
     if args.cp_impl == "torch" and args.mask != "causal":
         raise SystemExit("--cp-impl torch supports only --mask causal (over the whole packed sequence)")
     if args.compare_precomputed and (args.cp_impl != "torch_dcp" or not distributed):
@@ -511,7 +579,8 @@ def main() -> None:
     if rank == 0:
         plans = (f"plans {args.plan_ahead} steps ahead ({args.plan_workers} worker(s) per rank)" if args.plan_ahead
                  else "plans in line")
-        print(f"torch_dcp train_llama: {world} rank(s) on {device.type}, cp-impl={args.cp_impl}, "
+        print(f"torch_dcp train_llama: {world} rank(s) on {device.type}"
+              + (f" ({job.dcp_size} DCP x {args.tp} TP)" if args.tp > 1 else "") + f", cp-impl={args.cp_impl}, "
               f"planner={args.planner}, mask={args.mask}, {n_params / 1e6:.2f}M parameters, "
               f"{len(job.docs)} documents, {args.tokens_per_step} tokens/step"
               + (f", {plans}" if args.cp_impl == "torch_dcp" else ""), flush=True)

@@ -49,3 +49,19 @@ def test_dcp_fsdp_matches_single_process(mask, planning, tmp_path):
         assert a["comm_bytes"] > 0 and a["ring_comm_bytes"] > 0 and a["compute_imbalance"] >= 1.0
         assert a["head_parallel"] == (2 if "--head-parallel" in planning else a["head_parallel"])
     assert dcp[-1]["loss"] < dcp[0]["loss"]
+
+
+def test_tensor_parallel_dcp_matches_tensor_parallel_alone(tmp_path):
+    """The main job on 4 gloo ranks as 2 DCP x 2 TP (attention and MLP sharded by heads, each TP
+    rank running the step's one plan of its 2 query / 1 KV heads over its DCP sub-group) matches
+    the same --tp 2 without DCP (2 ranks, a dense mask over the whole batch)."""
+    common = ["--steps", "3", "--tokens-per-step", "3000", "--max-doc-len", "1500", "--block-size", "128",
+              "--tp", "2"]
+    dcp = _run(common + ["--cp-impl", "torch_dcp"], tmp_path / "dcp.jsonl", nproc=4)
+    ref = _run(common + ["--cp-impl", "none"], tmp_path / "ref.jsonl", nproc=2)
+    assert len(dcp) == len(ref) == 3
+    for a, b in zip(dcp, ref):
+        assert a["plan_heads"] == [2, 1]  # the plan is made for the TP-local heads
+        assert a["docs"] == b["docs"]
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)
