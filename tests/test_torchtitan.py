@@ -34,7 +34,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
 BAD_CONFIGS = {  # torchtitan arguments -> what the start-up error must name
     "planner": (["--dcp.planner", "zigzag"], "--dcp.planner"),
     "block_size": (["--dcp.block-size", "0"], "--dcp.block-size"),
-    "tp": (["--parallelism.tensor_parallel_degree", "2"], "--parallelism.tensor_parallel_degree"),
+    "tp_heads": (["--parallelism.tensor_parallel_degree", "3"], "--parallelism.tensor_parallel_degree 3 does not "
+                 "split the model's heads"),
     "pp": (["--parallelism.pipeline_parallel_degree", "2"], "--parallelism.pipeline_parallel_degree"),
     "cp": (["--parallelism.context_parallel_degree", "2"], "--parallelism.context_parallel_degree"),
     "kernel": (["--dcp.kernel", "fast"], "--dcp.kernel"),
@@ -70,7 +71,7 @@ def _record(trainer) -> dict:
     from torch._dynamo.utils import counters
     from torch.distributed.tensor import DTensor
 
-    rec: dict = {"loss": [], "grad_norm": [], "grads": None, "comm_bytes": [], "attention_calls": 0,
+    rec: dict = {"loss": [], "grad_norm": [], "grads": None, "comm_bytes": [], "plan_heads": [], "attention_calls": 0,
                  "compiled_frames": []}
     frames_before = counters["frames"]["ok"]
     log, fwd_bwd = trainer.metrics_processor.log, trainer.forward_backward_step
@@ -105,6 +106,7 @@ def _record(trainer) -> dict:
         def post_dataloading_process(*args, **kwargs):
             out = hook(*args, **kwargs)
             rec["comm_bytes"].append(trainer._dcp_plan.stats()["comm_bytes"])
+            rec["plan_heads"].append([trainer._dcp_plan.batch.n_heads, trainer._dcp_plan.batch.n_kv_heads])
             return out
 
         trainer.post_dataloading_process = post_dataloading_process
@@ -240,3 +242,30 @@ def test_dcp_trains_with_compiled_blocks(tmp_path):
     assert frames[0] > 0 and frames[-1] == frames[-2], frames  # compiled at step 1; nothing new at step 3
     print(f"compiled vs uncompiled DCP: losses {compiled['loss']} vs {eager['loss']} (rel diff {loss_rel:.1e}), "
           f"step-1 grad max abs diff {grad_diff:.1e}, frames compiled by step {frames}")
+
+
+def test_dcp_beside_tensor_parallelism_matches_tp_without_cp(tmp_path):
+    """4 ranks: 2 DCP (FSDP) x 2 TP (torchtitan's TP with sequence parallelism and loss
+    parallelism), 3 steps, against torchtitan with the same TP and no CP: every TP rank runs the
+    step's plan of its 8 local heads over its DCP sub-group."""
+    res = _train(tmp_path, world=4, steps=3, seq_len=256, local_batch=2,
+                 dcp_args=["--dcp.planner", "ring", "--dcp.divisions", "2"],
+                 parallel_args=["--parallelism.data_parallel_shard_degree", "2",
+                                "--parallelism.tensor_parallel_degree", "2"])
+    loss_rel, grad_diff = _check_parity(res, 3)
+    assert res["runs"]["dcp"]["plan_heads"] == [[8, 8]] * 3
+    print(f"2 DCP x 2 TP: loss rel diff {loss_rel:.2e}, step-1 grad max abs diff {grad_diff:.2e}")
+
+
+# the compiled DCP attention is test_dcp_trains_with_compiled_blocks's, TP beside DCP the test above's
+@pytest.mark.slow
+def test_dcp_beside_tensor_parallelism_with_compiled_blocks(tmp_path):
+    """2 DCP x 2 TP with ``--compile.enable --compile.backend aot_eager``: the same losses and
+    step-1 gradients as torchtitan with the same TP and no CP."""
+    res = _train(tmp_path, world=4, steps=3, seq_len=256, local_batch=2, compile_backend="aot_eager",
+                 dcp_args=["--dcp.planner", "ring", "--dcp.divisions", "2"],
+                 parallel_args=["--parallelism.data_parallel_shard_degree", "2",
+                                "--parallelism.tensor_parallel_degree", "2"])
+    res["runs"]["dcp"] = res["runs"]["dcp_compiled"]
+    loss_rel, grad_diff = _check_parity(res, 3)
+    print(f"2 DCP x 2 TP, compiled: loss rel diff {loss_rel:.2e}, step-1 grad max abs diff {grad_diff:.2e}")

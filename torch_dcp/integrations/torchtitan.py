@@ -37,9 +37,14 @@ The loss is torchtitan's: the sum of this rank's token losses divided by the glo
 valid labels (torchtitan counts them before this hook, over all ranks' rows, ignored labels
 excluded), and FSDP2 sums gradients over the mesh; so losses and gradients equal those of the
 run without context parallelism. Parallelism is torchtitan's ``parallelize_llama`` (FSDP2 or
-HSDP over the data-parallel dimensions, activation checkpointing) with torchtitan's own context
-parallelism off. Refused at start-up, each with a message naming the key: tensor, pipeline,
-context and expert parallelism, the ``spmd_types``/``full_dtensor`` backends, CUDA graphs,
+HSDP over the data-parallel dimensions, tensor parallelism with sequence parallelism,
+activation checkpointing) with torchtitan's own context parallelism off. Beside tensor
+parallelism (``--parallelism.tensor_parallel_degree``, the DCP paper's §6.2 layout) the DCP
+group is the data-parallel mesh of each TP index: every TP rank runs the step's one plan,
+made for its local heads (:class:`~torch_dcp.tensor_parallel.TensorParallelHeads`) and
+planned once for all TP ranks, through its own DCP sub-group. Refused at start-up, each with a
+message naming the key: pipeline, context and expert parallelism, a tensor-parallel degree that
+does not split the model's heads, the ``spmd_types``/``full_dtensor`` backends, CUDA graphs,
 validation and the chunked loss (see :func:`check_config`).
 
 ``--compile.enable`` works as in torchtitan: each transformer block is compiled (``fullgraph=True``,
@@ -74,6 +79,7 @@ import torch_dcp
 from torch_dcp.data import PlanningConfig, PlanningLoader, packed_document_lengths
 from torch_dcp.executor.kernels import KERNEL_NAMES
 from torch_dcp.planners import PLANNERS
+from torch_dcp.tensor_parallel import TensorParallelHeads
 
 __all__ = ["DCPConfig", "DCPTrainer", "DCPSelectiveAC", "check_config", "with_dcp", "llama3_debugmodel_dcp",
            "llama3_8b_dcp"]
@@ -165,14 +171,25 @@ def check_config(config: "DCPTrainer.Config") -> None:
     """
     config.dcp.validate()
     par = config.parallelism
-    for key, what in (("tensor_parallel_degree", "tensor parallelism"),
-                      ("pipeline_parallel_degree", "pipeline parallelism"),
+    for key, what in (("pipeline_parallel_degree", "pipeline parallelism"),
                       ("expert_parallel_degree", "expert parallelism")):
         degree = getattr(par, key, 1)
         if degree > 1:
             raise ValueError(f"--parallelism.{key} {degree}: {what} together with torch_dcp is not supported; set "
                              "it to 1 (DCP uses the data-parallel dimensions: data_parallel_shard_degree / "
-                             "data_parallel_replicate_degree)")
+                             "data_parallel_replicate_degree; tensor parallelism runs beside it)")
+    tp = par.tensor_parallel_degree
+    if tp > 1 and config.model_spec is not None:
+        attn = config.model_spec.model.first_attention
+        h, h_kv = attn.n_heads, attn.n_kv_heads or attn.n_heads
+        try:
+            TensorParallelHeads(h, h_kv, tp)
+        except ValueError as err:
+            raise ValueError(f"--parallelism.tensor_parallel_degree {tp} does not split the model's heads "
+                             f"(model_spec n_heads={h}, n_kv_heads={h_kv}): {err}") from None
+        if h_kv % tp:  # torchtitan's column-wise wk, wv shard whole KV heads
+            raise ValueError(f"--parallelism.tensor_parallel_degree {tp} must divide the model's n_kv_heads={h_kv} "
+                             f"(model_spec; torchtitan shards the key/value projections by heads, n_heads={h})")
     if par.context_parallel_degree > 1:
         raise ValueError(f"--parallelism.context_parallel_degree {par.context_parallel_degree}: torch_dcp replaces "
                          "torchtitan's context parallelism; set it to 1 (DCP spreads documents over the "
@@ -220,7 +237,11 @@ class DCPTrainer(Trainer):
             self.dcp_mesh = init_device_mesh(self.device.type, (1,), mesh_dim_names=("dcp",))
         self.dcp_topology = torch_dcp.Topology.from_mesh(self.dcp_mesh)
         attn = config.model_spec.model.first_attention
-        self._dcp_heads = (attn.n_heads, attn.n_kv_heads or attn.n_heads,
+        # beside tensor parallelism every TP rank runs the step's one plan over its own heads,
+        # through its own DCP sub-group (the ranks of its TP index); the plan is made once for all
+        self._dcp_tp = (dims.get_mesh("tp").get_local_rank(), dims.tp) if dims.tp_enabled else (0, 1)
+        split = TensorParallelHeads(attn.n_heads, attn.n_kv_heads or attn.n_heads, self._dcp_tp[1])
+        self._dcp_heads = (split.local_heads, split.local_kv_heads,
                            attn.head_dim or config.model_spec.model.dim // attn.n_heads)
         self._dcp_layers = len(config.model_spec.model.layers)
         param = config.training.mixed_precision_param
@@ -228,7 +249,8 @@ class DCPTrainer(Trainer):
         self._dcp_plan: torch_dcp.Plan | None = None
         self._dcp_device_plan = None
         self._dcp_loader: PlanningLoader | None = None
-        logger.info(f"torch_dcp: {self.dcp_mesh.size()} rank(s) on the data-parallel mesh, "
+        logger.info(f"torch_dcp: {self.dcp_mesh.size()} rank(s) on the data-parallel mesh "
+                    f"(x {self._dcp_tp[1]} tensor-parallel, {self._dcp_heads[0]}/{self._dcp_heads[1]} heads each), "
                     f"{self.dcp_topology.n_nodes} node(s); planner={config.dcp.planner} "
                     f"block_size={config.dcp.block_size} divisions={config.dcp.divisions} "
                     f"kernel={config.dcp.kernel} attention dtype={self._dcp_dtype}")
@@ -256,7 +278,8 @@ class DCPTrainer(Trainer):
                                 divisions=cfg.division_count(), options=cfg.planner_options(), validate=cfg.check_plan,
                                 compare=("ring",))
         loader = PlanningLoader(source, config, lookahead=cfg.plan_ahead, workers=cfg.plan_workers, rank=rank,
-                                world_size=world, timeout=cfg.timeout, device=self.device, kernel=cfg.kernel)
+                                world_size=world, replica=self._dcp_tp[0], replicas=self._dcp_tp[1],
+                                timeout=cfg.timeout, device=self.device, kernel=cfg.kernel)
         states = getattr(getattr(self, "checkpointer", None), "states", None)
         if isinstance(states, dict) and states.get("dataloader") is self.dataloader:
             states["dataloader"] = _LoaderState(self.dataloader, loader)
