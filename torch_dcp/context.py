@@ -46,6 +46,7 @@ from .executor import RankExecutor, TorchDistributedTransport, make_executor
 from .executor.groups import host_group, transfer_group
 from .executor.transport import RefusalChannel, TransferError, TransferTimeoutError, as_timedelta, is_timeout
 from .executor.device_plan import DevicePlan, host_to_device
+from .executor.replay import LayerReplay, Recorder, default_recorder
 from .executor.kernels import DivisionKernel, get_kernel
 from .plan import Plan
 from .topology import Topology
@@ -82,18 +83,22 @@ class DCPContext:
     Attributes:
         plan: the plan every rank runs (same digest on all ranks).
         rank: this rank in the mesh.
-        executor: the :class:`~torch_dcp.executor.RankExecutor` the SDPA handlers use.
+        executor: the :class:`~torch_dcp.executor.RankExecutor` the SDPA handlers use (inside
+            a :class:`~torch_dcp.executor.replay.LayerReplay` when replay is on).
+        replay: the context's :class:`~torch_dcp.executor.replay.LayerReplay`, or ``None``.
         mesh: the one-dimensional DCP mesh.
         refusals: the entry's :class:`~torch_dcp.executor.RefusalChannel` (``None``: refusals
             are not posted).
     """
 
-    def __init__(self, mesh: Any, plan: Plan, executor: RankExecutor, refusals: RefusalChannel | None = None):
+    def __init__(self, mesh: Any, plan: Plan, executor: RankExecutor, refusals: RefusalChannel | None = None,
+                 replay: LayerReplay | None = None):
         self.mesh = mesh
         self.plan = plan
         self.rank = executor.rank
         self.executor = executor
         self.refusals = refusals
+        self.replay = replay
 
     def refuse(self, reason: str) -> "typing.NoReturn":
         """Refuse the next SDPA call of this step before making it (an integration's own
@@ -156,6 +161,7 @@ def context_parallel(
     timeout: "float | datetime.timedelta" = 600.0,
     device_plan: DevicePlan | None = None,
     head_parallel: int | str | None = None,
+    replay: "bool | Recorder | None" = None,
 ) -> Iterator[DCPContext]:
     """Run the body's ``F.scaled_dot_product_attention`` calls with dynamic context parallelism.
 
@@ -193,6 +199,11 @@ def context_parallel(
             the same one). The plan check across ranks at entry still runs.
         head_parallel: for planning, as :func:`torch_dcp.plan`'s (``None``: 1; ``"auto"``
             with ``"dcp"``); a head-parallel plan runs its all-to-alls inside the op.
+        replay: layer replay (:mod:`torch_dcp.executor.replay`): the first attention call of
+            each pass and shape records this rank's device work, every later layer of the step
+            replays it; recordings are freed on exit. ``None`` (default): on for a CUDA
+            device (CUDA graphs), off elsewhere; ``False``: off; ``True``: on (a CUDA device
+            only); a :class:`~torch_dcp.executor.replay.Recorder`: on, with that recorder.
 
     Inside, the model calls ``F.scaled_dot_product_attention(q, k, v, is_causal=...)`` with
     ``q: [1, H, S_local, D]`` and ``k, v: [1, H_kv, S_local, D]`` (``enable_gqa=True``) or
@@ -209,6 +220,7 @@ def context_parallel(
             divisions out of bounds (see :func:`torch_dcp.plan`), buffers and seq dims
             of different lengths, a buffer whose sequence length is not the batch's, a
             ``no_restore_buffers`` entry that is not a buffer, a plan for another world size,
+            ``replay=True`` without a CUDA device,
             a mesh that is not one-dimensional, a ``device_plan`` for another plan, rank or
             kernel); inside the body, an SDPA call that
             contradicts the plan (an ``attn_mask``, dropout, ``is_causal`` against the mask,
@@ -267,6 +279,7 @@ def context_parallel(
         raise ValueError(f"torch_dcp.context_parallel: the plan is for {plan.world_size} ranks, the mesh has {world}")
     wait_limit = as_timedelta(timeout, "torch_dcp.context_parallel: timeout")
     device = buffers[0].device if buffers else _mesh_device(mesh)
+    recorder = _recorder(replay, device)
     _check_same_plan(plan, group, rank, world, wait_limit)
     total = plan.batch.total_tokens
     for i, (b, d) in enumerate(zip(buffers, seq_dims)):
@@ -289,7 +302,8 @@ def context_parallel(
                                           refusals=refusals)
     executor = make_executor(plan, rank, transport, kernel=kernel, device_plan=device_plan)
     executor.prepare(device)  # the device plan is built (unless given) and uploaded here, not in the first SDPA call
-    ctx = DCPContext(mesh, plan, executor, refusals)
+    layers = LayerReplay(executor, recorder) if recorder is not None else None
+    ctx = DCPContext(mesh, plan, layers if layers is not None else executor, refusals, layers)
     idx = host_to_device(torch.from_numpy(plan.token_indices(rank)), device)
     originals = [None if any(b is x for x in no_restore) else b.clone() for b in buffers]
     from torch.distributed.tensor import DTensor
@@ -307,7 +321,7 @@ def context_parallel(
                 handlers[getattr(aten, name).default] = _handler
         handlers.update(attention_op.dtensor_handlers())
         check = functools.partial(_check_traced_call, ctx)
-        with attention_op.use_executor(executor, check):
+        with attention_op.use_executor(ctx.executor, check):
             DTensor._op_dispatcher._custom_op_handlers = handlers
             _sdpa_wrapper.__wrapped__ = saved_sdpa  # type: ignore[attr-defined]
             _sdpa_wrapper.__doc__ = saved_sdpa.__doc__
@@ -316,12 +330,34 @@ def context_parallel(
             yield ctx
     finally:
         _active = None
+        if layers is not None:
+            layers.close()
         F.scaled_dot_product_attention = saved_sdpa
         DTensor._op_dispatcher._custom_op_handlers = saved_handlers
         for b, orig in zip(buffers, originals):
             if orig is not None:
                 b.resize_(orig.shape)
                 b.copy_(orig)
+
+
+def _recorder(replay: "bool | Recorder | None", device: torch.device) -> "Recorder | None":
+    """The recorder of ``context_parallel(..., replay=)`` on ``device`` (``None``: no replay).
+
+    Raises:
+        ValueError: ``replay=True`` without a CUDA device, or a ``replay`` that is neither a
+            bool, ``None`` nor a recorder.
+    """
+    if replay is None or replay is True:
+        recorder = default_recorder(device)
+        if replay is True and recorder is None:
+            raise ValueError(f"torch_dcp.context_parallel: replay=True needs a CUDA device (the step runs on "
+                             f"{device}); pass replay=None or False, or a Recorder")
+        return recorder
+    if replay is False:
+        return None
+    if not callable(getattr(replay, "record", None)):
+        raise ValueError(f"torch_dcp.context_parallel: replay must be None, a bool or a Recorder, got {replay!r}")
+    return replay
 
 
 def _check_same_plan(plan: Plan, group: Any, rank: int, world: int, timeout: datetime.timedelta) -> None:
