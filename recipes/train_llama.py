@@ -306,6 +306,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mask", choices=sorted(MASKS), default="causal")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--divisions", type=int, default=2)
+    p.add_argument("--replay", action=argparse.BooleanOptionalAction, default=None,
+                   help="layer replay: the first layer records this rank's attention device work (a CUDA graph), the others replay it (default: on for CUDA; no effect on CPU)")
     p.add_argument("--plan-ahead", type=int, default=2,
                    help="steps planned ahead by the PlanningLoader's worker processes, spread over the ranks "
                         "(0: every rank plans every step in line)")
@@ -450,7 +452,7 @@ class Job:
                            ring_compute_imbalance=round(ring["compute_imbalance"], 3))
             ctx = torch_dcp.context_parallel(self.mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1],
                                              no_restore_buffers={tokens, labels, positions}, plan=pb.plan,
-                                             device_plan=pb.device_plan)
+                                             device_plan=pb.device_plan, replay=self.args.replay)
             loss, grad_norm = self.step(tokens, labels, positions, ctx, sum(lens) - len(lens))
             rows.append(self._finish(row, loss, grad_norm, lens, t0, emit))
 

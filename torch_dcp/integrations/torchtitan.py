@@ -126,6 +126,10 @@ class DCPConfig:
     plan_workers: int = 1
     """Planning worker processes per rank (with plan_ahead > 0)."""
 
+    replay: bool = True
+    """Layer replay on CUDA: the first layer of a step records the rank's attention device work (a CUDA graph) and
+    every other layer replays it; --dcp.no-replay runs every layer eagerly. No effect on CPU."""
+
     def division_count(self) -> int | None:
         """``divisions`` as :func:`torch_dcp.plan` takes it: an integer, or None for its default."""
         return None if str(self.divisions) == "default" else int(self.divisions)
@@ -371,7 +375,7 @@ class DCPTrainer(Trainer):
         cfg = self.config.dcp
         dp, self._dcp_device_plan = self._dcp_device_plan, None
         with torch_dcp.context_parallel(self.dcp_mesh, plan=plan, kernel=cfg.kernel, timeout=cfg.timeout,
-                                        device_plan=dp):
+                                        device_plan=dp, replay=None if cfg.replay else False):
             return Trainer._forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs)
 
 
