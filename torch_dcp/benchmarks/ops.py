@@ -41,6 +41,8 @@ from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor, get_ke
 __all__ = ["count_ops", "device_plan_seconds", "add_arguments", "run", "main"]
 
 _ALLOCS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
+#: metadata queries that reach the dispatcher under fake tensors (``Tensor.device``, symbolic sizes): no work
+_METADATA = {"device", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "dim", "is_contiguous"}
 
 
 class _Counter(TorchDispatchMode):
@@ -52,6 +54,8 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        if name in _METADATA:
+            return func(*args, **(kwargs or {}))
         if self.where != "executor":
             cat = f"{self.where}_ops" if self.where == "transport" else "kernel_ops"
         elif func.is_view or name in ("view", "_unsafe_view", "alias", "as_strided"):
@@ -135,12 +139,42 @@ def _drive(gens: list, counter: _Counter, mailbox: Mailbox) -> list:
     return interleave([_tagged(g, r, counter) for r, g in enumerate(gens)], lambda: mailbox.events)
 
 
-def count_ops(plan: torch_dcp.Plan, device: str = "cpu", kernel: str | None = None, seed: int = 0) -> list[dict]:
+def count_ops(plan: torch_dcp.Plan, device: str = "cpu", kernel: str | None = None, seed: int = 0,
+              fake: bool = False) -> list[dict]:
     """Count the operations of every rank's second forward and backward call of ``plan``.
 
+    Args:
+        fake: run on fake tensors (``FakeTensorMode``; with ``device="cuda"`` under a CUDA
+            build of torch without a GPU: the CUDA path's operators, the kernels' capability
+            check told an H100, ``(9, 0)``).
+
     Returns one dict per (rank, pass): ``rank``, ``pass``, ``divisions``, ``ops``, ``per_div``,
-    ``views``, ``allocs``, ``kernel_calls``, ``kernel_ops``, ``transport_ops``.
+    ``views``, ``allocs``, ``kernel_calls``, ``kernel_ops``, ``transport_ops``, and
+    ``device_ops`` (``ops + kernel_ops``: every operation that does work on the device, the
+    transport's left out) with ``device_per_div``.
+
+    Raises:
+        RuntimeError: ``fake`` with ``device="cuda"`` under a CPU build of torch.
     """
+    if fake:
+        from contextlib import ExitStack
+
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        if device.startswith("cuda") and torch.version.cuda is None:
+            raise RuntimeError("ops --fake --device cuda needs a CUDA build of torch (no GPU needed); this one is "
+                               f"{torch.__version__}")
+        from torch_dcp.executor.varlen import assume_cuda_capability
+
+        device = "cuda:0" if device == "cuda" else device  # no driver to ask for the current device
+        with ExitStack() as stack:
+            stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            stack.enter_context(assume_cuda_capability((9, 0)))
+            return _count_ops(plan, device, kernel, seed)
+    return _count_ops(plan, device, kernel, seed)
+
+
+def _count_ops(plan: torch_dcp.Plan, device: str, kernel: str | None, seed: int) -> list[dict]:
     b = plan.batch
     dt = getattr(torch, b.dtype)
     g = torch.Generator().manual_seed(seed)
@@ -174,6 +208,8 @@ def count_ops(plan: torch_dcp.Plan, device: str = "cpu", kernel: str | None = No
             for cat in ("ops", "views", "allocs", "kernel_calls", "kernel_ops", "transport_ops"):
                 row[cat] = counts.get((r, cat), 0)
             row["per_div"] = round(row["ops"] / max(1, divs), 2)
+            row["device_ops"] = row["ops"] + row["kernel_ops"]
+            row["device_per_div"] = round(row["device_ops"] / max(1, divs), 2)
             rows.append(row)
     return rows
 
@@ -242,6 +278,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--topology", default=None, help="NODESxRANKS, e.g. 4x8 (default: one node)")
     p.add_argument("--build-only", action="store_true", help="only time building the device plans")
+    p.add_argument("--fake", action="store_true",
+                   help="fake tensors (with --device cuda: the CUDA path counted under a CUDA build, no GPU needed)")
 
 
 def run(args: argparse.Namespace, out=sys.stdout) -> list[dict]:
@@ -251,17 +289,20 @@ def run(args: argparse.Namespace, out=sys.stdout) -> list[dict]:
         row = device_plan_seconds(plan, args.kernel, args.device)
         print(json.dumps(row), file=out)
         return [row]
-    rows = count_ops(plan, device=args.device, kernel=args.kernel, seed=args.seed)
+    rows = count_ops(plan, device=args.device, kernel=args.kernel, seed=args.seed, fake=args.fake)
     for row in rows:
         print(json.dumps(row), file=out)
     for name in ("forward", "backward"):
         sel = [r for r in rows if r["pass"] == name]
         worst = max(sel, key=lambda r: r["per_div"])
-        total = sum(r["ops"] for r in sel) / max(1, sum(max(1, r["divisions"]) for r in sel))
-        print(f"{name}: executor ops per division, mean {total:.2f}, worst rank {worst['rank']} {worst['per_div']:.2f} "
+        n_div = max(1, sum(max(1, r["divisions"]) for r in sel))
+        total = sum(r["ops"] for r in sel) / n_div
+        dev = sum(r["device_ops"] for r in sel) / n_div
+        print(f"{name}: device ops per division, mean {dev:.2f} (executor {total:.2f} + kernel "
+              f"{dev - total:.2f}); executor ops worst rank {worst['rank']} {worst['per_div']:.2f} "
               f"({worst['ops']} ops over {worst['divisions']} divisions; kernel calls {worst['kernel_calls']}, "
               f"views {worst['views']}, allocations {worst['allocs']})", file=out)
-    if args.device.startswith("cuda"):
+    if args.device.startswith("cuda") and not args.fake:
         print(json.dumps(cuda_launches(plan, args.kernel)), file=out)
     return rows
 
