@@ -10,6 +10,12 @@ teardown must report nothing left: no process group still referenced, no gloo th
 other Python thread. The rank then leaves through the interpreter's ordinary exit, which is
 where a surviving gloo group aborts. Every wait is bounded: the ranks' process-group and
 shutdown timeouts, and the parent's deadline (it kills the ranks when the deadline passes).
+
+The natural ending (no ``torch_dcp.shutdown()``): ranks written as a user's script, whose
+mesh, context and outputs stay in module globals, end with ``dist.destroy_process_group()``
+as PyTorch documents. ``torch_dcp.teardown.release_at_exit`` (registered by the context) must
+leave no gloo thread for the interpreter's finalization, checked by an ``atexit`` handler that
+runs after it, and every rank must exit 0.
 """
 
 from __future__ import annotations
@@ -59,6 +65,19 @@ def test_ranks_exit_0_after_p2p_through_torch_dcp_and_shutdown(tmp_path):
         for rank, (code, out) in enumerate(results):
             assert code == 0, f"round {r} rank {rank}: exit code {code}\n{out}"
             assert "teardown clean" in out, f"round {r} rank {rank}:\n{out}"
+
+
+NATURAL_ROUNDS = 2  # the abort was 1 run in 10 before release_at_exit; each round is WORLD fresh processes
+
+
+def test_ranks_ending_with_destroy_process_group_exit_0(tmp_path):
+    deadline = time.monotonic() + DEADLINE_S
+    for r in range(NATURAL_ROUNDS):
+        run = tmp_path / f"round{r}"
+        run.mkdir()
+        for rank, (code, out) in enumerate(_launch("natural", WORLD, run, deadline)):
+            assert code == 0, f"round {r} rank {rank}: exit code {code}\n{out}"
+            assert "exit clean" in out, f"round {r} rank {rank}:\n{out}"
 
 
 def test_a_rank_late_for_the_teardown_gives_a_bounded_timeout(tmp_path):
@@ -132,6 +151,51 @@ def _teardown_clean(rank: int, left: list[str]) -> None:
     print(f"rank {rank}: teardown clean", flush=True)
 
 
+mesh = ctx = out = None  # the natural ranks' script globals: alive until the interpreter finalizes
+
+
+def _natural_main(rank: int, world: int, tmp: str) -> None:
+    """A user's script: context_parallel forward and backward, checked against the reference,
+    the mesh, context and outputs kept in module globals, ``dist.destroy_process_group()`` at
+    the end and no ``torch_dcp.shutdown()``."""
+    global mesh, ctx, out
+    import atexit
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torch_dcp
+    from reference import random_qkv, reference_with_grads
+    from torch_dcp.teardown import GLOO_THREADS, native_threads
+
+    def exit_check() -> None:  # registered before torch_dcp's release_at_exit, so it runs after it
+        gloo = [n for n in native_threads() if n in GLOO_THREADS]
+        print(f"rank {rank}: exit check: gloo threads {gloo}" if gloo else f"rank {rank}: exit clean", flush=True)
+
+    atexit.register(exit_check)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (world,))
+    batch = torch_dcp.BatchSpec([1, 19, 45, 6, 33], torch_dcp.Causal(), n_heads=4, n_kv_heads=2, head_dim=16,
+                                dtype="float32")
+    q, k, v, go = random_qkv(batch, torch.float32, seed=3)
+    ref = reference_with_grads(batch, q, k, v, go)
+    qb, kb, vb, gb = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, go))
+    with torch_dcp.context_parallel(mesh, buffers=[qb, kb, vb, gb], buffer_seq_dims=[2, 2, 2, 2], batch=batch,
+                                    block_size=8, timeout=30) as ctx:
+        ql, kl, vl = (t.clone().requires_grad_(True) for t in (qb, kb, vb))
+        out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
+        out.backward(gb)
+    idx = torch.from_numpy(ctx.plan.token_indices(rank))
+    for what, got, want in (("out", out, ref[0]), ("dq", ql.grad, ref[1]), ("dk", kl.grad, ref[2])):
+        err = (got.detach()[0].transpose(0, 1).double() - want[idx]).abs().max().item() if len(idx) else 0.0
+        assert err <= 1e-5, f"{what}: error {err:.2e}"
+    dist.destroy_process_group()
+
+
 def _rank_main(mode: str, rank: int, world: int, tmp: str) -> None:
     import torch
     import torch.distributed as dist
@@ -163,4 +227,7 @@ def _rank_main(mode: str, rank: int, world: int, tmp: str) -> None:
 
 
 if __name__ == "__main__":
-    _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    if sys.argv[1] == "natural":
+        _natural_main(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    else:
+        _rank_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -38,7 +38,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import attention_op
+from . import attention_op, teardown
 from .api import plan as make_plan
 from .attention_op import as_dtensor, bind_args, like, local
 from .batch import BatchSpec
@@ -300,6 +300,7 @@ def context_parallel(
                               f"torch_dcp/refusal/{'-'.join(map(str, members))}/{entry}", rank)
     transport = TorchDistributedTransport(group, device=device, timeout=wait_limit, comm_group=comm,
                                           refusals=refusals)
+    teardown.track_transport(transport)  # released at interpreter exit (teardown.release_at_exit)
     executor = make_executor(plan, rank, transport, kernel=kernel, device_plan=device_plan)
     executor.prepare(device)  # the device plan is built (unless given) and uploaded here, not in the first SDPA call
     layers = LayerReplay(executor, recorder) if recorder is not None else None

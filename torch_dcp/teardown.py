@@ -29,7 +29,17 @@ job:
   modules (transform infos, mesh topologies);
 * PyTorch's ``context_parallel`` keeps each SDPA wrapper it installed, with its mesh, in a
   registry after it restores the original function;
-* torch_dcp's own cache of side groups (:mod:`torch_dcp.executor.groups`);
+* on torch 2.11, a reference that nothing can release: its C++ ``OpSchema.__post_init__``
+  (``torch._C._DTensor_OpSchema_post_init``) keeps one reference too many to a tuple of the
+  ``OpStrategy`` arguments of a schema whose op has no ``RuntimeSchemaInfo`` (``aten.detach``,
+  ``aten.alias``; measured: each ``OpSchema(aten.detach.default, (strategy,), {})`` leaves the
+  strategy's reference count one higher after the schema is freed, under 2.11.0 and not under
+  2.13.0). Sharding propagation builds such a schema for every DTensor ``detach`` it
+  propagates, and ``torch.autograd.Function.apply`` detaches the DTensor arguments of
+  ``torch_dcp::attention``; the tuple then keeps the strategy, its ``OpSpec``, the
+  ``DTensorSpec``, the ``DeviceMesh`` and its groups (:func:`_release_stranded_specs`);
+* torch_dcp's own cache of side groups (:mod:`torch_dcp.executor.groups`), and the transports
+  of the contexts it ran (each holds its group);
 * the caller's objects: a ``DeviceMesh``, a model sharded with FSDP, a ``DCPContext`` (its
   executor's transport holds the group), a ``PlanningLoader`` whose ``batch_of`` is bound to
   them, ``P2POp`` objects (``group=None`` is resolved to the default group and stored), or
@@ -45,6 +55,12 @@ back the captured defaults, runs a garbage collection, and then checks what is s
 models, contexts and loaders. What it cannot free is returned, never ignored, so the caller
 can leave the process without the interpreter's teardown (:func:`exit_process`) instead of
 risking it.
+
+A job that ends the way PyTorch documents, with ``dist.destroy_process_group()`` and no
+:func:`shutdown`, is covered by :func:`release_at_exit`: ``torch_dcp.context_parallel``
+registers it with ``atexit`` on its first entry. ``atexit`` handlers run after the main module
+returns and non-daemon threads are joined, and before the interpreter finalizes (CPython's
+``Py_FinalizeEx``), so what it frees is torn down while the interpreter is whole.
 """
 
 from __future__ import annotations
@@ -63,7 +79,7 @@ from typing import Any, NoReturn
 
 from .executor.transport import TransferError, TransferTimeoutError, as_timedelta, is_timeout
 
-__all__ = ["shutdown", "leftovers", "native_threads", "exit_process", "GLOO_THREADS"]
+__all__ = ["shutdown", "release_at_exit", "leftovers", "native_threads", "exit_process", "GLOO_THREADS"]
 
 #: names (Linux ``comm``) of the native threads a gloo process group runs: its worker threads
 #: and its device's event loop; none of them is left once every gloo group has been freed
@@ -197,6 +213,163 @@ def _release_captured(dist: Any) -> int:
     return n
 
 
+def _release_stranded_specs() -> int:
+    """Release what DTensor sharding specs hold when nothing reachable refers to them: only
+    tuples that the garbage collector sees no referrer of do (a C++ reference that is never
+    released, as torch 2.11's ``OpSchema.__post_init__`` leaves one to the arguments of a
+    ``detach`` or ``alias`` schema; module docstring). Such an ``OpStrategy`` has its strategy
+    list emptied, such a ``DTensorSpec`` its mesh dropped; the tuples and the emptied objects
+    stay, the ``OpSpec`` objects, ``DeviceMesh`` and process groups they held are freed. An
+    object that anything the collector sees refers to (a live schema, a cache, a DTensor) is
+    left alone; a spec held only by a strategy released in one round is released in the next.
+    Returns how many objects were released."""
+    total = 0
+    for _ in range(4):
+        n = _release_stranded_round()
+        total += n
+        if not n:
+            break
+    return total
+
+
+def _release_stranded_round() -> int:
+    """One round of :func:`_release_stranded_specs`."""
+    release: dict[type, Any] = {}
+    strategy_type = getattr(sys.modules.get("torch.distributed.tensor._op_schema"), "OpStrategy", None)
+    if strategy_type is not None:
+        release[strategy_type] = lambda x: setattr(x, "strategies", [])
+    spec_type = getattr(sys.modules.get("torch.distributed.tensor._dtensor_spec"), "DTensorSpec", None)
+    if spec_type is not None:  # object.__setattr__: DTensorSpec's own would rehash with mesh=None
+        release[spec_type] = lambda x: object.__setattr__(x, "mesh", None)
+    if not release:
+        return 0  # DTensor never imported: no spec exists
+    gc.collect()
+    tuples = [o for o in gc.get_objects() if type(o) is tuple and any(type(x) in release for x in o)]
+    if not tuples:
+        return 0
+    # one pass over the heap for all of them: a tuple that some tracked object refers to is reachable
+    ids = {id(t) for t in tuples}
+    referred = set()
+    for holder in gc.get_referrers(*tuples):
+        if holder is not tuples:
+            referred.update(id(x) for x in gc.get_referents(holder) if id(x) in ids)
+    stranded = [t for t in tuples if id(t) not in referred]
+    del tuples
+    found = {id(x): x for t in stranded for x in t if type(x) in release}
+    if not found:
+        return 0
+    values = list(found.values())
+    skip = {id(values), id(stranded), id(found), *(id(t) for t in stranded)}
+    held = set()
+    for holder in gc.get_referrers(*values):
+        if id(holder) not in skip:
+            held.update(id(x) for x in gc.get_referents(holder) if id(x) in found)
+    n = 0
+    for key, obj in found.items():
+        if key not in held:
+            release[type(obj)](obj)
+            n += 1
+    return n
+
+
+def _release_destroyed_mesh_groups(dist: Any) -> int:
+    """Drop, from every ``DeviceMesh`` still alive, the process groups that are no longer
+    registered (``destroy_process_group()`` destroyed them): a mesh keeps its groups in
+    ``_pg_registry`` (a dict the garbage collector does not see into), so a mesh the job still
+    holds at exit would keep destroyed groups alive into the interpreter's finalization. A
+    destroyed group cannot be used again, so the mesh loses nothing it could still use; groups
+    still registered are left in place. Returns how many entries were dropped."""
+    mod = sys.modules.get("torch.distributed.device_mesh")
+    mesh_type = getattr(mod, "DeviceMesh", None)
+    if mesh_type is None or not dist.is_available():
+        return 0
+    world = getattr(dist.distributed_c10d, "_world", None)
+    live = {id(pg) for pg in (getattr(world, "pg_map", None) or {})} if dist.is_initialized() else set()
+    n = 0
+    for mesh in [o for o in gc.get_objects() if issubclass(type(o), mesh_type)]:
+        registry = vars(mesh).get("_pg_registry")
+        if type(registry) is not dict:
+            continue
+        for name, pg in list(registry.items()):
+            if isinstance(pg, dist.ProcessGroup) and id(pg) not in live:
+                del registry[name]
+                n += 1
+    return n
+
+
+#: weak references to the transports of the contexts torch_dcp ran (each holds its groups)
+_TRANSPORTS: list[weakref.ref] = []
+_EXIT_REGISTERED = False
+
+
+def track_transport(transport: Any) -> None:
+    """Remember ``transport`` (weakly), so that :func:`release_at_exit` drops its groups, and
+    register :func:`release_at_exit` with ``atexit`` once (``torch_dcp.context_parallel`` calls
+    it on entry)."""
+    global _EXIT_REGISTERED
+    _TRANSPORTS[:] = [r for r in _TRANSPORTS if r() is not None]
+    _TRANSPORTS.append(weakref.ref(transport))
+    if not _EXIT_REGISTERED:
+        atexit.register(release_at_exit)
+        _EXIT_REGISTERED = True
+
+
+def release_at_exit() -> list[str]:
+    """Release, at interpreter exit, what torch_dcp and the torch caches it used keep of
+    process groups that ``dist.destroy_process_group()`` destroyed, so that a job ending the
+    way PyTorch documents exits 0 (module docstring). Registered with ``atexit`` by
+    ``torch_dcp.context_parallel``; it runs while the interpreter is whole. Groups that are
+    still registered stay usable: nothing is destroyed here, and a job that never destroyed
+    its groups keeps them (PyTorch then warns that ``destroy_process_group()`` was not called).
+
+    In order: torch_dcp's waiter thread ended (at most 5 s); torch_dcp's cache of side groups
+    dropped, and its contexts' transports' references to destroyed groups; the DTensor caches
+    and registries of :func:`_clear_torch_caches` cleared; the sharding specs torch 2.11 strands
+    released (:func:`_release_stranded_specs`); destroyed groups dropped from the meshes
+    still alive (:func:`_release_destroyed_mesh_groups`) and from function defaults; then
+    garbage collections, which free the destroyed groups and join their threads now.
+
+    Returns:
+        :func:`leftovers` of the groups its transports held (empty when nothing is left).
+        Inside an active ``torch_dcp.context_parallel`` it does nothing and returns ``[]``.
+    """
+    from . import attention_op, context
+    from .executor import groups, transport
+
+    if context._active is not None or attention_op._executor is not None:
+        return []
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return []
+    world = getattr(dist.distributed_c10d, "_world", None)
+    live = {id(pg) for pg in (getattr(world, "pg_map", None) or {})} if dist.is_initialized() else set()
+    refs = []
+    for ref in _TRANSPORTS:
+        t = ref()
+        if t is None:
+            continue
+        for attr in ("group", "comm_group"):
+            pg = getattr(t, attr, None)
+            if isinstance(pg, dist.ProcessGroup):
+                refs.append(weakref.ref(pg))
+                if id(pg) not in live:
+                    setattr(t, attr, None)
+        t = pg = None
+    _TRANSPORTS.clear()
+    transport.stop_waiters()
+    if not dist.is_initialized():
+        groups.forget_groups()  # destroyed with the default group
+    _clear_torch_caches()
+    _release_stranded_specs()
+    _release_destroyed_mesh_groups(dist)
+    _release_captured(dist)
+    for _ in range(3):
+        if not gc.collect():
+            break
+    return leftovers(refs)
+
+
 def shutdown(*, barrier: bool = True, timeout: "float | datetime.timedelta" = 60.0) -> list[str]:
     """Tear down every ``torch.distributed`` process group so that nothing of them is left for
     the interpreter's exit, where a gloo group's C++ teardown can abort (module docstring).
@@ -208,9 +381,10 @@ def shutdown(*, barrier: bool = True, timeout: "float | datetime.timedelta" = 60
     1. with ``barrier=True``, a barrier of all ranks, through the default group's store, waited
        at most ``timeout``: no rank closes its connections while a peer still sends to it
        (pass ``barrier=False`` after a failure, when peers may never arrive);
-    2. torch_dcp's own references dropped (its cache of side groups), and the DTensor caches
+    2. torch_dcp's own references dropped (its cache of side groups), the DTensor caches
        and PyTorch context-parallel records that keep device meshes (and their groups) alive
-       cleared;
+       cleared, and the sharding specs torch 2.11 strands released
+       (:func:`_release_stranded_specs`);
     3. ``torch.distributed.destroy_process_group()`` (every group), function defaults that
        captured a destroyed group given back, and a garbage collection, so the groups' C++
        objects are freed now, while the interpreter is whole, and their threads joined;
@@ -255,11 +429,13 @@ def shutdown(*, barrier: bool = True, timeout: "float | datetime.timedelta" = 60
             failure = _barrier(dist, rank, dist.get_world_size(), td)
         groups.forget_groups()
         _clear_torch_caches()
+        _release_stranded_specs()
         gc.collect()
         dist.destroy_process_group()
     else:
         groups.forget_groups()
         _clear_torch_caches()
+        _release_stranded_specs()
     if dist.is_available():
         _release_captured(dist)
     transport.stop_waiters()  # after the destroy: a waiter left blocked by a peer's refusal is unblocked by it
