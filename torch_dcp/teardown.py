@@ -74,6 +74,7 @@ import os
 import sys
 import threading
 import types
+import warnings
 import weakref
 from typing import Any, NoReturn
 
@@ -334,10 +335,18 @@ def release_at_exit() -> list[str]:
         Inside an active ``torch_dcp.context_parallel`` it does nothing and returns ``[]``.
     """
     from . import attention_op, context
-    from .executor import groups, transport
 
     if context._active is not None or attention_op._executor is not None:
         return []
+    with warnings.catch_warnings():  # the heap walks touch deprecated objects (torch.distributed.reduce_op)
+        warnings.simplefilter("ignore", FutureWarning)
+        return _release_at_exit()
+
+
+def _release_at_exit() -> list[str]:
+    """:func:`release_at_exit`'s work."""
+    from .executor import groups, transport
+
     import torch.distributed as dist
 
     if not dist.is_available():
