@@ -1,7 +1,7 @@
 """Run torchtitan (0.3.0) on CPU with gloo: the CPU shims and the offline assets.
 
 torchtitan targets accelerators. This script is a CPU stand-in for its CUDA assumptions, shared
-by the README's CPU command and by ``tests/test_torchtitan.py``; nothing here is part of the
+by docs/torchtitan.md's CPU command and by ``tests/test_torchtitan.py``; nothing here is part of the
 ``torch_dcp`` package, and nothing in torchtitan's files is changed (the shims patch names in
 memory, in the processes this script starts).
 

@@ -95,7 +95,16 @@ A100 = KernelTable(
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-    """Times of instructions and transfers, in seconds.
+    """Times of instructions and transfers, in seconds (the module docstring has the model).
+
+    An attention launch takes ``FLOPs / throughput(work per launch) + launch_overhead``; a
+    reduction or copy ``bytes / memory_bandwidth``; a transfer ``latency + bytes /
+    bandwidth`` of its link, from the :class:`~torch_dcp.Topology`. Build one with
+    :meth:`a100` (FlashAttention-2 paper's A100-80GB figures, 1.6 TB/s), :meth:`h100`
+    (FlashAttention-3 paper's H100 figures, 3.0 TB/s), :meth:`load` (``"a100"``, ``"h100"``
+    or JSON table paths) or :meth:`from_json` (a table measured with ``python -m
+    torch_dcp.benchmarks kernels table --out my_gpu.json``). Used by :func:`torch_dcp.simulate`
+    and by :func:`torch_dcp.plan` (``cost_model=``) to time candidates.
 
     Attributes:
         kernel: the attention throughput table (the shipped ones: bf16, head_dim 128).
@@ -134,10 +143,14 @@ class CostModel:
 
     @classmethod
     def a100(cls) -> "CostModel":
+        """The A100-80GB model: the FlashAttention-2 paper's throughputs (bf16, head_dim 128),
+        1.6 TB/s of memory bandwidth, 5 µs per launch."""
         return cls(A100, 1.6e12)
 
     @classmethod
     def h100(cls) -> "CostModel":
+        """The H100 model: the FlashAttention-3 paper's throughputs (bf16, head_dim 128),
+        3.0 TB/s of memory bandwidth, 5 µs per launch."""
         return cls(H100, 3.0e12)
 
     def attention_seconds(self, pairs: float, flops: float, backward: bool, causal: bool,

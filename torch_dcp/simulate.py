@@ -78,15 +78,36 @@ class SimResult:
 
     @property
     def ratio_to_ideal(self) -> float:
+        """``makespan_s / ideal_s``: the plan's time over the compute floor (1.0 when empty)."""
         return self.makespan_s / self.ideal_s if self.ideal_s > 0 else 1.0
 
 
 def simulate(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None) -> SimResult:
     """Simulate ``plan`` on its topology with ``cost_model`` (default: the A100 table).
 
-    A head-parallel plan runs its all-to-all in, the outer plan (simulated on the groups'
-    topology, :meth:`~torch_dcp.plan.heads.HeadLayout.outer_topology`) and its all-to-all out,
-    one after the other in each pass; every rank of a group has its group's timeline.
+    Every rank's forward and backward programs run as a timeline: each attention launch takes
+    ``FLOPs / throughput + launch_overhead`` seconds (throughput interpolated from the cost
+    model's table by the work per launch), reductions and copies bytes / memory bandwidth,
+    and every message latency + bytes / bandwidth on its link: the sending and receiving
+    rank's NVLink port inside a node, the rank's own network rail between nodes
+    (:class:`~torch_dcp.Topology`); a rank's compute in a division starts when its inputs have
+    arrived (the executor's ``CommWait``). A head-parallel plan runs its all-to-all in, the
+    outer plan (simulated on the groups' topology,
+    :meth:`~torch_dcp.plan.heads.HeadLayout.outer_topology`) and its all-to-all out, one after
+    the other in each pass; every rank of a group has its group's timeline. Ring attention's
+    own step formula, to check the simulated ``ring`` against, is :func:`ring_step_seconds`.
+
+    Args:
+        plan: a :class:`~torch_dcp.Plan` or :class:`~torch_dcp.plan.heads.HeadParallelPlan`
+            (its batch gives the FLOPs and bytes: heads, head_dim, dtype).
+        cost_model: a :class:`~torch_dcp.CostModel` (``CostModel.load("h100")``, or a table
+            measured with ``python -m torch_dcp.benchmarks kernels table``); ``None``: A100.
+
+    Returns:
+        :class:`SimResult`: ``forward`` and ``backward`` :class:`PassResult` (per-rank busy,
+        exposed-communication, idle and finish times, seconds, and each rank's events),
+        ``makespan_s`` (forward + backward makespans, seconds), ``ideal_s`` (the compute
+        floor: all ranks' compute over the world size, seconds) and ``ratio_to_ideal``.
 
     Raises:
         RuntimeError: the programs deadlock (a plan that does not validate).

@@ -233,7 +233,7 @@ TARGETS: list[Target] = [
     Target("CUDA tests passed (run on the GPU, not skipped)", (("tests-cuda", "passed"),), op=">=", bound=1,
            source="the suite, pytest -m cuda"),
     Target("synchronisation tests failing (sync debug mode 'error' in a step)", (("sync", "not_passed"),), op="==",
-           bound=0, source="README: no synchronisation in the step"),
+           bound=0, source="docs/gpu.md: no synchronisation in the step"),
     Target("synchronisation tests passed (kernels flex, reference, auto, varlen[, flash_attn])", (("sync", "passed"),),
            op=">=", bound=4, source="tests/test_executor.py"),
     Target("causal W=1: executor / compiled dense flex", (("step-causal", "exec_over_dense"),), bound=1.15, source=_I12),
@@ -275,7 +275,7 @@ TARGETS: list[Target] = [
            "rel_diff", bound=2e-2, source="the loss curve without CP"),
     Target("torchtitan: last loss, |DCP - none| / none",
            (("torchtitan-dcp", "last_loss"), ("torchtitan-none", "last_loss")), "rel_diff", bound=1e-3,
-           source="README: the loss curve without CP"),
+           source="docs/torchtitan.md: the loss curve without CP"),
     Target("torchtitan: tokens/s, DCP / none", (("torchtitan-dcp", "tokens_per_s"), ("torchtitan-none", "tokens_per_s")),
            "ratio", source="torchtitan debug model"),
 ]
