@@ -3,7 +3,7 @@ kernel benchmarks.
 
 On CPU FlexAttention runs eagerly: the forward, and flex's backward op with ``recompute=False``
 (PyTorch's dense implementations); FlexKernel's default CPU backward recomputes through its dense
-stand-in with the same block mask and mask_mod (see torch_dcp/executor/flex.py). The tests
+stand-in with the same block mask and mask_mod (see torch_dcp/executor/kernels/flex.py). The tests
 marked ``cuda`` run the compiled kernel, forward and backward, and skip without CUDA.
 """
 
