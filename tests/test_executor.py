@@ -13,7 +13,7 @@ import torch
 import torch_dcp
 from torch_dcp.benchmarks.ops import count_ops
 from torch_dcp.executor import DevicePlan, InProcessTransport, Mailbox, RankExecutor, get_kernel
-from torch_dcp.executor.flash_attn import flash_attn_backends
+from torch_dcp.executor.kernels.flash_attn import flash_attn_backends
 from torch_dcp.executor.reduce import merge_partials, reduce_loop
 from torch_dcp.plan import BlockwiseReduction, ReduceOp
 from torch_dcp.workload import Buf

@@ -58,7 +58,7 @@ from torch_dcp import BatchSpec, Topology
 from torch_dcp import masks as M
 from torch_dcp.executor import FlexKernel, emulate
 from torch_dcp.executor.triton_merge import triton_available
-from torch_dcp.executor.varlen import assume_cuda_capability
+from torch_dcp.executor.kernels.varlen import assume_cuda_capability
 
 pytestmark = [
     pytest.mark.fake_cuda,
@@ -157,7 +157,7 @@ def test_flex_traced_by_torch_compile():
     also when recompiled (a second plan: other shapes, dtype and mask)."""
     from torch._dynamo.utils import counters
 
-    import torch_dcp.executor.flex as flex_mod
+    import torch_dcp.executor.kernels.flex as flex_mod
 
     torch._dynamo.reset()  # nothing compiled earlier in this process reused
     graphs, breaks = counters["stats"]["unique_graphs"], collections.Counter(counters["graph_break"])

@@ -14,10 +14,10 @@ import torch
 
 import torch_dcp
 from torch_dcp.executor import AutoKernel, FlashAttnKernel, SDPAKernel, VarlenKernel, get_kernel
-from torch_dcp.executor.flash_attn import (FlashAttnUnavailable, flash_attn_backend, flash_attn_backends,
+from torch_dcp.executor.kernels.flash_attn import (FlashAttnUnavailable, flash_attn_backend, flash_attn_backends,
                                            flash_attn_versions)
 from torch_dcp.executor.kernels import KERNEL_NAMES
-from torch_dcp.executor.varlen import assume_cuda_capability
+from torch_dcp.executor.kernels.varlen import assume_cuda_capability
 from reference import needs_cuda
 from test_exact import BLOCK, _batch
 from test_varlen import _check
@@ -110,7 +110,7 @@ def test_an_old_flash_attention_4_is_refused_with_the_reason():
     arguments (mid-2025 versions) counts as absent, saying to upgrade."""
     from types import SimpleNamespace
 
-    from torch_dcp.executor.flash_attn import _check_fa4
+    from torch_dcp.executor.kernels.flash_attn import _check_fa4
 
     def fwd(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, softmax_scale=None, causal=False, window_size_left=None,
             window_size_right=None):

@@ -3,7 +3,7 @@ kernel benchmarks.
 
 On CPU FlexAttention runs eagerly: the forward, and flex's backward op with ``recompute=False``
 (PyTorch's dense implementations); FlexKernel's default CPU backward recomputes through its dense
-stand-in with the same block mask and mask_mod (see torch_dcp/executor/flex.py). The tests
+stand-in with the same block mask and mask_mod (see torch_dcp/executor/kernels/flex.py). The tests
 marked ``cuda`` run the compiled kernel, forward and backward, and skip without CUDA.
 """
 
@@ -21,7 +21,7 @@ from torch_dcp.benchmarks.cli import main as bench_main
 from torch_dcp.benchmarks.kernels import bench_reduce
 from torch_dcp.executor import get_kernel
 from torch_dcp.executor.division import build_division
-from torch_dcp.executor.flex import FlexKernel, division_tiles
+from torch_dcp.executor.kernels.flex import FlexKernel, division_tiles
 from torch_dcp.executor.kernels import AutoKernel, SDPAKernel
 from torch_dcp.plan import BlockwiseAttention
 from reference import needs_cuda, random_qkv, reference_with_grads
@@ -177,7 +177,7 @@ def test_cpu_backward_stand_in_matches_flex_forward():
 def test_flex_backward_without_recompute_exact(mask_name):
     # flex's backward op with the final LSE, nothing recomputed (the CUDA default; on CPU the
     # recomputing backward is the default, exact in every case above)
-    import torch_dcp.executor.flex as flex_mod
+    import torch_dcp.executor.kernels.flex as flex_mod
 
     heads = "gqa8/2-d32" if len(mask_name) % 2 else "mha4-d32"
     batch = _batch(mask_name, heads)
@@ -190,7 +190,7 @@ def test_flex_backward_op_traces_under_torch_compile(monkeypatch):
     # the CUDA path compiles the forward and the backward op; inductor has no CPU lowering of
     # flex's backward, so dynamo and AOTAutograd trace both here (backend "aot_eager"): the call,
     # its score-mod graphs and block mask go through torch.compile as they do on CUDA
-    import torch_dcp.executor.flex as flex_mod
+    import torch_dcp.executor.kernels.flex as flex_mod
 
     monkeypatch.setattr(flex_mod, "_DIRECT_BACKWARD", {})
     monkeypatch.setitem(flex_mod._COMPILED, "flex", torch.compile(flex_mod.flex_attention, backend="aot_eager"))
@@ -218,7 +218,7 @@ def test_compiled_flex_keeps_its_variants_past_a_low_global_recompile_limit(monk
     # several masks in one process: flex then ran uncompiled (dense scores, a host synchronisation
     # caught by sync debug mode). Here the process limit is 1 and hitting it fails loudly: the
     # kernel's own limit must let both masks compile
-    import torch_dcp.executor.flex as flex_mod
+    import torch_dcp.executor.kernels.flex as flex_mod
 
     monkeypatch.setattr(flex_mod, "_COMPILED", {})
     with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
@@ -226,7 +226,7 @@ def test_compiled_flex_keeps_its_variants_past_a_low_global_recompile_limit(monk
 
 
 def test_compiled_flex_past_its_recompile_limit_stops_with_the_setting_to_raise(monkeypatch):
-    import torch_dcp.executor.flex as flex_mod
+    import torch_dcp.executor.kernels.flex as flex_mod
 
     monkeypatch.setattr(flex_mod, "_COMPILED", {})
     monkeypatch.setattr(flex_mod, "RECOMPILE_LIMIT", 1)
@@ -237,7 +237,7 @@ def test_compiled_flex_past_its_recompile_limit_stops_with_the_setting_to_raise(
 
 
 def test_flex_backward_falls_back_once_when_the_op_fails(monkeypatch):
-    import torch_dcp.executor.flex as flex_mod
+    import torch_dcp.executor.kernels.flex as flex_mod
 
     def broken(*args, **kwargs):
         raise TypeError("flex_attention_backward() takes 13 positional arguments")
@@ -355,7 +355,7 @@ def test_flex_cuda_compiled_bf16(mask_name):
     for a, b in zip(got, ref):
         assert a.dtype == torch.bfloat16 and a.is_cuda
         assert (a.cpu().double() - b).abs().max().item() <= 3e-2 * max(1.0, b.abs().max().item())
-    import torch_dcp.executor.flex as flex_mod
+    import torch_dcp.executor.kernels.flex as flex_mod
 
     assert flex_mod._DIRECT_BACKWARD.get("cuda") is True  # flex's backward op, compiled: nothing recomputed
 

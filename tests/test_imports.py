@@ -31,18 +31,27 @@ def _core_files() -> list[Path]:
     return [p for p in sorted(ROOT.rglob("*.py")) if core(p)]
 
 
-def _imported(path: Path) -> set[str]:
-    """Absolute names of the modules (and ``from`` targets) a file imports."""
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """Every import statement of a file, function-level ones included, as ``(module, names)``:
+    the absolute module name and, for ``from module import a, b``, ``[a, b]`` (else ``[]``)."""
     package = ["torch_dcp", *path.relative_to(ROOT).parent.parts]
-    names = set()
+    found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
+            found += [(a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = package[: len(package) - node.level + 1] if node.level else []
-            mod = ".".join(base + ([node.module] if node.module else []))
-            names |= {mod} | {f"{mod}.{a.name}" for a in node.names}
-    return names
+            found.append((".".join(base + ([node.module] if node.module else [])), [a.name for a in node.names]))
+    return found
+
+
+def _imported(path: Path) -> set[str]:
+    """Absolute names of the modules (and ``from`` targets) a file imports."""
+    return {n for mod, names in _imports(path) for n in [mod, *(f"{mod}.{a}" for a in names)]}
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(["torch_dcp", *path.relative_to(ROOT).with_suffix("").parts]).removesuffix(".__init__")
 
 
 def test_core_sources_import_no_benchmark_code():
@@ -58,8 +67,7 @@ def test_core_sources_import_no_benchmark_code():
 
 
 def test_importing_the_core_loads_no_benchmark_module():
-    modules = [".".join(["torch_dcp", *p.relative_to(ROOT).with_suffix("").parts]).removesuffix(".__init__")
-               for p in _core_files()]
+    modules = [_module_name(p) for p in _core_files()]
     code = (
         "import importlib, json, sys\n"
         "import torch_dcp, torch_dcp.executor, torch_dcp.planners, torch_dcp.data\n"
@@ -76,3 +84,53 @@ def test_importing_the_core_loads_no_benchmark_module():
     assert "torch_dcp.integrations" in loaded  # the package's own __init__, importing no framework
     assert not [m for m in loaded if m.split(".")[0] in ("torchtitan", "transformers")
                 or m in ("torch_dcp.integrations.torchtitan", "torch_dcp.integrations.hf")]
+
+
+def _import_graph(folder: Path) -> dict[str, set[str]]:
+    """module -> the modules of ``folder`` it imports by name (module-level and function-level
+    imports alike; ``from package import submodule`` counts as the submodule). The parent
+    packages Python runs before a submodule are not counted: only the imports written."""
+    modules = {_module_name(p): p for p in sorted(folder.rglob("*.py"))}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for mod, names in _imports(path):
+            subs = {f"{mod}.{a}" for a in names} & modules.keys()
+            targets |= subs or ({mod} & modules.keys())
+        graph[name] = targets - {name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (``[a, b, ..., a]``), or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_executor_modules_import_no_circle_and_no_kernel_imports_the_registry():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    graph = _import_graph(ROOT / "executor")
+    registry = "torch_dcp.executor.kernels"
+    kernels = sorted(m for m in graph if m.startswith(registry + "."))
+    assert {f"{registry}.{k}" for k in ("base", "sdpa", "flex", "varlen", "flash_attn")} <= set(kernels)
+    assert f"{registry}.flex" in graph[registry] and f"{registry}.varlen" in graph[f"{registry}.flash_attn"]
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+    assert not [m for m in kernels if registry in graph[m]]
+    assert "torch_dcp.executor.make" not in graph["torch_dcp.executor.executor"]

@@ -14,7 +14,7 @@ import torch
 import torch_dcp
 from torch_dcp import BatchSpec, Causal, Lambda
 from torch_dcp.executor import AutoKernel, ReferenceKernel, VarlenKernel, build_division, get_kernel
-from torch_dcp.executor.varlen import _calls, _coalesce, _fit, _seqlen_bounds, _window_mask, flash_window, plan_segments
+from torch_dcp.executor.kernels.varlen import _calls, _coalesce, _fit, _seqlen_bounds, _window_mask, flash_window, plan_segments
 from torch_dcp.plan import BlockwiseAttention
 from reference import needs_cuda, random_qkv, reference_with_grads
 from test_exact import BLOCK, MASKS, _batch

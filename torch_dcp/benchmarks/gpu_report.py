@@ -363,7 +363,7 @@ def machine() -> dict[str, Any]:
                             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     import torch
 
-    from ..executor.flash_attn import flash_attn_versions
+    from ..executor.kernels.flash_attn import flash_attn_versions
 
     info.update(torch=torch.__version__, cuda_build=torch.version.cuda, cuda=torch.cuda.is_available())
     if info["cuda"]:

@@ -286,7 +286,7 @@ def bench_division(doc_lens: list[int], block: int = 1024, heads: int = 8, kv_he
         ValueError: ``flex_recompute`` with a kernel other than ``"flex"``.
     """
     import torch_dcp
-    from torch_dcp.executor.flex import FlexKernel
+    from torch_dcp.executor.kernels.flex import FlexKernel
     from torch_dcp.masks import Causal
 
     if flex_recompute:

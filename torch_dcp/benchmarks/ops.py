@@ -164,7 +164,7 @@ def count_ops(plan: torch_dcp.Plan, device: str = "cpu", kernel: str | None = No
         if device.startswith("cuda") and torch.version.cuda is None:
             raise RuntimeError("ops --fake --device cuda needs a CUDA build of torch (no GPU needed); this one is "
                                f"{torch.__version__}")
-        from torch_dcp.executor.varlen import assume_cuda_capability
+        from torch_dcp.executor.kernels.varlen import assume_cuda_capability
 
         device = "cuda:0" if device == "cuda" else device  # no driver to ask for the current device
         with ExitStack() as stack:

@@ -2,14 +2,13 @@
 
 from .device_plan import DevicePlan
 from .division import Division, build_division
-from .executor import InstructionTime, RankExecutor, dcp_attention, emulate
-from .flash_attn import FlashAttnKernel
-from .flex import FlexKernel
+from .emulate import emulate
+from .executor import InstructionTime, RankExecutor, dcp_attention
 from .heads import HeadParallelExecutor
+from .kernels import (AutoKernel, DivisionKernel, FlashAttnKernel, FlexKernel, GroupKernel, KernelLayout, ReferenceKernel,
+                      SDPAKernel, VarlenKernel, get_kernel)
 from .make import EXECUTORS, make_executor
-from .kernels import AutoKernel, DivisionKernel, GroupKernel, KernelLayout, ReferenceKernel, SDPAKernel, get_kernel
 from .reduce import merge_partials, reduce_loop
-from .varlen import VarlenKernel
 from .transport import (InProcessTransport, Mailbox, PeerRefusedError, RefusalChannel, TorchDistributedTransport,
                         TransferError, TransferTimeoutError, Transport)
 

@@ -37,7 +37,7 @@ from ..workload import Buf, spans_to_indices
 from .division import build_division
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .kernels import DivisionKernel
+    from .kernels.base import DivisionKernel
 
 __all__ = ["DevicePlan", "PassPlan", "Rows", "host_to_device"]
 

@@ -24,15 +24,14 @@ from typing import Any, Generator, NamedTuple
 
 import torch
 
-from .._interleave import interleave
 from ..plan import Plan
 from ..workload import Buf
 from .device_plan import AttentionStep, CopyStep, DevicePlan, LaunchStep, ReductionStep, UploadedPlan, WaitStep
 from .kernels import DivisionKernel, get_kernel
 from .reduce import add_rows, merge_partials, put_rows, take_rows
-from .transport import InProcessTransport, Mailbox, TransferError, Transport
+from .transport import TransferError, Transport
 
-__all__ = ["RankExecutor", "InstructionTime", "dcp_attention", "emulate"]
+__all__ = ["RankExecutor", "InstructionTime", "dcp_attention"]
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
@@ -513,57 +512,3 @@ def dcp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, executor: R
         ``out: [S_local, H, D]``. Its backward returns complete local dQ, dK, dV.
     """
     return _DCPAttention.apply(q, k, v, executor)
-
-
-def emulate(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor | None = None,
-            kernel: str | DivisionKernel | None = None, scale: float | None = None, timings: bool = False) -> Any:
-    """Run every rank of ``plan`` in this process on the in-process transport.
-
-    Args:
-        q: ``[T, H, D]``, k, v: ``[T, H_kv, D]``: the whole batch in global token order
-            (``T = plan.batch.total_tokens``), dtype the plan's.
-        grad_out: ``[T, H, D]`` gradient of the output, for a backward pass too.
-        kernel, scale: as for :class:`RankExecutor`.
-        timings: also measure every rank's compute (the ranks run one after another on one
-            device, so each instruction's time is that rank's own).
-
-    Returns:
-        ``out: [T, H, D]`` when ``grad_out`` is None, else ``(out, dq, dk, dv)``, all in
-        global token order. With ``timings=True``: ``(that, times)`` where ``times`` maps each
-        rank to its list of :class:`InstructionTime` ``(division, kind, seconds, backward)``,
-        forward program first, in program order.
-
-    Raises:
-        ValueError: shapes or dtypes that do not match the plan's batch.
-        RuntimeError: the plan deadlocks (a rank waits for a message nobody sends).
-    """
-    b = plan.batch
-    T = b.total_tokens
-    for name, t, heads in (("q", q, b.n_heads), ("k", k, b.n_kv_heads), ("v", v, b.n_kv_heads)) + (
-            (("grad_out", grad_out, b.n_heads),) if grad_out is not None else ()):
-        if tuple(t.shape) != (T, heads, b.head_dim):
-            raise ValueError(f"emulate: {name} must be [{T}, {heads}, {b.head_dim}] (total tokens, heads, head_dim), got {list(t.shape)}")
-    mailbox = Mailbox()
-    ranks = range(plan.world_size)
-    idx = [torch.from_numpy(plan.token_indices(r)).to(q.device) for r in ranks]
-    kern = get_kernel(kernel, device=q.device, dtype=q.dtype, head_dim=q.shape[-1])  # one kernel instance (and its caches) for all ranks
-    from .make import make_executor  # the executor of the plan's type (head-parallel plans too)
-
-    execs = [make_executor(plan, r, InProcessTransport(mailbox, r), kernel=kern, scale=scale, timings=timings)
-             for r in ranks]
-    local = [(q[i], k[i], v[i]) for i in idx]
-    # as the torch_dcp::attention op runs them: the forward keeps what the backward needs
-    fwd = interleave([e.forward_steps(*x, keep=True) for e, x in zip(execs, local)], lambda: mailbox.events)
-    out = torch.empty_like(q)
-    for i, (o, _, _) in zip(idx, fwd):
-        out[i] = o
-    if grad_out is None:
-        return (out, {r: e.timings for r, e in zip(ranks, execs)}) if timings else out
-    bwd = interleave([e.backward_steps(*x, o, lse, grad_out[i], None, st)
-                      for e, x, (o, lse, st), i in zip(execs, local, fwd, idx)], lambda: mailbox.events)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for i, (a, bk, c) in zip(idx, bwd):
-        dq[i], dk[i], dv[i] = a, bk, c
-    if timings:
-        return (out, dq, dk, dv), {r: e.timings for r, e in zip(ranks, execs)}
-    return out, dq, dk, dv

@@ -31,7 +31,7 @@ when the device plan is built, or says it cannot:
 ``aten._flash_attention_forward`` / ``aten._flash_attention_backward`` (GQA native, the LSE
 returned, no forward recomputation in the backward: the flash backward takes the final LSE and
 ``O' = dO * delta / |dO|^2``, whose ``rowsum(dO * O')`` is the ``delta`` the executor has); on
-other devices or dtypes segment by segment with :class:`~torch_dcp.executor.kernels.ReferenceKernel`
+other devices or dtypes segment by segment with :class:`~torch_dcp.executor.kernels.base.ReferenceKernel`
 under the same window semantics (exact; for tests).
 """
 
@@ -45,10 +45,10 @@ from typing import Any, Iterator, NamedTuple
 import numpy as np
 import torch
 
-from ..plan import ReduceOp
-from .division import Division
-from .kernels import KernelLayout, ReferenceKernel, out_with_delta
-from .reduce import add_rows, merge_partials, put_rows, take_rows
+from ...plan import ReduceOp
+from ..division import Division
+from .base import KernelLayout, ReferenceKernel, out_with_delta
+from ..reduce import add_rows, merge_partials, put_rows, take_rows
 
 __all__ = ["Segment", "plan_segments", "VarlenKernel", "flash_varlen_available", "cuda_capability",
            "assume_cuda_capability"]
@@ -366,7 +366,7 @@ def _window_mask(lq: int, lk: int, wl: int, wr: int, max_k: int, device) -> torc
 
 class VarlenKernel:
     """A division as a few varlen flash-attention calls (module docstring); the division
-    protocol of :class:`~torch_dcp.executor.kernels.DivisionKernel`.
+    protocol of :class:`~torch_dcp.executor.kernels.base.DivisionKernel`.
 
     Args:
         max_calls: most varlen calls (distinct windows) per division; a division needing more

@@ -30,7 +30,7 @@ that see no key).
 Backward (exact gradients of the *global* attention), without recomputing the forward: flex's
 own backward (the ``flex_attention_backward`` higher-order op, compiled on CUDA to its Triton
 kernel) is called with the final LSE and ``O' = dO * delta / |dO|^2`` in place of the output
-(:func:`~torch_dcp.executor.kernels.out_with_delta`; ``delta = rowsum(dO * O)`` of the final
+(:func:`~torch_dcp.executor.kernels.base.out_with_delta`; ``delta = rowsum(dO * O)`` of the final
 output, which never travels): its softmax ``exp(S - LSE)`` is then the global one restricted to the
 division's pairs and its ``rowsum(dO * O')`` the global ``delta``, so ``dS = P * (dO V^T - delta)``
 is the FlashAttention-2 backward (Dao, 2023, Algorithm 2) of the global attention, as ring
@@ -90,9 +90,9 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ..masks import BlockwiseCausal, Causal, Full, Lambda
-from .division import Division
-from .kernels import KernelLayout, out_with_delta
+from ...masks import BlockwiseCausal, Causal, Full, Lambda
+from ..division import Division
+from .base import KernelLayout, out_with_delta
 
 __all__ = ["FlexKernel", "flex_available"]
 
@@ -397,7 +397,7 @@ class _FlexMeta:
 
 class FlexKernel:
     """FlexAttention over whole divisions (see the module docstring); the division protocol of
-    :class:`~torch_dcp.executor.kernels.DivisionKernel`.
+    :class:`~torch_dcp.executor.kernels.base.DivisionKernel`.
 
     Args:
         block_size: flex tile size in rows (``BLOCK_SIZE`` of the ``BlockMask``; default 128).

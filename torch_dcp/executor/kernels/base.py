@@ -1,4 +1,5 @@
-"""Attention kernels: the division protocol and the per-group kernels.
+"""Attention kernels: the division protocol, and the per-group kernels every other kernel can
+fall back on.
 
 Every kernel runs a whole ``BlockwiseAttention`` instruction (a *division*) per call, on
 *packed* inputs the executor gathers for it: the division's query rows one after another
@@ -16,8 +17,10 @@ key/value head ``h // (H / H_kv)``. Rows that see no key get output 0 and LSE ``
 gradient.
 
 :class:`GroupKernel` implements the protocol with one call per group of tiles sharing a query
-block (:class:`ReferenceKernel`, :class:`SDPAKernel`); :class:`~torch_dcp.executor.flex.FlexKernel`
-runs a division in one FlexAttention launch.
+block (:class:`ReferenceKernel`, :class:`~torch_dcp.executor.kernels.sdpa.SDPAKernel`);
+:class:`~torch_dcp.executor.kernels.flex.FlexKernel` runs a division in one FlexAttention launch.
+The kernels by name are in the registry, :mod:`torch_dcp.executor.kernels`, which no kernel
+module imports.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from .division import Division
+from ..division import Division
 
-__all__ = ["KernelLayout", "DivisionKernel", "GroupKernel", "ReferenceKernel", "SDPAKernel", "AutoKernel", "get_kernel", "KERNEL_NAMES", "out_with_delta"]
+__all__ = ["KernelLayout", "DivisionKernel", "GroupKernel", "ReferenceKernel", "out_with_delta"]
 
 
 class KernelLayout(NamedTuple):
@@ -246,187 +249,3 @@ class ReferenceKernel(GroupKernel):
         dq = torch.einsum("hgqk,khd->qhgd", ds, k.to(acc_dtype)).reshape(nq, h, d) * scale
         dk = torch.einsum("hgqk,qhgd->khd", ds, qg) * scale
         return dq, dk, dv
-
-
-class SDPAKernel(GroupKernel):
-    """PyTorch's fused CPU flash attention (``aten._scaled_dot_product_flash_attention_for_cpu``
-    and its backward), which returns the LSE and takes an additive mask; other devices use
-    :class:`ReferenceKernel` for now.
-
-    Inputs are cast to ``acc_dtype`` so partial outputs keep full precision for the LSE merge.
-    GQA key/value heads are expanded for the call and their gradients summed back.
-
-    The fused backward recomputes ``delta = rowsum(dO * O)`` from the output it is given; the
-    executor has ``delta`` (the final output never travels), so the kernel passes
-    ``O' = dO * delta / |dO|^2`` (``0`` where ``dO = 0``), whose ``rowsum(dO * O')`` is ``delta``.
-    """
-
-    name = "sdpa"
-
-    def __init__(self):
-        self._fallback = ReferenceKernel()
-
-    @staticmethod
-    def _heads_first(t, acc, groups=1):
-        if groups > 1:
-            t = t.repeat_interleave(groups, dim=1)
-        return t.to(acc).transpose(0, 1).unsqueeze(0)
-
-    @staticmethod
-    def _additive(mask, acc):
-        if mask is None:
-            return None
-        return torch.zeros(mask.shape, dtype=acc, device=mask.device).masked_fill(~mask, -math.inf)
-
-    def forward_group(self, q, k, v, mask, scale, acc_dtype):
-        if q.device.type != "cpu":
-            return self._fallback.forward_group(q, k, v, mask, scale, acc_dtype)
-        g = q.shape[1] // k.shape[1]
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            self._heads_first(q, acc_dtype), self._heads_first(k, acc_dtype, g), self._heads_first(v, acc_dtype, g),
-            0.0, False, attn_mask=self._additive(mask, acc_dtype), scale=scale)
-        out = out[0].transpose(0, 1)
-        lse = lse[0].transpose(0, 1).to(acc_dtype)
-        if mask is not None:
-            empty = ~mask.any(dim=1)
-            if bool(empty.any()):
-                lse = lse.masked_fill(empty[:, None], -math.inf)
-                out = out.masked_fill(empty[:, None, None], 0.0)
-        return out, lse
-
-    def backward_group(self, q, k, v, do, lse, delta, mask, scale, acc_dtype):
-        if q.device.type != "cpu":
-            return self._fallback.backward_group(q, k, v, do, lse, delta, mask, scale, acc_dtype)
-        nk, hkv, d = k.shape
-        g = q.shape[1] // hkv
-        do_acc = do.to(acc_dtype)
-        out_like = out_with_delta(do_acc, delta, acc_dtype)
-        lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(acc_dtype)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            self._heads_first(do_acc, acc_dtype), self._heads_first(q, acc_dtype), self._heads_first(k, acc_dtype, g),
-            self._heads_first(v, acc_dtype, g), self._heads_first(out_like, acc_dtype),
-            lse_safe.transpose(0, 1).unsqueeze(0).contiguous(), 0.0, False,
-            attn_mask=self._additive(mask, acc_dtype), scale=scale)
-        dq = dq[0].transpose(0, 1)
-        dk = dk[0].transpose(0, 1).reshape(nk, hkv, g, d).sum(2)
-        dv = dv[0].transpose(0, 1).reshape(nk, hkv, g, d).sum(2)
-        return dq, dk, dv
-
-
-class AutoKernel:
-    """The kernel chosen per division: ``fast`` (the varlen fast path,
-    :class:`~torch_dcp.executor.varlen.VarlenKernel`) where the division's mask is a few flash
-    windows, ``general`` elsewhere. Each division's choice is made once, when the device plan
-    is built.
-
-    Args:
-        general: the kernel for divisions the fast path cannot express (any mask).
-        fast: a kernel with ``try_prepare(div, min_rows) -> KernelLayout | None``, or None
-            (always ``general``): :class:`~torch_dcp.executor.varlen.VarlenKernel` or
-            :class:`~torch_dcp.executor.flash_attn.FlashAttnKernel`.
-        min_rows: the fast path only where its segments average at least this many query rows.
-        name: the kernel's name (``"auto"``; ``"flash_attn"`` for :func:`get_kernel`'s
-            ``"flash_attn"``).
-    """
-
-    def __init__(self, general: DivisionKernel, fast: Any = None, min_rows: int = 32, name: str = "auto"):
-        self.general, self.fast, self.min_rows, self.name = general, fast, int(min_rows), name
-        self._by_name = {k.name: k for k in (general, fast) if k is not None}
-
-    def prepare(self, div: Division) -> KernelLayout:
-        layout = self.fast.try_prepare(div, self.min_rows) if self.fast is not None else None
-        kern = self.fast if layout is not None else self.general
-        if layout is None:
-            layout = self.general.prepare(div)
-        return layout._replace(static=(kern.name, layout.static))
-
-    def bind(self, arrays: dict[str, torch.Tensor], static: Any) -> tuple[DivisionKernel, Any]:
-        name, inner = static
-        kern = self._by_name[name]
-        return kern, kern.bind(arrays, inner)
-
-    def forward(self, q, k, v, meta, scale, acc_dtype):
-        kern, inner = meta
-        return kern.forward(q, k, v, inner, scale, acc_dtype)
-
-    def backward(self, q, k, v, do, lse, delta, meta, scale, acc_dtype):
-        kern, inner = meta
-        return kern.backward(q, k, v, do, lse, delta, inner, scale, acc_dtype)
-
-
-def _flex_kernel():
-    from .flex import FlexKernel
-
-    return FlexKernel()
-
-
-def _varlen_kernel():
-    from .varlen import VarlenKernel
-
-    return VarlenKernel()
-
-
-def _general_kernel() -> DivisionKernel:
-    from .flex import flex_available
-
-    return _flex_kernel() if flex_available() else ReferenceKernel()
-
-
-def _flash_attn_kernel() -> AutoKernel:
-    """flash-attn's varlen calls per division, FlexAttention where a division's mask is not a few
-    flash windows (raises :class:`~torch_dcp.executor.flash_attn.FlashAttnUnavailable` without
-    the package)."""
-    from .flash_attn import FlashAttnKernel
-
-    return AutoKernel(_general_kernel(), FlashAttnKernel(), name="flash_attn")
-
-
-_KERNELS = {"reference": ReferenceKernel, "sdpa": SDPAKernel, "flex": _flex_kernel, "varlen": _varlen_kernel,
-            "flash_attn": _flash_attn_kernel}
-
-#: Every kernel name :func:`get_kernel` accepts.
-KERNEL_NAMES: tuple[str, ...] = ("auto", *sorted(_KERNELS))
-
-
-def get_kernel(kernel: "str | DivisionKernel | None", device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None, head_dim: int | None = None) -> DivisionKernel:
-    """A kernel by name, an instance as is, or the automatic choice.
-
-    Names: ``"reference"`` (:class:`ReferenceKernel`), ``"sdpa"`` (:class:`SDPAKernel`),
-    ``"flex"`` (:class:`~torch_dcp.executor.flex.FlexKernel`), ``"varlen"``
-    (:class:`~torch_dcp.executor.varlen.VarlenKernel`; raises at plan time on masks it cannot
-    express), ``"flash_attn"`` (an :class:`AutoKernel` named ``flash_attn``: the varlen calls
-    through the flash-attn package, :class:`~torch_dcp.executor.flash_attn.FlashAttnKernel`,
-    FlexAttention for divisions they cannot express), ``"auto"`` (same as None): on a CUDA
-    ``device``, an :class:`AutoKernel` choosing per division between varlen flash (when
-    ``dtype``/``head_dim`` suit a flash kernel: fp16/bf16, ``head_dim`` a multiple of 8 up to
-    256; through flash-attn where it is installed and suits the GPU, else aten's) and
-    FlexAttention (when this torch has it; else the reference kernel); on CPU, or with no
-    device given, the fused SDPA kernel.
-
-    Raises:
-        ValueError: unknown kernel name.
-        RuntimeError: ``"flex"`` on a torch without FlexAttention;
-            :class:`~torch_dcp.executor.flash_attn.FlashAttnUnavailable` (a ``RuntimeError``):
-            ``"flash_attn"`` without the flash-attn package.
-    """
-    if kernel is None or kernel == "auto":
-        if device is None or torch.device(device).type != "cuda":
-            return SDPAKernel()
-        from .flash_attn import FlashAttnKernel, flash_attn_backend
-        from .varlen import flash_varlen_available
-
-        fast = None
-        if dtype is not None and head_dim is not None:
-            if flash_attn_backend(device, dtype, head_dim) is not None:
-                fast = FlashAttnKernel()
-            elif flash_varlen_available(device, dtype, head_dim):
-                fast = _varlen_kernel()
-        return AutoKernel(_general_kernel(), fast)
-    if isinstance(kernel, str):
-        try:
-            factory = _KERNELS[kernel]
-        except KeyError:
-            raise ValueError(f"unknown kernel {kernel!r}; available: {sorted(_KERNELS) + ['auto']}") from None
-        return factory()
-    return kernel

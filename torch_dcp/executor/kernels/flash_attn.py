@@ -1,7 +1,7 @@
 """``kernel="flash_attn"``: a division's varlen calls through the ``flash-attn`` package family.
 
-The division is cut into flash-window segments exactly as for :class:`~torch_dcp.executor.varlen.VarlenKernel`
-(:func:`~torch_dcp.executor.varlen.plan_segments`: ``cu_seqlens``, causal, sliding windows,
+The division is cut into flash-window segments exactly as for :class:`~torch_dcp.executor.kernels.varlen.VarlenKernel`
+(:func:`~torch_dcp.executor.kernels.varlen.plan_segments`: ``cu_seqlens``, causal, sliding windows,
 GQA native); each call then runs through whichever of these is importable and suits the inputs:
 
 * **FlashAttention-4** (``pip install flash-attn-4``, module ``flash_attn.cute``), first, on
@@ -19,7 +19,7 @@ bf16), int32 ``cu_seqlens`` ``[S + 1]``, the LSE as ``[H, total_q]`` float32. Th
 given the executor's *final* LSE and ``O' = dO * delta / |dO|^2`` in place of the output, whose
 ``rowsum(dO * O')`` is the ``delta`` the flash backward forms (no forward recomputation), as for
 aten's varlen flash. Divisions whose mask is not a few flash windows fall back per division to
-FlexAttention through :class:`~torch_dcp.executor.kernels.AutoKernel`
+FlexAttention through :class:`~torch_dcp.executor.kernels.auto.AutoKernel`
 (``get_kernel("flash_attn")``), which ``get_kernel("auto")`` prefers on CUDA whenever
 :func:`flash_attn_backend` names a backend for the inputs.
 """
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .kernels import out_with_delta
+from .base import out_with_delta
 from .varlen import VarlenKernel, cuda_capability
 
 __all__ = ["FlashAttnKernel", "flash_attn_backends", "flash_attn_backend", "flash_attn_versions",
@@ -129,7 +129,7 @@ def _suits(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int
 def flash_attn_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int,
                        backends: tuple[str, ...] | None = None) -> str | None:
     """The backend that runs these inputs (``"fa4"`` or ``"fa2"``), or None: CUDA (the
-    capability from :func:`~torch_dcp.executor.varlen.cuda_capability`: FA4 on 9.x, and on
+    capability from :func:`~torch_dcp.executor.kernels.varlen.cuda_capability`: FA4 on 9.x, and on
     10.x/11.x for ``head_dim <= 128``; FA2 on 8.0 or newer), fp16/bf16, ``head_dim`` a multiple
     of 8 up to 256, among ``backends`` (default: :func:`flash_attn_backends`)."""
     device = torch.device(device)
@@ -143,8 +143,8 @@ def flash_attn_backend(device: torch.device | str, dtype: torch.dtype, head_dim:
 
 class FlashAttnKernel(VarlenKernel):
     """The varlen fast path's calls through flash-attn (module docstring); the division
-    protocol of :class:`~torch_dcp.executor.kernels.DivisionKernel`, ``try_prepare`` as
-    :class:`~torch_dcp.executor.varlen.VarlenKernel`'s.
+    protocol of :class:`~torch_dcp.executor.kernels.base.DivisionKernel`, ``try_prepare`` as
+    :class:`~torch_dcp.executor.kernels.varlen.VarlenKernel`'s.
 
     Args:
         backend: ``"auto"`` (FA4 where it suits the inputs, else FA2), ``"fa4"`` or ``"fa2"``.
