@@ -8,9 +8,10 @@ counts, per rank and pass, the aten operations the executor dispatches, split in
 
 * ``ops``: operations that do work (a kernel launch on CUDA) outside the attention kernel
   call -- gathers, copies, writes, the merge;
-* ``views`` and ``allocs``: views and ``empty`` allocations (no kernel);
-* ``kernel_calls`` / ``kernel_ops``: the attention kernel's calls and the operations inside
-  them;
+* ``views`` and ``allocs``: views and ``empty`` allocations (no kernel), inside the kernel
+  call too;
+* ``kernel_calls`` / ``kernel_ops``: the attention kernel's calls and the operations that do
+  work inside them;
 * ``transport_ops``: the in-process transport's own copies (the emulated network; a real
   transport posts point-to-point transfers instead).
 
@@ -56,14 +57,14 @@ class _Counter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in _METADATA:
             return func(*args, **(kwargs or {}))
-        if self.where != "executor":
-            cat = f"{self.where}_ops" if self.where == "transport" else "kernel_ops"
+        if self.where == "transport":
+            cat = "transport_ops"
         elif func.is_view or name in ("view", "_unsafe_view", "alias", "as_strided"):
             cat = "views"
         elif name in _ALLOCS:
             cat = "allocs"
         else:
-            cat = "ops"
+            cat = "kernel_ops" if self.where == "kernel" else "ops"
         key = (self.rank, cat)
         self.counts[key] = self.counts.get(key, 0) + 1
         return func(*args, **(kwargs or {}))

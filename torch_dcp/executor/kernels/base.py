@@ -32,6 +32,8 @@ import numpy as np
 import torch
 
 from ..division import Division
+from ..triton_delta import out_with_delta_triton
+from ..triton_merge import triton_available
 
 __all__ = ["KernelLayout", "DivisionKernel", "GroupKernel", "ReferenceKernel", "out_with_delta"]
 
@@ -90,8 +92,12 @@ def out_with_delta(do: torch.Tensor, delta: torch.Tensor, acc_dtype: torch.dtype
     Fused attention backwards take the forward output ``O`` only to form
     ``delta = rowsum(dO * O)`` (FlashAttention-2, Algorithm 2, line 4); the executor has
     ``delta`` (the final output never travels), and ``rowsum(dO * O') = delta``. Shapes:
-    ``do [N, H, D]``, ``delta [N, H]``.
+    ``do [N, H, D]``, ``delta [N, H]``. On CUDA with Triton: one launch
+    (:func:`~torch_dcp.executor.triton_delta.out_with_delta_triton`, the norm in the
+    accumulation precision from ``dO`` itself).
     """
+    if do.device.type == "cuda" and triton_available(do.device):  # one launch (torch_dcp::out_with_delta)
+        return out_with_delta_triton(do, delta, out_dtype or acc_dtype)
     norm = torch.sum(torch.square(do), -1, dtype=acc_dtype)
     ok = norm > 0
     coef = torch.where(ok, delta.to(acc_dtype) / torch.where(ok, norm, torch.ones_like(norm)), torch.zeros_like(norm))
