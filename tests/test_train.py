@@ -51,9 +51,6 @@ def test_dcp_fsdp_matches_single_process(mask, planning, tmp_path):
     assert dcp[-1]["loss"] < dcp[0]["loss"]
 
 
-# 41 s: TP beside DCP is tests/test_tensor_parallel.py's (exact, gloo, 14 s) and trained to parity by
-# tests/test_torchtitan.py's 2 DCP x 2 TP test; this adds the recipe's own parallelize_module and clipping
-@pytest.mark.slow
 def test_tensor_parallel_dcp_matches_tensor_parallel_alone(tmp_path):
     """The main job on 4 gloo ranks as 2 DCP x 2 TP (attention and MLP sharded by heads, each TP
     rank running the step's one plan of its 2 query / 1 KV heads over its DCP sub-group) matches
