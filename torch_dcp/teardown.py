@@ -324,11 +324,13 @@ def release_at_exit() -> list[str]:
     its groups keeps them (PyTorch then warns that ``destroy_process_group()`` was not called).
 
     In order: torch_dcp's waiter thread ended (at most 5 s); torch_dcp's cache of side groups
-    dropped, and its contexts' transports' references to destroyed groups; the DTensor caches
-    and registries of :func:`_clear_torch_caches` cleared; the sharding specs torch 2.11 strands
-    released (:func:`_release_stranded_specs`); destroyed groups dropped from the meshes
-    still alive (:func:`_release_destroyed_mesh_groups`) and from function defaults; then
-    garbage collections, which free the destroyed groups and join their threads now.
+    dropped, and its contexts' transports' references to destroyed groups; then, only where
+    a group or a gloo thread is still alive (not after :func:`shutdown`): the DTensor caches and
+    registries of :func:`_clear_torch_caches` cleared; destroyed groups dropped from the meshes
+    still alive (:func:`_release_destroyed_mesh_groups`) and from function defaults; garbage
+    collections, which free the destroyed groups and join their threads now; and where one is
+    still alive after those, the sharding specs torch 2.11 strands released
+    (:func:`_release_stranded_specs`) and the collections repeated.
 
     Returns:
         :func:`leftovers` of the groups its transports held (empty when nothing is left).
@@ -369,14 +371,33 @@ def _release_at_exit() -> list[str]:
     transport.stop_waiters()
     if not dist.is_initialized():
         groups.forget_groups()  # destroyed with the default group
+    if not leftovers(refs):  # shutdown() ran, or nothing held a group: no heap walk
+        return []
     _clear_torch_caches()
-    _release_stranded_specs()
     _release_destroyed_mesh_groups(dist)
     _release_captured(dist)
-    for _ in range(3):
+    return _collect_then_release_stranded(refs)
+
+
+def _collect(rounds: int = 3) -> None:
+    """Garbage collections until one frees nothing (a collection can free what holds the next
+    cycle: finalizers), at most ``rounds``."""
+    for _ in range(rounds):
         if not gc.collect():
             break
-    return leftovers(refs)
+
+
+def _collect_then_release_stranded(refs: list[weakref.ref]) -> list[str]:
+    """Collect, and only where a group of ``refs`` (or a gloo thread) is still alive after
+    that, release the specs torch 2.11 strands (:func:`_release_stranded_specs`, a walk over
+    the heap: a few tenths of a second) and collect again. Returns :func:`leftovers`."""
+    _collect()
+    left = leftovers(refs)
+    if left:
+        _release_stranded_specs()
+        _collect()
+        left = leftovers(refs)
+    return left
 
 
 def shutdown(*, barrier: bool = True, timeout: "float | datetime.timedelta" = 60.0) -> list[str]:
@@ -392,11 +413,12 @@ def shutdown(*, barrier: bool = True, timeout: "float | datetime.timedelta" = 60
        (pass ``barrier=False`` after a failure, when peers may never arrive);
     2. torch_dcp's own references dropped (its cache of side groups), the DTensor caches
        and PyTorch context-parallel records that keep device meshes (and their groups) alive
-       cleared, and the sharding specs torch 2.11 strands released
-       (:func:`_release_stranded_specs`);
+       cleared;
     3. ``torch.distributed.destroy_process_group()`` (every group), function defaults that
        captured a destroyed group given back, and a garbage collection, so the groups' C++
-       objects are freed now, while the interpreter is whole, and their threads joined;
+       objects are freed now, while the interpreter is whole, and their threads joined; where
+       a group is still alive after that, the sharding specs torch 2.11 strands are released
+       (:func:`_release_stranded_specs`) and the collection repeated;
        torch_dcp's waiter threads (:class:`~torch_dcp.executor.TorchDistributedTransport`)
        ended, within 5 s.
 
@@ -438,20 +460,15 @@ def shutdown(*, barrier: bool = True, timeout: "float | datetime.timedelta" = 60
             failure = _barrier(dist, rank, dist.get_world_size(), td)
         groups.forget_groups()
         _clear_torch_caches()
-        _release_stranded_specs()
         gc.collect()
         dist.destroy_process_group()
     else:
         groups.forget_groups()
         _clear_torch_caches()
-        _release_stranded_specs()
     if dist.is_available():
         _release_captured(dist)
     transport.stop_waiters()  # after the destroy: a waiter left blocked by a peer's refusal is unblocked by it
-    for _ in range(3):  # a collection can free what holds the next cycle (finalizers): until one frees nothing
-        if not gc.collect():
-            break
-    left = leftovers(refs)
+    left = _collect_then_release_stranded(refs)
     if failure is not None:
         raise failure
     return left
