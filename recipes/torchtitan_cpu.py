@@ -291,16 +291,11 @@ def _rank_main(argv: list[str], shims: bool = True) -> None:
     sys.argv = ["torchtitan.train", *argv]
     from torchtitan.train import main as torchtitan_main
 
-    torchtitan_main()  # destroys its process groups when training succeeded (raises otherwise)
-    import torch_dcp
-
-    # the groups torchtitan destroyed may still be alive (held by DTensor's caches and by
-    # defaults captured at import): freed here, while the interpreter is whole
-    left = torch_dcp.shutdown(barrier=False)
-    if left:  # training succeeded: leave with status 0 without the teardown that aborts
-        print(f"after torch_dcp.shutdown(): {'; '.join(left)}; leaving without the interpreter's teardown",
-              file=sys.stderr, flush=True)
-        torch_dcp.teardown.exit_process(0)
+    # torchtitan's own ending: dist.destroy_process_group() when training succeeded (raises
+    # otherwise); what still holds the destroyed groups (DTensor's caches, defaults captured at
+    # import, meshes) is released at interpreter exit by torch_dcp (teardown.release_at_exit,
+    # registered by its first context), while the interpreter is whole: no torch_dcp.shutdown()
+    torchtitan_main()
 
 
 def main(argv: list[str] | None = None) -> int:
