@@ -295,6 +295,12 @@ def _rank_main(argv: list[str], shims: bool = True) -> None:
     # otherwise); what still holds the destroyed groups (DTensor's caches, defaults captured at
     # import, meshes) is released at interpreter exit by torch_dcp (teardown.release_at_exit,
     # registered by its first context), while the interpreter is whole: no torch_dcp.shutdown()
+    if "torch_dcp.integrations.torchtitan" not in argv:  # torchtitan alone (--no-dcp): the same release at exit
+        import atexit
+
+        from torch_dcp.teardown import release_at_exit
+
+        atexit.register(release_at_exit)
     torchtitan_main()
 
 
