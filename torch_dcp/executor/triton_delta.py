@@ -20,11 +20,9 @@ importable), made with :func:`torch.library.triton_op` as ``torch_dcp::merge_lse
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from .triton_merge import _interpret, _is_fake, _plain, tl, triton, triton_available
+from .triton_merge import _plain, launch, tl, triton, triton_available
 
 __all__ = ["out_with_delta_triton", "OP_NAME"]
 
@@ -47,16 +45,6 @@ def _out_with_delta_kernel(do, delta, out, H, sd_r, sd_h, sd_d, sl_r, sl_h, so_r
              mask=hd_ok)
 
 
-_JITTED: dict[bool, Any] = {}
-
-
-def _kernel() -> Any:
-    mode = _interpret()
-    if mode not in _JITTED:
-        _JITTED[mode] = triton.jit(_out_with_delta_kernel)
-    return _JITTED[mode]
-
-
 def _launch(do: torch.Tensor, delta: torch.Tensor, out: torch.Tensor, wrap: bool) -> None:
     n, H, D = do.shape
     if n == 0:
@@ -67,16 +55,7 @@ def _launch(do: torch.Tensor, delta: torch.Tensor, out: torch.Tensor, wrap: bool
     consts = dict(ACC=tl.float64 if do.dtype == torch.float64 else tl.float32, D=int(D), BLOCK_H=block_h,
                   BLOCK_D=block_d, num_warps=max(1, min(8, block_h * block_d // 256)))
     grid = (n, triton.cdiv(H, block_h))
-    kernel = _kernel()
-    if not _interpret():
-        (torch.library.wrap_triton(kernel) if wrap else kernel)[grid](*args, **consts)
-    elif _is_fake(do):
-        return  # the interpreter needs data; a fake launch only marks out written
-    elif type(do) is not torch.Tensor:
-        raise RuntimeError("torch_dcp::out_with_delta cannot be traced while Triton's interpreter is on "
-                           "(TRITON_INTERPRET=1): the interpreter runs on real tensors only")
-    else:
-        kernel[grid](*args, **consts)
+    launch(_out_with_delta_kernel, grid, args, consts, wrap, do, OP_NAME)
 
 
 def _out_with_delta(do: torch.Tensor, delta: torch.Tensor, out: torch.Tensor) -> None:

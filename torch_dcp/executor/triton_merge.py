@@ -121,15 +121,33 @@ def _merge_lse_kernel(src_o, src_lse, dst_o, dst_lse, src_idx, dst_idx, p, src_s
     tl.store(dst_lse + d * dl_r + hs * dl_h, lse.to(dst_lse.dtype.element_ty), mask=h_ok)
 
 
-_JITTED: dict[bool, Any] = {}
+_JITTED: dict[tuple[Any, bool], Any] = {}
 
 
-def _kernel() -> Any:
-    """The kernel, jitted (or wrapped for the interpreter) at first use in each mode."""
-    mode = _interpret()
-    if mode not in _JITTED:
-        _JITTED[mode] = triton.jit(_merge_lse_kernel)
-    return _JITTED[mode]
+def jitted(fn: Any) -> Any:
+    """``fn`` jitted (or wrapped for the interpreter) at first use in each mode."""
+    key = (fn, _interpret())
+    if key not in _JITTED:
+        _JITTED[key] = triton.jit(fn)
+    return _JITTED[key]
+
+
+def launch(fn: Any, grid: tuple, args: tuple, consts: dict, wrap: bool, probe: torch.Tensor, op: str) -> None:
+    """Launch the Triton kernel ``fn`` (jitted by :func:`jitted`): through
+    :func:`torch.library.wrap_triton` where ``wrap`` (an operator's body: fake and traceable),
+    else straight. In Triton's interpreter (CPU tests) it runs on real tensors only: a fake
+    ``probe`` (an argument of the launch) launches nothing (the operator only marks its outputs
+    written), a traced one raises ``RuntimeError`` naming ``op``."""
+    kernel = jitted(fn)
+    if not _interpret():
+        (torch.library.wrap_triton(kernel) if wrap else kernel)[grid](*args, **consts)
+    elif _is_fake(probe):
+        return  # the interpreter needs data; a fake launch only marks the outputs written
+    elif type(probe) is not torch.Tensor:
+        raise RuntimeError(f"{op} cannot be traced while Triton's interpreter is on (TRITON_INTERPRET=1): the "
+                           "interpreter runs on real tensors only")
+    else:
+        kernel[grid](*args, **consts)
 
 
 def _rows(rows: Any, count: int, total: int, name: str, device: torch.device) -> tuple[int, torch.Tensor | None]:
@@ -203,16 +221,7 @@ def _launch(src_o, src_lse, dst_o, dst_lse, src_idx, dst_idx, src_start, dst_sta
                   ACC=tl.float64 if src_o.dtype == torch.float64 else tl.float32, D=int(D),
                   BLOCK_H=block_h, BLOCK_D=block_d, num_warps=max(1, min(8, block_h * block_d // 256)))
     grid = (n, triton.cdiv(H, block_h))
-    kernel = _kernel()
-    if not _interpret():
-        (torch.library.wrap_triton(kernel) if wrap else kernel)[grid](*args, **consts)
-    elif _is_fake(src_o):
-        return  # the interpreter needs data; a fake launch only marks dst_o and dst_lse written
-    elif type(src_o) is not torch.Tensor:
-        raise RuntimeError("torch_dcp::merge_lse cannot be traced while Triton's interpreter is on "
-                           "(TRITON_INTERPRET=1): the interpreter runs on real tensors only")
-    else:
-        kernel[grid](*args, **consts)
+    launch(_merge_lse_kernel, grid, args, consts, wrap, src_o, OP_NAME)
 
 
 if triton is not None:
