@@ -514,9 +514,17 @@ class VarlenKernel:
     def backward(self, q, k, v, do, lse, delta, meta: _VarlenMeta, scale, acc_dtype):
         """``(dq [n_q, H, D], dk [n_k, H_kv, D], dv [n_k, H_kv, D])`` of the division's pairs,
         given the final LSE and ``delta = rowsum(dO * O)`` (packed like ``q``)."""
-        if meta.mode == "single" and len(meta.calls) == 1 and meta.calls[0].k == slice(0, meta.n_k):
+        if meta.mode == "single":  # one call over every query row in order: its dq is the division's
             c = meta.calls[0]
-            return self._call_backward(c, q, k, v, do, lse, delta, meta.rng, scale, acc_dtype)
+            if c.k == slice(0, meta.n_k):
+                return self._call_backward(c, q, k, v, do, lse, delta, meta.rng, scale, acc_dtype)
+            dq, gk, gv = self._call_backward(c, q, take_rows(k, c.k), take_rows(v, c.k), do, lse, delta, meta.rng,
+                                             scale, acc_dtype)
+            dk = torch.zeros(meta.n_k, *k.shape[1:], dtype=acc_dtype, device=q.device)
+            dv = torch.zeros(meta.n_k, *v.shape[1:], dtype=acc_dtype, device=q.device)
+            add_rows(dk, c.k, gk)
+            add_rows(dv, c.k, gv)
+            return dq, dk, dv
         dq = torch.zeros(meta.n_q, *q.shape[1:], dtype=acc_dtype, device=q.device)
         dk = torch.zeros(meta.n_k, *k.shape[1:], dtype=acc_dtype, device=q.device)
         dv = torch.zeros(meta.n_k, *v.shape[1:], dtype=acc_dtype, device=q.device)
