@@ -245,7 +245,7 @@ def test_dcp_trains_with_compiled_blocks(tmp_path):
 
 
 def test_dcp_beside_tensor_parallelism_matches_tp_without_cp(tmp_path):
-    """4 ranks: 2 DCP (FSDP) x 2 TP (torchtitan's TP with sequence parallelism and loss
+    """4 ranks: 2 DCP (FSDP) x 2 TP (torchtitan's TP with its sequence
     parallelism), 3 steps, against torchtitan with the same TP and no CP: every TP rank runs the
     step's plan of its 8 local heads over its DCP sub-group."""
     res = _train(tmp_path, world=4, steps=3, seq_len=256, local_batch=2,
