@@ -46,7 +46,7 @@ from .executor import RankExecutor, TorchDistributedTransport, make_executor
 from .executor.groups import host_group, transfer_group
 from .executor.transport import RefusalChannel, TransferError, TransferTimeoutError, as_timedelta, is_timeout
 from .executor.device_plan import DevicePlan, host_to_device
-from .executor.replay import LayerReplay, Recorder, default_recorder
+from .executor.replay import LayerReplay, Recorder, recorder_for
 from .executor.kernels import DivisionKernel, get_kernel
 from .plan import Plan
 from .topology import Topology
@@ -279,7 +279,7 @@ def context_parallel(
         raise ValueError(f"torch_dcp.context_parallel: the plan is for {plan.world_size} ranks, the mesh has {world}")
     wait_limit = as_timedelta(timeout, "torch_dcp.context_parallel: timeout")
     device = buffers[0].device if buffers else _mesh_device(mesh)
-    recorder = _recorder(replay, device)
+    recorder = recorder_for(replay, device, "torch_dcp.context_parallel")
     _check_same_plan(plan, group, rank, world, wait_limit)
     total = plan.batch.total_tokens
     for i, (b, d) in enumerate(zip(buffers, seq_dims)):
@@ -339,26 +339,6 @@ def context_parallel(
             if orig is not None:
                 b.resize_(orig.shape)
                 b.copy_(orig)
-
-
-def _recorder(replay: "bool | Recorder | None", device: torch.device) -> "Recorder | None":
-    """The recorder of ``context_parallel(..., replay=)`` on ``device`` (``None``: no replay).
-
-    Raises:
-        ValueError: ``replay=True`` without a CUDA device, or a ``replay`` that is neither a
-            bool, ``None`` nor a recorder.
-    """
-    if replay is None or replay is True:
-        recorder = default_recorder(device)
-        if replay is True and recorder is None:
-            raise ValueError(f"torch_dcp.context_parallel: replay=True needs a CUDA device (the step runs on "
-                             f"{device}); pass replay=None or False, or a Recorder")
-        return recorder
-    if replay is False:
-        return None
-    if not callable(getattr(replay, "record", None)):
-        raise ValueError(f"torch_dcp.context_parallel: replay must be None, a bool or a Recorder, got {replay!r}")
-    return replay
 
 
 def _check_same_plan(plan: Plan, group: Any, rank: int, world: int, timeout: datetime.timedelta) -> None:

@@ -35,7 +35,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-__all__ = ["Recorder", "Recording", "EagerRecorder", "CUDAGraphRecorder", "LayerReplay", "default_recorder"]
+__all__ = ["Recorder", "Recording", "EagerRecorder", "CUDAGraphRecorder", "LayerReplay", "default_recorder",
+           "recorder_for"]
 
 Outputs = tuple[torch.Tensor, ...]
 
@@ -130,6 +131,27 @@ def default_recorder(device: torch.device) -> Recorder | None:
     device (one that exists: none under fake CUDA tensors without a driver), none elsewhere
     (on CPU with gloo the host runs every transfer: nothing to record)."""
     return CUDAGraphRecorder() if device.type == "cuda" and torch.cuda.is_available() else None
+
+
+def recorder_for(replay: "bool | Recorder | None", device: torch.device, caller: str) -> Recorder | None:
+    """The recorder of a ``replay=`` option on ``device`` (``None``: no replay): ``None`` or
+    ``True``: :func:`default_recorder`; ``False``: none; a recorder: itself.
+
+    Raises:
+        ValueError: ``replay=True`` without a CUDA device, or a ``replay`` that is neither a
+            bool, ``None`` nor a recorder (named with ``caller``).
+    """
+    if replay is None or replay is True:
+        recorder = default_recorder(device)
+        if replay is True and recorder is None:
+            raise ValueError(f"{caller}: replay=True needs a CUDA device (the step runs on {device}); pass "
+                             "replay=None or False, or a Recorder")
+        return recorder
+    if replay is False:
+        return None
+    if not callable(getattr(replay, "record", None)):
+        raise ValueError(f"{caller}: replay must be None, a bool or a Recorder, got {replay!r}")
+    return replay
 
 
 def _key(kind: str, tensors: Sequence[torch.Tensor | None], scale: float | None) -> tuple:
