@@ -40,6 +40,11 @@ The shims, each with its reason:
    within each packed document) densely and runs SDPA's math kernel with it, forward and
    backward; ``create_block_mask`` runs eagerly instead of compiled (inductor's compile on 2
    cores would dominate the test's time).
+5. pipeline parallelism: torchtitan 0.3.0 hands its pipeline schedule pre-split microbatches as
+   ``step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``, keywords of a later torch
+   (pytorch/pytorch#188500), and fails here ("Expecting 2 arg_mbs but got 1"); the shim runs the
+   same microbatches through ``step()``'s whole-batch form
+   (:func:`torch_dcp.integrations.torchtitan.pipeline_step`, which the DCP trainer runs too).
 """
 
 from __future__ import annotations
@@ -171,7 +176,7 @@ _applied = False
 
 
 def apply_cpu_shims() -> None:
-    """Apply the four CPU shims of this module's docstring (idempotent). Call before anything
+    """Apply the five CPU shims of this module's docstring (idempotent). Call before anything
     imports torchtitan.
 
     Raises:
@@ -230,6 +235,21 @@ def apply_cpu_shims() -> None:
 
     tt_attn._compiled_create_block_mask = create_block_mask
     tt_attn.FlexAttention._compiled_flex_attn = staticmethod(_dense_flex_attention)
+
+    # 5. pipeline steps: torchtitan's pre-split keywords, which this torch's schedules lack, go the whole-batch way
+    import inspect
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    if "arg_mbs" not in inspect.signature(PipelineScheduleSingle.step).parameters:
+        from torchtitan.trainer import Trainer
+
+        from torch_dcp.integrations.torchtitan import pipeline_step
+
+        def pp_forward_backward_step(self, *, input_dict_mbs, label_mbs, global_valid_tokens):
+            return pipeline_step(self, input_dict_mbs, label_mbs, global_valid_tokens)
+
+        Trainer.pp_forward_backward_step = pp_forward_backward_step
     _applied = True
 
 

@@ -36,7 +36,10 @@ BAD_CONFIGS = {  # torchtitan arguments -> what the start-up error must name
     "block_size": (["--dcp.block-size", "0"], "--dcp.block-size"),
     "tp_heads": (["--parallelism.tensor_parallel_degree", "3"], "--parallelism.tensor_parallel_degree 3 does not "
                  "split the model's heads"),
-    "pp": (["--parallelism.pipeline_parallel_degree", "2"], "--parallelism.pipeline_parallel_degree"),
+    "pp_schedule": (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                     "ZBVZeroBubble"], "--parallelism.pipeline_parallel_schedule ZBVZeroBubble"),
+    "ep": (["--parallelism.expert_parallel_degree", "2"], "--parallelism.expert_parallel_degree"),
+    "token_capacity": (["--dcp.token-capacity", "0.5"], "--dcp.token-capacity"),
     "cp": (["--parallelism.context_parallel_degree", "2"], "--parallelism.context_parallel_degree"),
     "kernel": (["--dcp.kernel", "fast"], "--dcp.kernel"),
     "objective": (["--dcp.objective", "speed"], "--dcp.objective"),
@@ -71,7 +74,7 @@ def _record(trainer) -> dict:
     from torch._dynamo.utils import counters
     from torch.distributed.tensor import DTensor
 
-    rec: dict = {"loss": [], "grad_norm": [], "grads": None, "comm_bytes": [], "plan_heads": [], "attention_calls": 0,
+    rec: dict = {"loss": [], "grad_norm": [], "grads": None, "comm_bytes": [], "digests": [], "plan_heads": [], "attention_calls": 0,
                  "compiled_frames": []}
     frames_before = counters["frames"]["ok"]
     log, fwd_bwd = trainer.metrics_processor.log, trainer.forward_backward_step
@@ -106,10 +109,13 @@ def _record(trainer) -> dict:
         def post_dataloading_process(*args, **kwargs):
             out = hook(*args, **kwargs)
             rec["comm_bytes"].append(trainer._dcp_plan.stats()["comm_bytes"])
+            rec["digests"].append(trainer._dcp_plan.digest())
             rec["plan_heads"].append([trainer._dcp_plan.batch.n_heads, trainer._dcp_plan.batch.n_kv_heads])
             return out
 
         trainer.post_dataloading_process = post_dataloading_process
+        if trainer._dcp_pipeline is not None:
+            rec["pipeline"] = trainer._dcp_pipeline
     return rec
 
 
@@ -135,6 +141,8 @@ def _ranks(rank: int, world: int, mesh, tmp: str, runs: dict, bad: dict) -> None
         finally:
             trainer.close()
             torch_dcp.RankExecutor.forward_steps = forward_steps  # _record's count: this run's only
+        pipeline = rec.pop("pipeline", None)
+        rec["contexts"] = None if pipeline is None else pipeline.contexts
         results["runs"][name] = rec
     for name, args in bad.items():
         err = io.StringIO()
@@ -144,15 +152,15 @@ def _ranks(rank: int, world: int, mesh, tmp: str, runs: dict, bad: dict) -> None
                 results["bad"][name] = "accepted"
             except SystemExit:
                 results["bad"][name] = " ".join(re.sub(r"[│╭╮╰╯─]", " ", err.getvalue()).split())
-    if rank == 0:
-        torch.save(results, f"{tmp}/results.pt")
+    torch.save(results, f"{tmp}/results-{rank}.pt")
 
 
 def _train(tmp_path: Path, world: int, steps: int, seq_len: int, local_batch: int, dcp_args: list[str],
            parallel_args: list[str], bad: dict | None = None, ref: bool = True,
-           compile_backend: str | None = None) -> dict:
+           compile_backend: str | None = None, rank: int = 0) -> dict:
     """Train (every run from the same seed and data): ``ref`` (torchtitan without CP; with
-    ``ref``), ``dcp``, and ``dcp_compiled`` (with ``compile_backend``: ``--compile.enable``)."""
+    ``ref``), ``dcp``, and ``dcp_compiled`` (with ``compile_backend``: ``--compile.enable``);
+    ``rank``'s records."""
     sys.path.insert(0, str(RECIPES))
     from torchtitan_cpu import torchtitan_args
 
@@ -170,10 +178,10 @@ def _train(tmp_path: Path, world: int, steps: int, seq_len: int, local_batch: in
         del runs["ref"]
     bad_runs = {k: dcp_head + args for k, (args, _) in (bad or {}).items()}
     run_ranks(functools.partial(_ranks, tmp=str(tmp_path), runs=runs, bad=bad_runs), world, tmp_path, timeout=400)
-    return torch.load(tmp_path / "results.pt")
+    return torch.load(tmp_path / f"results-{rank}.pt")
 
 
-def _check_parity(res: dict, steps: int) -> tuple[float, float]:
+def _check_parity(res: dict, steps: int, attention_calls: int = 6, microbatches: int = 1) -> tuple[float, float]:
     ref, dcp = res["runs"]["ref"], res["runs"]["dcp"]
     assert len(ref["loss"]) == len(dcp["loss"]) == steps
     loss_rel = max(abs(a - b) / abs(b) for a, b in zip(dcp["loss"], ref["loss"]))
@@ -182,9 +190,9 @@ def _check_parity(res: dict, steps: int) -> tuple[float, float]:
     grad_diff = max(float((dcp["grads"][n] - g).abs().max()) for n, g in ref["grads"].items())
     assert grad_diff <= 1e-5, grad_diff
     assert all(float(g.abs().max()) > 0 for g in dcp["grads"].values())
-    assert len(dcp["comm_bytes"]) == steps and sum(dcp["comm_bytes"]) > 0  # documents really were split
-    # one executor forward per layer and step: selective AC saves the attention, never reruns it
-    assert dcp["attention_calls"] == 6 * steps, dcp["attention_calls"]
+    assert len(dcp["comm_bytes"]) == steps * microbatches and sum(dcp["comm_bytes"]) > 0  # documents were split
+    # one executor forward per layer (and microbatch) and step: selective AC saves the attention, never reruns it
+    assert dcp["attention_calls"] == attention_calls * steps, dcp["attention_calls"]
     return loss_rel, grad_diff
 
 
@@ -269,3 +277,39 @@ def test_dcp_beside_tensor_parallelism_with_compiled_blocks(tmp_path):
     res["runs"]["dcp"] = res["runs"]["dcp_compiled"]
     loss_rel, grad_diff = _check_parity(res, 3)
     print(f"2 DCP x 2 TP, compiled: loss rel diff {loss_rel:.2e}, step-1 grad max abs diff {grad_diff:.2e}")
+
+
+def test_dcp_beside_pipeline_parallelism_matches_pp_without_cp(tmp_path):
+    """4 ranks: 2 DCP (FSDP) x 2 PP stages (1F1B, 2 microbatches of one row each), 3 steps,
+    against torchtitan with the same pipeline and no CP, seen from the last stage (rank 2: its
+    losses, its gradients): every microbatch runs its own plan on both stages, padded to the
+    token capacity (1.25 x 256 tokens per rank)."""
+    res = _train(tmp_path, world=4, steps=3, seq_len=256, local_batch=2, rank=2,
+                 dcp_args=["--dcp.planner", "ring", "--dcp.divisions", "2"],
+                 parallel_args=["--parallelism.data_parallel_shard_degree", "2",
+                                "--parallelism.pipeline_parallel_degree", "2",
+                                "--parallelism.pipeline_parallel_schedule", "1F1B",
+                                "--parallelism.pipeline_parallel_microbatch_size", "1"])
+    # the last stage: 3 of the debug model's 6 layers, 2 microbatches per step, each its own plan
+    loss_rel, grad_diff = _check_parity(res, 3, attention_calls=3 * 2, microbatches=2)
+    dcp = res["runs"]["dcp"]
+    assert len(dcp["digests"]) == 3 * 2 and len(set(dcp["digests"])) > 1  # a plan per microbatch, not per step
+    assert dcp["contexts"] == 3 * 2 * 2  # a forward and a backward chunk call per microbatch and step
+    print(f"2 DCP x 2 PP (1F1B): loss rel diff {loss_rel:.2e}, step-1 grad max abs diff {grad_diff:.2e}")
+
+
+# 8 ranks on 2 cores: minutes; the 4-rank tests above run each pair of dimensions
+@pytest.mark.slow
+def test_dcp_beside_tensor_and_pipeline_parallelism_on_8_ranks(tmp_path):
+    """8 ranks: 2 DCP x 2 PP (interleaved 1F1B, 2 stages per rank) x 2 TP, 2 steps, against
+    torchtitan with the same TP and pipeline and no CP, from the last stage's rank 6."""
+    res = _train(tmp_path, world=8, steps=2, seq_len=256, local_batch=4, rank=6,
+                 dcp_args=["--dcp.planner", "ring", "--dcp.divisions", "2"],
+                 parallel_args=["--parallelism.data_parallel_shard_degree", "2",
+                                "--parallelism.tensor_parallel_degree", "2",
+                                "--parallelism.pipeline_parallel_degree", "2",
+                                "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                "--parallelism.pipeline_parallel_microbatch_size", "1"])
+    loss_rel, grad_diff = _check_parity(res, 2, attention_calls=3 * 4, microbatches=4)
+    assert res["runs"]["dcp"]["plan_heads"][0] == [8, 8]
+    print(f"2 DCP x 2 PP x 2 TP: loss rel diff {loss_rel:.2e}, step-1 grad max abs diff {grad_diff:.2e}")

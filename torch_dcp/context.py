@@ -46,6 +46,7 @@ from .executor import RankExecutor, TorchDistributedTransport, make_executor
 from .executor.groups import host_group, transfer_group
 from .executor.transport import RefusalChannel, TransferError, TransferTimeoutError, as_timedelta, is_timeout
 from .executor.device_plan import DevicePlan, host_to_device
+from .executor.padding import PaddedRows
 from .executor.replay import LayerReplay, Recorder, recorder_for
 from .executor.kernels import DivisionKernel, get_kernel
 from .plan import Plan
@@ -89,16 +90,19 @@ class DCPContext:
         mesh: the one-dimensional DCP mesh.
         refusals: the entry's :class:`~torch_dcp.executor.RefusalChannel` (``None``: refusals
             are not posted).
+        rows: the sequence length of every SDPA call: this rank's tokens of the plan, or the
+            context's ``padded_tokens``.
     """
 
     def __init__(self, mesh: Any, plan: Plan, executor: RankExecutor, refusals: RefusalChannel | None = None,
-                 replay: LayerReplay | None = None):
+                 replay: LayerReplay | None = None, rows: int | None = None):
         self.mesh = mesh
         self.plan = plan
         self.rank = executor.rank
         self.executor = executor
         self.refusals = refusals
         self.replay = replay
+        self.rows = plan.local_tokens(self.rank) if rows is None else rows
 
     def refuse(self, reason: str) -> "typing.NoReturn":
         """Refuse the next SDPA call of this step before making it (an integration's own
@@ -162,6 +166,7 @@ def context_parallel(
     device_plan: DevicePlan | None = None,
     head_parallel: int | str | None = None,
     replay: "bool | Recorder | None" = None,
+    padded_tokens: int | None = None,
 ) -> Iterator[DCPContext]:
     """Run the body's ``F.scaled_dot_product_attention`` calls with dynamic context parallelism.
 
@@ -204,6 +209,11 @@ def context_parallel(
             replays it; recordings are freed on exit. ``None`` (default): on for a CUDA
             device (CUDA graphs), off elsewhere; ``False``: off; ``True``: on (a CUDA device
             only); a :class:`~torch_dcp.executor.replay.Recorder`: on, with that recorder.
+        padded_tokens: every SDPA call carries this many tokens (fixed shapes, e.g. pipeline
+            stages: :mod:`torch_dcp.pipeline`): this rank's tokens of the plan first, then
+            padding whose attention outputs and gradients are zero
+            (:class:`~torch_dcp.executor.padding.PaddedRows`); the caller pads its own tensors
+            (no ``buffers``). ``None``: calls carry exactly this rank's tokens.
 
     Inside, the model calls ``F.scaled_dot_product_attention(q, k, v, is_causal=...)`` with
     ``q: [1, H, S_local, D]`` and ``k, v: [1, H_kv, S_local, D]`` (``enable_gqa=True``) or
@@ -220,7 +230,8 @@ def context_parallel(
             divisions out of bounds (see :func:`torch_dcp.plan`), buffers and seq dims
             of different lengths, a buffer whose sequence length is not the batch's, a
             ``no_restore_buffers`` entry that is not a buffer, a plan for another world size,
-            ``replay=True`` without a CUDA device,
+            ``replay=True`` without a CUDA device, ``padded_tokens`` below this rank's tokens of the
+            plan or given with ``buffers``,
             a mesh that is not one-dimensional, a ``device_plan`` for another plan, rank or
             kernel); inside the body, an SDPA call that
             contradicts the plan (an ``attn_mask``, dropout, ``is_causal`` against the mask,
@@ -269,6 +280,9 @@ def context_parallel(
     for b in no_restore:
         if not any(b is x for x in buffers):
             raise ValueError("torch_dcp.context_parallel: no_restore_buffers must be a subset of buffers")
+    if padded_tokens is not None and buffers:
+        raise ValueError("torch_dcp.context_parallel: padded_tokens is for callers that pad their own tensors; "
+                         "give no buffers with it")
     group = _group(mesh)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if plan is None:
@@ -277,6 +291,11 @@ def context_parallel(
                          head_parallel=head_parallel)
     if plan.world_size != world:
         raise ValueError(f"torch_dcp.context_parallel: the plan is for {plan.world_size} ranks, the mesh has {world}")
+    if padded_tokens is not None:  # the same answer on every rank: they hold the same plan
+        most = max(plan.local_tokens(r) for r in range(world))
+        if isinstance(padded_tokens, bool) or not isinstance(padded_tokens, int) or padded_tokens < most:
+            raise ValueError(f"torch_dcp.context_parallel: padded_tokens={padded_tokens!r}, but the plan puts up to "
+                             f"{most} tokens on a rank")
     wait_limit = as_timedelta(timeout, "torch_dcp.context_parallel: timeout")
     device = buffers[0].device if buffers else _mesh_device(mesh)
     recorder = recorder_for(replay, device, "torch_dcp.context_parallel")
@@ -304,7 +323,10 @@ def context_parallel(
     executor = make_executor(plan, rank, transport, kernel=kernel, device_plan=device_plan)
     executor.prepare(device)  # the device plan is built (unless given) and uploaded here, not in the first SDPA call
     layers = LayerReplay(executor, recorder) if recorder is not None else None
-    ctx = DCPContext(mesh, plan, layers if layers is not None else executor, refusals, layers)
+    runner = layers if layers is not None else executor
+    if padded_tokens is not None:
+        runner = PaddedRows(runner, plan.local_tokens(rank), padded_tokens)
+    ctx = DCPContext(mesh, plan, runner, refusals, layers, padded_tokens)
     idx = host_to_device(torch.from_numpy(plan.token_indices(rank)), device)
     originals = [None if any(b is x for x in no_restore) else b.clone() for b in buffers]
     from torch.distributed.tensor import DTensor
@@ -408,7 +430,7 @@ def _check_sdpa_call(ctx: DCPContext | None, query, key, value, attn_mask, dropo
             raise ValueError("torch_dcp: key/value have fewer heads than query; pass enable_gqa=True")
         return
     b = ctx.plan.batch
-    s_local = ctx.plan.local_tokens(ctx.rank)
+    s_local = ctx.rows
     if bool(is_causal) != b.is_causal:
         if is_causal:
             raise ValueError("torch_dcp: SDPA called with is_causal=True, but the batch's mask lets a query see a later "

@@ -61,13 +61,14 @@ does not import this module.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.config_utils import decoder_vocab_size
@@ -78,11 +79,12 @@ from torchtitan.trainer import Trainer
 import torch_dcp
 from torch_dcp.data import PlanningConfig, PlanningLoader, packed_document_lengths
 from torch_dcp.executor.kernels import KERNEL_NAMES
+from torch_dcp.pipeline import MicrobatchPlans
 from torch_dcp.planners import PLANNERS
 from torch_dcp.tensor_parallel import TensorParallelHeads
 
-__all__ = ["DCPConfig", "DCPTrainer", "DCPSelectiveAC", "check_config", "with_dcp", "llama3_debugmodel_dcp",
-           "llama3_8b_dcp"]
+__all__ = ["DCPConfig", "DCPTrainer", "DCPSelectiveAC", "check_config", "check_pipeline", "pipeline_step", "with_dcp",
+           "llama3_debugmodel_dcp", "llama3_8b_dcp", "PIPELINE_SCHEDULES"]
 
 KERNELS = KERNEL_NAMES
 
@@ -130,6 +132,11 @@ class DCPConfig:
     """Layer replay on CUDA: the first layer of a step records the rank's attention device work (a CUDA graph) and
     every other layer replays it; --dcp.no-replay runs every layer eagerly. No effect on CPU."""
 
+    token_capacity: float = 1.25
+    """Pipeline parallelism only: every rank's tokens of a microbatch are padded to this many times the mean
+    (microbatch rows x seq_len), the fixed shape pipeline stages exchange; a plan that puts more on a rank stops
+    the step naming this key."""
+
     def division_count(self) -> int | None:
         """``divisions`` as :func:`torch_dcp.plan` takes it: an integer, or None for its default."""
         return None if str(self.divisions) == "default" else int(self.divisions)
@@ -162,6 +169,8 @@ class DCPConfig:
                              f"{self.head_parallel!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"--dcp.kernel: unknown kernel {self.kernel!r}; choose one of {list(KERNELS)}")
+        if isinstance(self.token_capacity, bool) or not self.token_capacity >= 1.0:
+            raise ValueError(f"--dcp.token-capacity must be a number >= 1, got {self.token_capacity!r}")
         if not self.timeout > 0:
             raise ValueError(f"--dcp.timeout must be a positive number of seconds, got {self.timeout!r}")
 
@@ -175,13 +184,14 @@ def check_config(config: "DCPTrainer.Config") -> None:
     """
     config.dcp.validate()
     par = config.parallelism
-    for key, what in (("pipeline_parallel_degree", "pipeline parallelism"),
-                      ("expert_parallel_degree", "expert parallelism")):
-        degree = getattr(par, key, 1)
-        if degree > 1:
-            raise ValueError(f"--parallelism.{key} {degree}: {what} together with torch_dcp is not supported; set "
-                             "it to 1 (DCP uses the data-parallel dimensions: data_parallel_shard_degree / "
-                             "data_parallel_replicate_degree; tensor parallelism runs beside it)")
+    degree = getattr(par, "expert_parallel_degree", 1)
+    if degree > 1:
+        raise ValueError(f"--parallelism.expert_parallel_degree {degree}: expert parallelism together with torch_dcp "
+                         "is not supported; set it to 1 (DCP uses the data-parallel dimensions: "
+                         "data_parallel_shard_degree / data_parallel_replicate_degree; tensor and pipeline parallelism "
+                         "run beside it)")
+    if par.pipeline_parallel_degree > 1:
+        check_pipeline(par)
     tp = par.tensor_parallel_degree
     if tp > 1 and config.model_spec is not None:
         attn = config.model_spec.model.first_attention
@@ -218,6 +228,38 @@ def check_config(config: "DCPTrainer.Config") -> None:
                                  f"the model has {type(inner).__qualname__}; build the config with with_dcp()")
 
 
+#: pipeline schedules whose chunk calls run one microbatch's forward or backward whole
+PIPELINE_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS")
+
+
+def check_pipeline(par: Any) -> None:
+    """Refuse a pipeline-parallel setting the DCP trainer does not run, naming the key.
+
+    Raises:
+        ValueError: a schedule outside :data:`PIPELINE_SCHEDULES` (the zero-bubble ones split a
+            backward into input and weight passes), a schedule CSV, or a torch whose pipeline
+            schedules' ``step`` has no ``loss_kwargs`` (before 2.13: torchtitan's loss needs the
+            step's global token count).
+    """
+    import inspect
+
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    if par.pipeline_parallel_schedule_csv:
+        raise ValueError("--parallelism.pipeline_parallel_schedule_csv: schedules from a CSV are not supported with "
+                         f"torch_dcp; use one of {list(PIPELINE_SCHEDULES)}")
+    if par.pipeline_parallel_schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"--parallelism.pipeline_parallel_schedule {par.pipeline_parallel_schedule}: torch_dcp runs "
+                         f"the schedules {list(PIPELINE_SCHEDULES)} (each chunk call one microbatch's whole forward or "
+                         "backward)")
+    step = get_schedule_class(par.pipeline_parallel_schedule).step
+    if "loss_kwargs" not in inspect.signature(step).parameters:
+        raise ValueError(f"--parallelism.pipeline_parallel_degree {par.pipeline_parallel_degree}: this torch "
+                         f"({torch.__version__}) has no loss_kwargs in the pipeline schedules' step(), through which "
+                         "torchtitan's loss gets the step's token count; pipeline parallelism with torch_dcp needs "
+                         "torch >= 2.13")
+
+
 class DCPTrainer(Trainer):
     """torchtitan's ``Trainer`` whose attention runs torch_dcp's per-step plans."""
 
@@ -238,12 +280,28 @@ class DCPTrainer(Trainer):
         else:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self.dcp_mesh = init_device_mesh(self.device.type, (1,), mesh_dim_names=("dcp",))
+            # no data parallelism: every rank its own one-rank DCP group (beside TP or PP ranks)
+            self.dcp_mesh = init_device_mesh(self.device.type, (dist.get_world_size(), 1),
+                                             mesh_dim_names=("rest", "dcp"))["dcp"]
         self.dcp_topology = torch_dcp.Topology.from_mesh(self.dcp_mesh)
         attn = config.model_spec.model.first_attention
         # beside tensor parallelism every TP rank runs the step's one plan over its own heads,
         # through its own DCP sub-group (the ranks of its TP index); the plan is made once for all
         self._dcp_tp = (dims.get_mesh("tp").get_local_rank(), dims.tp) if dims.tp_enabled else (0, 1)
+        # every (pipeline stage, TP index) of a DCP rank runs the same plans: one DCP group per
+        # coordinate reads each plan from the store, replica 0's ranks make it
+        pp = (dims.get_mesh("pp").get_local_rank(), dims.pp) if dims.pp_enabled else (0, 1)
+        self._dcp_replica = (pp[0] * self._dcp_tp[1] + self._dcp_tp[0], pp[1] * self._dcp_tp[1])
+        self._dcp_pipeline: MicrobatchPlans | None = None
+        if dims.pp_enabled:  # every microbatch its own plan; stages exchange fixed shapes: pad to a capacity
+            cfg = config.dcp
+            mean = config.parallelism.pipeline_parallel_microbatch_size * config.training.seq_len
+            self._dcp_pipeline = MicrobatchPlans(self.dcp_mesh, math.ceil(cfg.token_capacity * mean),
+                                                 kernel=cfg.kernel, timeout=cfg.timeout,
+                                                 replay=None if cfg.replay else False)
+            stages = getattr(self.pp_schedule, "_stages", None) or [getattr(self.pp_schedule, "_stage")]
+            for stage in stages:
+                self._dcp_pipeline.bind(stage)
         split = TensorParallelHeads(attn.n_heads, attn.n_kv_heads or attn.n_heads, self._dcp_tp[1])
         self._dcp_heads = (split.local_heads, split.local_kv_heads,
                            attn.head_dim or config.model_spec.model.dim // attn.n_heads)
@@ -282,7 +340,7 @@ class DCPTrainer(Trainer):
                                 divisions=cfg.division_count(), options=cfg.planner_options(), validate=cfg.check_plan,
                                 compare=("ring",))
         loader = PlanningLoader(source, config, lookahead=cfg.plan_ahead, workers=cfg.plan_workers, rank=rank,
-                                world_size=world, replica=self._dcp_tp[0], replicas=self._dcp_tp[1],
+                                world_size=world, replica=self._dcp_replica[0], replicas=self._dcp_replica[1],
                                 timeout=cfg.timeout, device=self.device, kernel=cfg.kernel)
         states = getattr(getattr(self, "checkpointer", None), "states", None)
         if isinstance(states, dict) and states.get("dataloader") is self.dataloader:
@@ -347,9 +405,20 @@ class DCPTrainer(Trainer):
         if rank == 0 and self.metrics_processor.should_log(self.step):
             self._log_plan(plan, batch, stats, ring)
         tokens = input_dict["input"]
-        sharded = {"input": g_tokens.flatten()[idx][None].to(tokens.dtype),
-                   "positions": g_positions.flatten()[idx][None]}
-        return super().post_dataloading_process(sharded, g_labels.flatten()[idx][None].to(labels.dtype))
+        local = (g_tokens.flatten()[idx], g_positions.flatten()[idx], g_labels.flatten()[idx])
+        if self._dcp_pipeline is not None:  # the stage's fixed shape: padding with ignored labels
+            self._dcp_pipeline.add(plan, self._dcp_device_plan)
+            self._dcp_device_plan = None
+            pad = self._dcp_pipeline.pad
+            local = (pad(local[0], 0), pad(local[1], 0), pad(local[2], IGNORE_INDEX))
+        sharded = {"input": local[0][None].to(tokens.dtype), "positions": local[1][None]}
+        return super().post_dataloading_process(sharded, local[2][None].to(labels.dtype))
+
+    def pp_forward_backward_step(self, *, input_dict_mbs: list[dict[str, torch.Tensor]],
+                                 label_mbs: list[torch.Tensor], global_valid_tokens: torch.Tensor) -> torch.Tensor:
+        """torchtitan's pipeline step (:func:`pipeline_step`), each microbatch with its plan."""
+        self._dcp_pipeline.clear()
+        return pipeline_step(self, input_dict_mbs, label_mbs, global_valid_tokens)
 
     def _log_plan(self, plan: torch_dcp.Plan, batch: torch_dcp.BatchSpec, s: dict | None = None,
                   ring: dict | None = None) -> None:
@@ -377,6 +446,51 @@ class DCPTrainer(Trainer):
         with torch_dcp.context_parallel(self.dcp_mesh, plan=plan, kernel=cfg.kernel, timeout=cfg.timeout,
                                         device_plan=dp, replay=None if cfg.replay else False):
             return Trainer._forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs)
+
+
+def pipeline_step(trainer: Trainer, input_dict_mbs: list[dict[str, torch.Tensor]], label_mbs: list[torch.Tensor],
+                  global_valid_tokens: torch.Tensor) -> torch.Tensor:
+    """torchtitan's ``pp_forward_backward_step`` through the pipeline schedule's whole-batch ``step()``.
+
+    torchtitan 0.3.0 hands the schedule pre-split microbatches as ``step(arg_mbs=...,
+    kwarg_mbs=..., target_mbs=...)``, keywords that only later torch versions accept
+    (pytorch/pytorch#188500); torch 2.13's ``step()`` takes them for model keywords and fails
+    ("Expecting 2 arg_mbs but got 1"). This runs the same microbatches (each through
+    ``trainer.post_dataloading_process``) as one batch concatenated on the batch dimension, which
+    ``step()`` splits back into the same microbatches, and passes the global token count with
+    ``loss_kwargs``.
+
+    Returns:
+        The sum of the microbatches' losses on the last stage, else ``tensor([-1.0])``.
+
+    Raises:
+        ValueError: a model keyword that is not a tensor (``step()`` splits tensors; the
+            ``attention_masks`` of torchtitan's FlexAttention are rebuilt for the whole batch
+            from its ``positions``, as torchtitan builds them).
+    """
+    args, targets, kwargs = [], [], []
+    for input_dict, labels in zip(input_dict_mbs, label_mbs, strict=True):
+        inputs, labels, extra = trainer.post_dataloading_process(input_dict, labels)
+        args.append(inputs)
+        targets.append(labels)
+        kwargs.append(extra)
+    whole = {}
+    for key, value in kwargs[0].items():
+        if isinstance(value, torch.Tensor):
+            whole[key] = torch.cat([kw[key] for kw in kwargs])
+        elif key != "attention_masks":
+            raise ValueError(f"pipeline_step: model keyword {key!r} is a {type(value).__name__}, not a tensor")
+    if "attention_masks" in kwargs[0]:  # the whole batch's masks, as torchtitan builds a microbatch's
+        whole["attention_masks"] = trainer.model_parts[0].get_attention_masks(positions=whole["positions"])
+    with trainer.train_context():
+        losses: list | None = [] if trainer.pp_has_last_stage else None
+        trainer.pp_schedule.step(*((torch.cat(args),) if trainer.pp_has_first_stage else ()),
+                                 target=torch.cat(targets) if trainer.pp_has_last_stage else None, losses=losses,
+                                 loss_kwargs={"global_valid_tokens": global_valid_tokens}, return_outputs=False,
+                                 **whole)
+    if trainer.pp_has_last_stage:
+        return torch.sum(torch.stack(losses)).to(trainer.device)
+    return torch.tensor([-1.0], device=trainer.device)
 
 
 _PLANNED = "_torch_dcp_planned"  # the input_dict key carrying a PlannedBatch from batch_generator to the hook

@@ -1,0 +1,71 @@
+"""Padded rows: an executor whose calls carry a fixed number of rows, this rank's tokens first.
+
+Pipeline parallelism (``torch.distributed.pipelining``) fixes the shape of the activations a
+stage sends to the next at its first step, but a DCP plan gives a rank a different number of
+tokens in every microbatch. :class:`PaddedRows` lets every SDPA call carry a fixed ``rows``
+(the run's token capacity per rank): the first ``n`` rows are this rank's tokens of the plan
+(``plan.local_tokens(rank)``) and go to the wrapped executor; the rest are padding, whose
+outputs and gradients are zero (so a padding row never reaches a real row, and with its label
+ignored it adds nothing to the loss or to any gradient).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["PaddedRows"]
+
+
+def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t [n, ...]`` followed by zero rows up to ``[rows, ...]``."""
+    out = t.new_zeros((rows, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    return out
+
+
+class PaddedRows:
+    """The executor interface (``forward``, ``forward_keeping``, ``backward``) over calls of
+    ``rows`` rows whose first ``executor``'s local tokens are real (see the module).
+
+    Args:
+        executor: a rank executor (or a :class:`~torch_dcp.executor.replay.LayerReplay`) whose
+            calls take ``tokens`` rows.
+        tokens: this rank's tokens in the plan.
+        rows: rows of every call (``>= tokens``).
+
+    Raises:
+        ValueError: ``rows < tokens``; in a call, inputs without ``rows`` rows.
+    """
+
+    def __init__(self, executor: Any, tokens: int, rows: int):
+        if rows < tokens:
+            raise ValueError(f"padded rows: the plan puts {tokens} tokens on this rank, more than the {rows} rows "
+                             "every call carries (raise the token capacity)")
+        self.executor, self.tokens, self.rows = executor, int(tokens), int(rows)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["executor"], name)
+
+    def _real(self, *tensors: torch.Tensor | None) -> tuple:
+        for t in tensors:
+            if t is not None and t.shape[0] != self.rows:
+                raise ValueError(f"torch_dcp: attention inputs have {t.shape[0]} rows, every call of this context "
+                                 f"carries {self.rows} (this rank's {self.tokens} tokens, then padding)")
+        return tuple(None if t is None else t[: self.tokens] for t in tensors)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
+        """``(out [rows, H, D], lse [rows, H])``, zero on the padding rows."""
+        out, lse = self.executor.forward(*self._real(q, k, v), scale)
+        return _pad(out, self.rows), _pad(lse, self.rows)
+
+    def forward_keeping(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
+        """``(out, lse, state)``: :meth:`forward` and the wrapped executor's state."""
+        out, lse, state = self.executor.forward_keeping(*self._real(q, k, v), scale)
+        return _pad(out, self.rows), _pad(lse, self.rows), state
+
+    def backward(self, q, k, v, out, lse, dout, scale: float | None = None, state: torch.Tensor | None = None):
+        """``(dq, dk, dv)`` over ``rows`` rows, zero on the padding rows."""
+        dq, dk, dv = self.executor.backward(*self._real(q, k, v, out, lse, dout), scale, state)
+        return _pad(dq, self.rows), _pad(dk, self.rows), _pad(dv, self.rows)
