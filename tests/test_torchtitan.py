@@ -298,6 +298,22 @@ def test_dcp_beside_pipeline_parallelism_matches_pp_without_cp(tmp_path):
     print(f"2 DCP x 2 PP (1F1B): loss rel diff {loss_rel:.2e}, step-1 grad max abs diff {grad_diff:.2e}")
 
 
+# the compiled DCP attention is test_dcp_trains_with_compiled_blocks's, PP beside DCP the test above's
+@pytest.mark.slow
+def test_dcp_beside_pipeline_parallelism_with_compiled_blocks(tmp_path):
+    """2 DCP x 2 PP (1F1B) with ``--compile.enable --compile.backend aot_eager``: the same losses
+    and step-1 gradients of the last stage as torchtitan's pipeline without CP."""
+    res = _train(tmp_path, world=4, steps=3, seq_len=256, local_batch=2, rank=2, compile_backend="aot_eager",
+                 dcp_args=["--dcp.planner", "ring", "--dcp.divisions", "2"],
+                 parallel_args=["--parallelism.data_parallel_shard_degree", "2",
+                                "--parallelism.pipeline_parallel_degree", "2",
+                                "--parallelism.pipeline_parallel_schedule", "1F1B",
+                                "--parallelism.pipeline_parallel_microbatch_size", "1"])
+    res["runs"]["dcp"] = res["runs"]["dcp_compiled"]
+    loss_rel, grad_diff = _check_parity(res, 3, attention_calls=3 * 2, microbatches=2)
+    print(f"2 DCP x 2 PP, compiled: loss rel diff {loss_rel:.2e}, step-1 grad max abs diff {grad_diff:.2e}")
+
+
 # 8 ranks on 2 cores: minutes; the 4-rank tests above run each pair of dimensions
 @pytest.mark.slow
 def test_dcp_beside_tensor_and_pipeline_parallelism_on_8_ranks(tmp_path):

@@ -10,7 +10,8 @@ torchtitan's extension point is a config registry module: ``--module M --config 
   and ``llama3_8b`` configs (every torchtitan key still applies) turned into
   :class:`DCPTrainer.Config` with a ``dcp: DCPConfig`` section (``--dcp.planner``,
   ``--dcp.block-size``, ``--dcp.divisions``, ``--dcp.kernel``, ``--dcp.check-plan``,
-  ``--dcp.timeout``, ``--dcp.plan-ahead``, ``--dcp.plan-workers``);
+  ``--dcp.timeout``, ``--dcp.plan-ahead``, ``--dcp.plan-workers``, ``--dcp.token-capacity``,
+  ``--dcp.replay``);
 * :class:`DCPTrainer`, torchtitan's ``Trainer`` with three hooks overridden:
 
   - ``batch_generator``: with ``--dcp.plan-ahead N > 0`` (default 2) torchtitan's microbatches
@@ -42,10 +43,15 @@ activation checkpointing) with torchtitan's own context parallelism off. Beside 
 parallelism (``--parallelism.tensor_parallel_degree``, the DCP paper's §6.2 layout) the DCP
 group is the data-parallel mesh of each TP index: every TP rank runs the step's one plan,
 made for its local heads (:class:`~torch_dcp.tensor_parallel.TensorParallelHeads`) and
-planned once for all TP ranks, through its own DCP sub-group. Refused at start-up, each with a
-message naming the key: pipeline, context and expert parallelism, a tensor-parallel degree that
-does not split the model's heads, the ``spmd_types``/``full_dtensor`` backends, CUDA graphs,
-validation and the chunked loss (see :func:`check_config`).
+planned once for all TP ranks, through its own DCP sub-group. Beside pipeline parallelism
+(``--parallelism.pipeline_parallel_degree``; schedules :data:`PIPELINE_SCHEDULES`) every
+microbatch has its own plan, read by every stage, and each stage's chunk calls run the plan of
+the microbatch they process (:class:`torch_dcp.pipeline.MicrobatchPlans`); every rank's tokens
+are padded to ``--dcp.token-capacity`` times the mean, the fixed shape pipeline stages exchange,
+and the schedule runs through :func:`pipeline_step`. Refused at start-up, each with a message
+naming the key: context and expert parallelism, other pipeline schedules, a tensor-parallel
+degree that does not split the model's heads, the ``spmd_types``/``full_dtensor`` backends,
+CUDA graphs, validation and the chunked loss (see :func:`check_config`).
 
 ``--compile.enable`` works as in torchtitan: each transformer block is compiled (``fullgraph=True``,
 ``--compile.backend``: inductor, aot_eager or eager) and the attention inside it is one opaque
