@@ -34,7 +34,7 @@ def test_in_the_interpreter():
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k",
                           "not test_in_the_interpreter"], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    assert "10 passed" in res.stdout, res.stdout[-500:]
+    assert "14 passed" in res.stdout, res.stdout[-500:]
 
 
 def _case(n: int, h: int, d: int, dtype: torch.dtype, wide: bool = False):
@@ -73,3 +73,44 @@ def test_refuses_without_a_device_or_interpreter(interpret, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match=r"expected do \[N, H, D\] and delta \[N, H\]"):
         out_with_delta_triton(do, delta[:, :1], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_the_same_launch_writes_the_lse_heads_first(interpret, dtype):
+    """``lse=``: ``(O', lse.t())`` from one launch (torch_dcp::out_with_delta_lse), the LSE float32
+    and contiguous heads-first whatever its strides (a field of a gathered row here), -inf kept."""
+    do, delta = _case(7, 3, 16, dtype)
+    g = torch.Generator().manual_seed(5)
+    row = torch.randn(7, 3 + 4, generator=g, dtype=torch.float64)
+    lse = row[:, 2:5]  # strided
+    lse[2, 1] = -float("inf")
+    out, lse_t = out_with_delta_triton(do, delta, dtype, lse=lse)
+    assert torch.equal(out, out_with_delta_triton(do, delta, dtype))
+    assert lse_t.dtype == torch.float32 and lse_t.shape == (3, 7) and lse_t.is_contiguous()
+    assert torch.equal(lse_t, lse.t().float())
+    from torch_dcp.executor.kernels.base import flash_backward_inputs
+
+    o2, l2 = flash_backward_inputs(do, delta, lse, torch.float64 if dtype == torch.float64 else torch.float32, dtype)
+    assert torch.equal(l2, lse_t) and (o2.double() - out.double()).abs().max().item() <= 1e-2
+    with pytest.raises(ValueError, match=r"expected lse \[7, 3\]"):
+        out_with_delta_triton(do, delta, dtype, lse=lse[:, :2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_backward_inputs_match_the_torch_formulas(interpret, dtype):
+    """torch_dcp::flex_backward_inputs: O' as out_with_delta's, the LSE in base 2 heads-first with
+    non-finite rows at 0, and (rowsum(dO * O') - delta) * ln 2 from the rounded O'."""
+    import math
+
+    from torch_dcp.executor.triton_delta import flex_backward_inputs_triton
+
+    do, delta = _case(9, 4, 32, dtype)
+    delta = delta.float()
+    lse = torch.randn(9, 4, generator=torch.Generator().manual_seed(2))
+    lse[3, 2], lse[4, 0] = -math.inf, math.nan
+    out, lse2, glse = flex_backward_inputs_triton(do, delta, lse, dtype)
+    assert torch.equal(out, out_with_delta_triton(do, delta, dtype))
+    want_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).t() / math.log(2)
+    assert lse2.shape == (4, 9) and lse2.is_contiguous() and (lse2 - want_lse).abs().max().item() <= 1e-6
+    want_g = ((do.float() * out.float()).sum(-1) - delta).t() * math.log(2)
+    assert glse.shape == (4, 9) and (glse - want_g).abs().max().item() <= 1e-5 * max(1.0, want_g.abs().max().item())

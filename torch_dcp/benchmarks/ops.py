@@ -29,9 +29,10 @@ is printed too (all ranks, everything included, the emulated network's copies as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -68,6 +69,33 @@ class _Counter(TorchDispatchMode):
         key = (self.rank, cat)
         self.counts[key] = self.counts.get(key, 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _flex_counted(counter: _Counter) -> Iterator[None]:
+    """FlexAttention's compiled forward and backward (:mod:`torch_dcp.executor.kernels.flex`)
+    counted as one kernel launch each, run with the counter popped (Dynamo does not trace a
+    dispatch mode's rules)."""
+    from torch.utils._python_dispatch import _pop_mode_temporarily
+
+    from torch_dcp.executor.kernels import flex
+
+    def counted(inner: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            key = (counter.rank, "kernel_ops" if counter.where == "kernel" else "ops")
+            counter.counts[key] = counter.counts.get(key, 0) + 1
+            with _pop_mode_temporarily():
+                return inner(*args, **kwargs)
+
+        return run
+
+    saved = flex._compiled, flex.flex_attention, flex._backward_op
+    flex._compiled = lambda name, fn, backend: counted(saved[0](name, fn, backend))
+    flex.flex_attention, flex._backward_op = counted(saved[1]), counted(saved[2])  # uncompiled (fake tensors)
+    try:
+        yield
+    finally:
+        flex._compiled, flex.flex_attention, flex._backward_op = saved
 
 
 class _CountedKernel:
@@ -194,11 +222,11 @@ def _count_ops(plan: torch_dcp.Plan, device: str, kernel: str | None, seed: int)
     rows = []
     for attempt in range(2):  # the first call warms up (and compiles, for compiled kernels)
         counter.counts.clear()
-        with counter:
+        with _flex_counted(counter), counter:
             fwd = _drive([e.forward_steps(*x) for e, x in zip(execs, local)], counter, mailbox)
         f_counts = dict(counter.counts)
         counter.counts.clear()
-        with counter:
+        with _flex_counted(counter), counter:
             _drive([e.backward_steps(*x, o, lse, go[i]) for e, x, (o, lse), i in zip(execs, local, fwd, idx)],
                    counter, mailbox)
         b_counts = dict(counter.counts)

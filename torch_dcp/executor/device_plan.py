@@ -232,13 +232,15 @@ class _Builder:
         if d not in self.divisions:
             div = build_division(ins, self.plan.workload)
             layout = self.kernel.prepare(div)
+            # the kernel's own key order composed with the division's rows: one gather
+            kv_rows = div.kv_rows if layout.kv_order is None else div.kv_rows[layout.kv_order]
             q_idx = np.concatenate([div.q_rows, np.full(layout.q_rows - div.n_q, div.q_rows[0] if div.n_q else 0)])
-            kv_idx = np.concatenate([div.kv_rows, np.full(layout.k_rows - div.n_k, div.kv_rows[0] if div.n_k else 0)])
+            kv_idx = np.concatenate([kv_rows, np.full(layout.k_rows - len(kv_rows), kv_rows[0] if len(kv_rows) else 0)])
             names = [(key, self.add(a)) for key, a in layout.arrays.items()]
-            self.divisions[d] = (div, self.rows(q_idx), self.rows(kv_idx), tuple(names), layout.static)
-        div, q, kv, names, static = self.divisions[d]
-        return AttentionStep(d, q, kv, self.block_rows(ins.out_row, ins.q_block), self.rows(div.kv_rows) if self.backward else None, div.n_q,
-                             div.n_k, names, static)
+            self.divisions[d] = (div, kv_rows, self.rows(q_idx), self.rows(kv_idx), tuple(names), layout.static)
+        div, kv_rows, q, kv, names, static = self.divisions[d]
+        return AttentionStep(d, q, kv, self.block_rows(ins.out_row, ins.q_block),
+                             self.rows(kv_rows) if self.backward else None, div.n_q, len(kv_rows), names, static)
 
     def on_reduction(self, ins: BlockwiseReduction) -> ReductionStep:
         lens = self.blen[ins.dst_block]

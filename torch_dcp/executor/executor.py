@@ -143,6 +143,11 @@ class _Buffer:
         return self.words[rows].reshape(-1).view(torch.uint8)
 
 
+def _partial_fields(h: int, d: int, acc: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The forward's partial-output row: ``o [h, d]`` and ``lse [h]`` in ``acc``."""
+    return [("o", acc, (h, d)), ("lse", acc, (h,))]
+
+
 class _Outputs:
     """Separate contiguous result tensors, addressed like a buffer's fields."""
 
@@ -210,6 +215,7 @@ class RankExecutor:
             self.kernel = device_plan.kernel
         self.device_plan = device_plan
         self._uploaded: UploadedPlan | None = None
+        self._null_row: torch.Tensor | None = None
         self.record_timings = bool(timings)
         self._clock = _Clock()
         b = plan.batch
@@ -235,6 +241,12 @@ class RankExecutor:
         if self.device_plan is None:
             self.device_plan = DevicePlan(self.plan, self.rank, self.kernel)
         self._uploaded = self.device_plan.upload(device)
+        # the forward's null row (output 0, LSE -inf), copied in with one operation per call
+        b = self.plan.batch
+        null = _Buffer(1, _partial_fields(b.n_heads, b.head_dim, self.acc), device)
+        null.fields["o"].zero_()
+        null.fields["lse"].fill_(-math.inf)
+        self._null_row = null.words
         return self._uploaded
 
     # ------------------------------------------------------------------ checks
@@ -338,10 +350,14 @@ class RankExecutor:
             run.bufs[Buf.DQ] = _Buffer(rows[Buf.DQ] + 1, dq_f, dev, storage=zeros[:n_dq])
             run.bufs[Buf.DKV] = _Buffer(rows[Buf.DKV] + 1, dkv_f, dev, storage=zeros[n_dq:])
         else:
-            run.bufs[Buf.OPART] = op = _Buffer(rows[Buf.OPART] + 1, [("o", acc, (h, d)), ("lse", acc, (h,))], dev)
+            run.bufs[Buf.OPART] = op = _Buffer(rows[Buf.OPART] + 1, _partial_fields(h, d, acc), dev)
             if pp.needs_null_row:  # the row missing partials point at: output 0, LSE -inf
-                op.fields["o"][-1].zero_()
-                op.fields["lse"][-1].fill_(-math.inf)
+                null = self._null_row
+                if null is not None and null.shape[1] == op.words.shape[1] and null.device == dev:
+                    op.words[-1:].copy_(null)
+                else:
+                    op.fields["o"][-1].zero_()
+                    op.fields["lse"][-1].fill_(-math.inf)
 
     def forward_steps(self, q, k, v, scale: float | None = None, keep: bool = False) -> Generator[None, None, tuple]:
         """:meth:`forward` as a generator that yields while waiting for messages (``keep``: as
@@ -379,8 +395,8 @@ class RankExecutor:
         delta = run.bufs[Buf.Q].fields["delta"][:S]
         if dout.dtype == acc:
             torch.sum(dout * out, -1, out=delta)
-        else:
-            torch.sum(dout.to(acc) * out.to(acc), -1, out=delta)
+        else:  # the product in acc: out is promoted inside the multiplication
+            torch.sum(dout.to(acc) * out, -1, out=delta)
         run.local = {Buf.Q: [q, dout, lse], Buf.KV: [k, v]}
         run.out[Buf.OUT_DQ] = _Buffer(S, [("dq", acc, (h, d))], q.device)
         # dK and dV apart: results that share memory cannot leave a custom op
@@ -405,8 +421,13 @@ class RankExecutor:
 
     # ------------------------------------------------------------------ the table's handlers
     def on_copy(self, step: CopyStep, bound: dict, run: _Run, scale: float) -> None:
-        buf = run.bufs[step.kind]
-        for t, f in zip(run.local[step.kind], buf.fields.values()):
+        buf, local = run.bufs[step.kind], run.local[step.kind]
+        if (buf.flat is not None and 1 < len(local) == len(buf.fields) and all(t.dtype == buf.flat.dtype for t in local)
+                and sum(math.prod(t.shape[1:]) for t in local) == buf.flat.shape[1]):
+            # every field given, of one dtype, filling the row (K and V): one write of all of them
+            torch.cat([t.flatten(1) for t in local], 1, out=buf.flat[:step.n])
+            return
+        for t, f in zip(local, buf.fields.values()):
             f[:step.n].copy_(t)
 
     def on_launch(self, step: LaunchStep, bound: dict, run: _Run, scale: float) -> None:
@@ -457,9 +478,12 @@ class RankExecutor:
         dq, dk, dv = self.kernel.backward(qf["q"], kvf["k"], kvf["v"], qf["do"], qf["lse"], qf["delta"], bound["meta"],
                                           scale, self.acc)
         add_rows(run.bufs[Buf.DQ].fields["dq"], bound["out"], dq)
-        dkv = run.bufs[Buf.DKV].fields
-        add_rows(dkv["dk"], bound["kv_out"], dk)
-        add_rows(dkv["dv"], bound["kv_out"], dv)
+        dkv = run.bufs[Buf.DKV]
+        if isinstance(bound["kv_out"], slice) or dkv.flat is None:
+            add_rows(dkv.fields["dk"], bound["kv_out"], dk)
+            add_rows(dkv.fields["dv"], bound["kv_out"], dv)
+        else:  # scattered rows: dK and dV side by side, one conversion and one index_add_ for both
+            add_rows(dkv.flat.unflatten(1, (2 * dk.shape[1], dk.shape[2])), bound["kv_out"], torch.cat((dk, dv), 1))
 
     def on_reduction(self, step: ReductionStep, bound: dict, run: _Run, scale: float) -> None:
         src = run.bufs[step.src_buf]

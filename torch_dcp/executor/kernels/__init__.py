@@ -23,6 +23,12 @@ __all__ = ["KernelLayout", "DivisionKernel", "GroupKernel", "ReferenceKernel", "
            "out_with_delta"]
 
 
+#: varlen calls a division may take on the automatic kernels' fast path: one launch per division
+#: (a division whose mask needs two flash windows, λ's sink and band, runs one FlexAttention
+#: launch instead); ``kernel="varlen"`` alone keeps up to 4
+AUTO_VARLEN_CALLS = 1
+
+
 def _general_kernel() -> DivisionKernel:
     return FlexKernel() if flex_available() else ReferenceKernel()
 
@@ -31,7 +37,7 @@ def _flash_attn_kernel() -> AutoKernel:
     """flash-attn's varlen calls per division, FlexAttention where a division's mask is not a few
     flash windows (raises :class:`~torch_dcp.executor.kernels.flash_attn.FlashAttnUnavailable` without
     the package)."""
-    return AutoKernel(_general_kernel(), FlashAttnKernel(), name="flash_attn")
+    return AutoKernel(_general_kernel(), FlashAttnKernel(max_calls=AUTO_VARLEN_CALLS), name="flash_attn")
 
 
 _KERNELS = {"reference": ReferenceKernel, "sdpa": SDPAKernel, "flex": FlexKernel, "varlen": VarlenKernel,
@@ -49,10 +55,10 @@ def get_kernel(kernel: "str | DivisionKernel | None", device: torch.device | str
     (:class:`~torch_dcp.executor.kernels.sdpa.SDPAKernel`), ``"flex"``
     (:class:`~torch_dcp.executor.kernels.flex.FlexKernel`), ``"varlen"``
     (:class:`~torch_dcp.executor.kernels.varlen.VarlenKernel`; raises at plan time on masks it
-    cannot express), ``"flash_attn"`` (an :class:`AutoKernel` named ``flash_attn``: the varlen calls
+    cannot express), ``"flash_attn"`` (an :class:`AutoKernel` named ``flash_attn``: one varlen call
     through the flash-attn package, :class:`~torch_dcp.executor.kernels.flash_attn.FlashAttnKernel`,
-    FlexAttention for divisions they cannot express), ``"auto"`` (same as None): on a CUDA
-    ``device``, an :class:`AutoKernel` choosing per division between varlen flash (when
+    FlexAttention for divisions one call cannot express), ``"auto"`` (same as None): on a CUDA
+    ``device``, an :class:`AutoKernel` choosing per division between one varlen flash call (when
     ``dtype``/``head_dim`` suit a flash kernel: fp16/bf16, ``head_dim`` a multiple of 8 up to
     256; through flash-attn where it is installed and suits the GPU, else aten's) and
     FlexAttention (when this torch has it; else the reference kernel); on CPU, or with no
@@ -70,9 +76,9 @@ def get_kernel(kernel: "str | DivisionKernel | None", device: torch.device | str
         fast = None
         if dtype is not None and head_dim is not None:
             if flash_attn_backend(device, dtype, head_dim) is not None:
-                fast = FlashAttnKernel()
+                fast = FlashAttnKernel(max_calls=AUTO_VARLEN_CALLS)
             elif flash_varlen_available(device, dtype, head_dim):
-                fast = VarlenKernel()
+                fast = VarlenKernel(max_calls=AUTO_VARLEN_CALLS)
         return AutoKernel(_general_kernel(), fast)
     if isinstance(kernel, str):
         try:

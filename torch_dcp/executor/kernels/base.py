@@ -35,7 +35,7 @@ from ..division import Division
 from ..triton_delta import out_with_delta_triton
 from ..triton_merge import triton_available
 
-__all__ = ["KernelLayout", "DivisionKernel", "GroupKernel", "ReferenceKernel", "out_with_delta"]
+__all__ = ["KernelLayout", "DivisionKernel", "GroupKernel", "ReferenceKernel", "out_with_delta", "flash_backward_inputs"]
 
 
 class KernelLayout(NamedTuple):
@@ -47,12 +47,18 @@ class KernelLayout(NamedTuple):
             the kernel must ignore them).
         arrays: NumPy arrays to upload with the device plan (any dtype).
         static: plain Python data for :meth:`DivisionKernel.bind`.
+        kv_order: ``None``, or the division's key/value rows in the order the kernel reads
+            them (int64 indices into ``div.kv_rows``, repeats allowed, ``k_rows`` of them before
+            padding): the executor gathers them so, composing it with its own gather (one gather,
+            not two), and adds the kernel's dK, dV for those rows back the same way; the kernel's
+            ``k``, ``v`` are then already in its order.
     """
 
     q_rows: int
     k_rows: int
     arrays: dict[str, np.ndarray]
     static: Any
+    kv_order: np.ndarray | None = None
 
 
 class DivisionKernel(Protocol):
@@ -102,6 +108,17 @@ def out_with_delta(do: torch.Tensor, delta: torch.Tensor, acc_dtype: torch.dtype
     ok = norm > 0
     coef = torch.where(ok, delta.to(acc_dtype) / torch.where(ok, norm, torch.ones_like(norm)), torch.zeros_like(norm))
     return torch.mul(do, coef.unsqueeze(-1)).to(out_dtype or acc_dtype)
+
+
+def flash_backward_inputs(do: torch.Tensor, delta: torch.Tensor, lse: torch.Tensor, acc_dtype: torch.dtype,
+                          out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a fused (flash) attention backward takes besides Q, K, V, dO: ``O'``
+    (:func:`out_with_delta`, ``out_dtype``) and the final LSE heads-first, ``[H, N]`` float32
+    contiguous. On CUDA with Triton both come from one launch
+    (``torch_dcp::out_with_delta_lse``)."""
+    if do.device.type == "cuda" and triton_available(do.device):
+        return out_with_delta_triton(do, delta, out_dtype, lse=lse)
+    return out_with_delta(do, delta, acc_dtype, out_dtype), lse.to(torch.float32).t().contiguous()
 
 
 class _Group(NamedTuple):

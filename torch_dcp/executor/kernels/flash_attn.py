@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .base import out_with_delta
+from .base import flash_backward_inputs
 from .varlen import VarlenKernel, cuda_capability
 
 __all__ = ["FlashAttnKernel", "flash_attn_backends", "flash_attn_backend", "flash_attn_versions",
@@ -206,8 +206,7 @@ class FlashAttnKernel(VarlenKernel):
             return super()._call_backward(c, q, k, v, do, lse, delta, rng, scale, acc)
         q, k, v = self._dense(q), self._dense(k), self._dense(v)
         do = self._dense(do).to(q.dtype)
-        out_like = out_with_delta(do, delta, acc, q.dtype)
-        lse_hq = lse.to(torch.float32).t().contiguous()  # [H, total_q], the final LSE
+        out_like, lse_hq = flash_backward_inputs(do, delta, lse, acc, q.dtype)  # lse_hq: [H, total_q], the final LSE
         causal = c.wl < 0 and c.wr == 0
         if backend == "fa4":
             bwd = _module("fa4")._flash_attn_bwd

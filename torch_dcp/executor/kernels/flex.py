@@ -92,6 +92,8 @@ import torch
 
 from ...masks import BlockwiseCausal, Causal, Full, Lambda
 from ..division import Division
+from ..triton_delta import flex_backward_inputs_triton
+from ..triton_merge import triton_available
 from .base import KernelLayout, out_with_delta
 
 __all__ = ["FlexKernel", "flex_available"]
@@ -510,7 +512,8 @@ class FlexKernel:
         q4, k4, v4 = (self._heads_first(t, dt) for t in (q, k, v))
         with torch.no_grad():
             out, lse = self._flex(q4, k4, v4, meta, scale)
-        return out[0, :, :meta.n_q].transpose(0, 1).to(acc_dtype), lse[0, :, :meta.n_q].transpose(0, 1).to(acc_dtype)
+        # in flex's dtypes: the executor converts as it writes them
+        return out[0, :, :meta.n_q].transpose(0, 1), lse[0, :, :meta.n_q].transpose(0, 1)
 
     def backward(self, q, k, v, do, lse, delta, meta: _FlexMeta, scale, acc_dtype):
         """``(dq [n_q, H, D], dk [n_k, H_kv, D], dv [n_k, H_kv, D])`` of the division's pairs,
@@ -537,19 +540,22 @@ class FlexKernel:
         dt = self._in_dtype(q, acc)
         stat = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
         q4, k4, v4, do4 = (self._heads_first(t, dt) for t in (q, k, v, do))
-        o4 = self._heads_first(out_with_delta(do, delta, acc, dt), dt)
-        lse4 = lse.to(stat).transpose(0, 1).unsqueeze(0)  # [1, H, N_q_pad]
-        lse4 = torch.where(torch.isfinite(lse4), lse4, torch.zeros_like(lse4))  # rows that see nothing: P = 0
-        # the op forms delta as rowsum(dO * O'); its LSE gradient removes what rounding O' added
-        glse = (do4.to(acc) * o4.to(acc)).sum(-1) - delta.to(acc).transpose(0, 1).unsqueeze(0)
+        if q.device.type == "cuda" and stat == torch.float32 and triton_available(q.device):  # one launch
+            o, lse2, glse2 = flex_backward_inputs_triton(do, delta, lse, dt)
+            o4, lse2, glse2 = self._heads_first(o, dt), lse2.unsqueeze(0), glse2.unsqueeze(0)
+        else:
+            o4 = self._heads_first(out_with_delta(do, delta, acc, dt), dt)
+            lse4 = lse.to(stat).transpose(0, 1).unsqueeze(0)  # [1, H, N_q_pad]
+            lse4 = torch.where(torch.isfinite(lse4), lse4, torch.zeros_like(lse4))  # rows that see nothing: P = 0
+            # the op forms delta as rowsum(dO * O'); its LSE gradient removes what rounding O' added
+            glse = (do4.to(acc) * o4.to(acc)).sum(-1) - delta.to(acc).transpose(0, 1).unsqueeze(0)
+            lse2, glse2 = lse4 / _LN2, (glse * _LN2).to(stat)
         backend = self._backend(q4)
         fn = _compiled("backward", _backward_op, backend) if backend is not None else _backward_op
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*flex_attention.*")
-            dq, dk, dv = fn(q4, k4, v4, o4, lse4 / _LN2, do4, (glse * _LN2).to(stat), meta.block_mask, scale,
-                            *_score_graphs(q4.dtype))
-        return (dq[0, :, :meta.n_q].transpose(0, 1).to(acc), dk[0, :, :meta.n_k].transpose(0, 1).to(acc),
-                dv[0, :, :meta.n_k].transpose(0, 1).to(acc))
+            dq, dk, dv = fn(q4, k4, v4, o4, lse2, do4, glse2, meta.block_mask, scale, *_score_graphs(q4.dtype))
+        return dq[0, :, :meta.n_q].transpose(0, 1), dk[0, :, :meta.n_k].transpose(0, 1), dv[0, :, :meta.n_k].transpose(0, 1)
 
     def _backward_recompute(self, q, k, v, do, lse, delta, meta: _FlexMeta, scale, acc_dtype):
         """Recompute the division's forward with autograd and back-propagate (module docstring)."""

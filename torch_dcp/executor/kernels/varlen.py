@@ -47,7 +47,7 @@ import torch
 
 from ...plan import ReduceOp
 from ..division import Division
-from .base import KernelLayout, ReferenceKernel, out_with_delta
+from .base import KernelLayout, ReferenceKernel, flash_backward_inputs
 from ..reduce import add_rows, merge_partials, put_rows, take_rows
 
 __all__ = ["Segment", "plan_segments", "VarlenKernel", "flash_varlen_available", "cuda_capability",
@@ -413,6 +413,12 @@ class VarlenKernel:
         times = np.bincount(all_rows, minlength=div.n_q)
         if len(calls) == 1 and static_calls[0][2] == ("slice", 0, div.n_q):
             mode, parts = "single", 1
+            if static_calls[0][3] != ("slice", 0, div.n_k):  # the executor gathers the keys in the call's order
+                keys = calls[0].keys
+                static_calls[0] = static_calls[0][:3] + (("slice", 0, len(keys)),) + static_calls[0][4:]
+                arrays.pop("k0", None)
+                return KernelLayout(div.n_q, len(keys), arrays, (tuple(static_calls), div.n_q, len(keys), mode, parts),
+                                    kv_order=keys)
         elif times.max(initial=0) <= 1:
             mode, parts = "direct", 1
         else:  # [n_q, P] positions in the concatenated outputs; missing partials: the null row
@@ -471,10 +477,9 @@ class VarlenKernel:
     def _call_backward(self, c: _BoundCall, q, k, v, do, lse, delta, rng, scale, acc):
         if self._flash(q):
             do = self._dense(do).to(q.dtype)
-            out_like = out_with_delta(do, delta, acc, q.dtype)
+            out_like, lse_hq = flash_backward_inputs(do, delta, lse, acc, q.dtype)
             return torch.ops.aten._flash_attention_backward(
-                do, self._dense(q), self._dense(k), self._dense(v), out_like,
-                lse.to(torch.float32).t().contiguous(), c.cu_q, c.cu_k, c.max_q, c.max_k, 0.0,
+                do, self._dense(q), self._dense(k), self._dense(v), out_like, lse_hq, c.cu_q, c.cu_k, c.max_q, c.max_k, 0.0,
                 c.wl < 0 and c.wr == 0, rng, rng, scale=scale, window_size_left=c.wl if c.wl >= 0 else None,
                 window_size_right=c.wr if c.wr >= 0 else None)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
