@@ -130,8 +130,10 @@ def test_emulate_forward_backward(kernel, mask, dtype, world):
         assert seen[FLASH] and seen["aten._flash_attention_backward.default"] and not flex
     elif kernel == "flex":  # flex's forward and its backward op (the default, nothing recomputed)
         assert seen["flex_attention"] and seen["flex_attention_backward"] and not seen[FLASH]
-    else:  # the automatic choice: varlen where the division is expressible (all of these)
-        assert seen[FLASH]
+    elif mask == "causal":  # the automatic choice: one varlen call covers a causal division
+        assert seen[FLASH] and not flex
+    else:  # one varlen call where it covers a division, one FlexAttention launch where it does not (λ's sink)
+        assert seen["flex_attention"] and seen["flex_attention_backward"]
     if mask == "causal" and world > 1 and triton_available("cuda"):
         assert seen[MERGE]  # the long document's partials from several ranks, merged by the Triton op
 
@@ -260,3 +262,26 @@ def test_merge_op_traced_by_torch_compile():
     with fake:
         out, _ = eager(src_o, src_lse, dst_o, dst_lse, rows)
     assert out.shape == dst_o.shape and out.device.type == "cuda"
+
+
+def test_device_operations_per_division_on_the_cuda_path():
+    """The automatic kernel's CUDA path, counted by the ops benchmark (fake tensors, an H100 as
+    far as the kernels can tell): one attention launch per division forward, and in the backward
+    the one O' launch (LSE heads-first) and the fused backward, for causal documents (one varlen
+    call) and λ (one FlexAttention launch); the executor's own operations per division stay small
+    (the paper-scale figures: docs/gpu.md, ``python -m torch_dcp.benchmarks ops --fake``)."""
+    from torch_dcp.benchmarks.common import batch_lengths
+    from torch_dcp.benchmarks.ops import count_ops
+
+    lens = batch_lengths("longtail", 16384, seed=0)
+    for mask in (M.Causal(), M.Lambda(sink=64, window=512)):
+        batch = BatchSpec(lens, mask, n_heads=8, n_kv_heads=2, head_dim=128, dtype="bfloat16")
+        plan = torch_dcp.plan(batch, Topology(n_nodes=2, ranks_per_node=4), planner="dcp", block_size=512,
+                              divisions=4, head_parallel=1)
+        rows = count_ops(plan, "cuda", fake=True)
+        for name, launches, bound in (("forward", 1, 5.5), ("backward", 2, 12.0)):
+            sel = [r for r in rows if r["pass"] == name]
+            divs = sum(r["divisions"] for r in sel)
+            assert sum(r["kernel_ops"] for r in sel) == launches * divs, (type(mask).__name__, name, sel)
+            per_div = sum(r["device_ops"] for r in sel) / divs
+            assert per_div <= bound, (type(mask).__name__, name, per_div)
