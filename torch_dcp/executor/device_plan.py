@@ -148,13 +148,14 @@ class ReductionStep:
 
 @dataclasses.dataclass(frozen=True)
 class PassPlan:
-    """One pass of a rank: its steps, buffer sizes (rows, without the null row), and whether a
-    reduction reads the null row."""
+    """One pass of a rank: its steps, buffer sizes (rows, without the null row), whether a
+    reduction reads the null row, and whether every partial row must start as it."""
 
     backward: bool
     steps: tuple[Any, ...]
     buffer_rows: dict[Buf, int]
     needs_null_row: bool
+    fills_null: bool = False  # forward: every partial row starts as the null row (a kernel leaves rows out)
 
 
 class _Builder:
@@ -168,6 +169,7 @@ class _Builder:
         self.divisions = divisions  # division -> (Division, q Rows, kv Rows, kernel arrays, layout): both passes
         self.prog = plan.program(rank, backward)
         self.needs_null = False
+        self.fill_null = False
 
     def add(self, a: np.ndarray) -> str:
         """Register an array for upload; returns its name."""
@@ -232,15 +234,22 @@ class _Builder:
         if d not in self.divisions:
             div = build_division(ins, self.plan.workload)
             layout = self.kernel.prepare(div)
-            # the kernel's own key order composed with the division's rows: one gather
+            # the kernel's own row orders composed with the division's rows: one gather each
             kv_rows = div.kv_rows if layout.kv_order is None else div.kv_rows[layout.kv_order]
-            q_idx = np.concatenate([div.q_rows, np.full(layout.q_rows - div.n_q, div.q_rows[0] if div.n_q else 0)])
+            q_rows = div.q_rows if layout.q_order is None else div.q_rows[layout.q_order]
+            q_idx = np.concatenate([q_rows, np.full(layout.q_rows - len(q_rows), q_rows[0] if len(q_rows) else 0)])
             kv_idx = np.concatenate([kv_rows, np.full(layout.k_rows - len(kv_rows), kv_rows[0] if len(kv_rows) else 0)])
             names = [(key, self.add(a)) for key, a in layout.arrays.items()]
-            self.divisions[d] = (div, kv_rows, self.rows(q_idx), self.rows(kv_idx), tuple(names), layout.static)
-        div, kv_rows, q, kv, names, static = self.divisions[d]
-        return AttentionStep(d, q, kv, self.block_rows(ins.out_row, ins.q_block),
-                             self.rows(kv_rows) if self.backward else None, div.n_q, len(kv_rows), names, static)
+            self.divisions[d] = (div, layout.q_order, kv_rows, self.rows(q_idx), self.rows(kv_idx), tuple(names),
+                                 layout.static)
+        div, q_order, kv_rows, q, kv, names, static = self.divisions[d]
+        if q_order is None:
+            out = self.block_rows(ins.out_row, ins.q_block)
+        else:  # rows the kernel leaves out get no partial: the forward's partials start as the null row
+            out = self.rows(self.tokens(ins.out_row, ins.q_block)[q_order])
+            self.fill_null |= not self.backward and len(q_order) < div.n_q
+        return AttentionStep(d, q, kv, out, self.rows(kv_rows) if self.backward else None,
+                             div.n_q if q_order is None else len(q_order), len(kv_rows), names, static)
 
     def on_reduction(self, ins: BlockwiseReduction) -> ReductionStep:
         lens = self.blen[ins.dst_block]
@@ -262,7 +271,7 @@ class _Builder:
 
     def build(self) -> PassPlan:
         steps = tuple(dispatch(self, ins) for ins in self.prog.instructions)
-        return PassPlan(self.backward, steps, dict(self.prog.buffer_rows), self.needs_null)
+        return PassPlan(self.backward, steps, dict(self.prog.buffer_rows), self.needs_null, self.fill_null)
 
 
 class DevicePlan:

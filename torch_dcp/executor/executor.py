@@ -351,13 +351,15 @@ class RankExecutor:
             run.bufs[Buf.DKV] = _Buffer(rows[Buf.DKV] + 1, dkv_f, dev, storage=zeros[n_dq:])
         else:
             run.bufs[Buf.OPART] = op = _Buffer(rows[Buf.OPART] + 1, _partial_fields(h, d, acc), dev)
-            if pp.needs_null_row:  # the row missing partials point at: output 0, LSE -inf
-                null = self._null_row
+            if pp.needs_null_row or pp.fills_null:  # the row missing partials point at: output 0, LSE -inf
+                null = self._null_row  # (every row, where a kernel leaves some rows of a division out)
+                rows_to_fill = op.words if pp.fills_null else op.words[-1:]
                 if null is not None and null.shape[1] == op.words.shape[1] and null.device == dev:
-                    op.words[-1:].copy_(null)
+                    rows_to_fill.copy_(null.expand_as(rows_to_fill))
                 else:
-                    op.fields["o"][-1].zero_()
-                    op.fields["lse"][-1].fill_(-math.inf)
+                    fields = op.view_rows(rows_to_fill)
+                    fields["o"].zero_()
+                    fields["lse"].fill_(-math.inf)
 
     def forward_steps(self, q, k, v, scale: float | None = None, keep: bool = False) -> Generator[None, None, tuple]:
         """:meth:`forward` as a generator that yields while waiting for messages (``keep``: as

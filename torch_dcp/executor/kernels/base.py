@@ -52,6 +52,11 @@ class KernelLayout(NamedTuple):
             padding): the executor gathers them so, composing it with its own gather (one gather,
             not two), and adds the kernel's dK, dV for those rows back the same way; the kernel's
             ``k``, ``v`` are then already in its order.
+        q_order: ``None``, or the division's query rows the kernel computes, in its order
+            (distinct int64 indices into ``div.q_rows``; rows left out see none of the
+            division's keys): gathered, written and added back the same way; rows left out get
+            no partial (the output rows of such a pass start as the null row: output 0, LSE
+            ``-inf``) and no gradient.
     """
 
     q_rows: int
@@ -59,6 +64,7 @@ class KernelLayout(NamedTuple):
     arrays: dict[str, np.ndarray]
     static: Any
     kv_order: np.ndarray | None = None
+    q_order: np.ndarray | None = None
 
 
 class DivisionKernel(Protocol):

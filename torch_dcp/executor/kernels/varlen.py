@@ -411,14 +411,19 @@ class VarlenKernel:
             static_calls.append((call.wl, call.wr, qs, ks, *_seqlen_bounds(call), segments))
         all_rows = np.concatenate([c.q_rows for c in calls]) if calls else np.zeros(0, np.int64)
         times = np.bincount(all_rows, minlength=div.n_q)
+        if len(calls) == 1 and times.max(initial=0) <= 1:
+            # one call: the executor gathers its query rows and keys in the call's order (rows
+            # the call leaves out see none of the division's keys) and writes its results back
+            call, (wl, wr, qs, ks, *rest) = calls[0], static_calls[0]
+            full_q, full_k = qs == ("slice", 0, div.n_q), ks == ("slice", 0, div.n_k)
+            n_q, n_k = len(call.q_rows), len(call.keys)
+            for key, full in (("q0", full_q), ("k0", full_k)):
+                arrays.pop(key, None)
+            static = ((wl, wr, ("slice", 0, n_q), ("slice", 0, n_k), *rest),)
+            return KernelLayout(n_q, n_k, arrays, (static, n_q, n_k, "single", 1),
+                                kv_order=None if full_k else call.keys, q_order=None if full_q else call.q_rows)
         if len(calls) == 1 and static_calls[0][2] == ("slice", 0, div.n_q):
             mode, parts = "single", 1
-            if static_calls[0][3] != ("slice", 0, div.n_k):  # the executor gathers the keys in the call's order
-                keys = calls[0].keys
-                static_calls[0] = static_calls[0][:3] + (("slice", 0, len(keys)),) + static_calls[0][4:]
-                arrays.pop("k0", None)
-                return KernelLayout(div.n_q, len(keys), arrays, (tuple(static_calls), div.n_q, len(keys), mode, parts),
-                                    kv_order=keys)
         elif times.max(initial=0) <= 1:
             mode, parts = "direct", 1
         else:  # [n_q, P] positions in the concatenated outputs; missing partials: the null row
