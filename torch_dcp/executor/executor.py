@@ -371,7 +371,8 @@ class RankExecutor:
         self._alloc(run, False, h, hkv, d, q.dtype, q.device)
         run.local = {Buf.Q: [q], Buf.KV: [k, v]}
         S = self.local_rows
-        run.out[Buf.OUT] = _Outputs(o=torch.empty(S, h, d, dtype=self.acc, device=q.device),
+        # the output in the inputs' dtype: the final reduction converts as it writes (no extra pass)
+        run.out[Buf.OUT] = _Outputs(o=torch.empty(S, h, d, dtype=q.dtype, device=q.device),
                                     lse=torch.empty(S, h, dtype=self.acc, device=q.device))
         yield from self._run(up, run, self.scale if scale is None else float(scale))
         out = run.out[Buf.OUT]
@@ -400,10 +401,12 @@ class RankExecutor:
         else:  # the product in acc: out is promoted inside the multiplication
             torch.sum(dout.to(acc) * out, -1, out=delta)
         run.local = {Buf.Q: [q, dout, lse], Buf.KV: [k, v]}
-        run.out[Buf.OUT_DQ] = _Buffer(S, [("dq", acc, (h, d))], q.device)
-        # dK and dV apart: results that share memory cannot leave a custom op
-        run.out[Buf.OUT_DKV] = _Outputs(dk=torch.empty(S, hkv, d, dtype=acc, device=q.device),
-                                        dv=torch.empty(S, hkv, d, dtype=acc, device=q.device))
+        # the gradients in the inputs' dtypes, converted as the final reductions write them (a result
+        # that is an accumulator itself is converted below); dK and dV apart: results that share
+        # memory cannot leave a custom op
+        run.out[Buf.OUT_DQ] = _Buffer(S, [("dq", q.dtype, (h, d))], q.device)
+        run.out[Buf.OUT_DKV] = _Outputs(dk=torch.empty(S, hkv, d, dtype=k.dtype, device=q.device),
+                                        dv=torch.empty(S, hkv, d, dtype=v.dtype, device=q.device))
         yield from self._run(up, run, self.scale if scale is None else float(scale))
         dkv = run.out[Buf.OUT_DKV].fields
         return run.out[Buf.OUT_DQ].fields["dq"].to(q.dtype), dkv["dk"].to(k.dtype), dkv["dv"].to(v.dtype)

@@ -55,11 +55,12 @@ def add_rows(t: torch.Tensor, rows: Any, value: torch.Tensor) -> None:
 
 
 def _write(dst: torch.Tensor, rows: Any, compute) -> None:
-    """``dst[rows] = compute(out)``, computing straight into ``dst`` where ``rows`` is a slice."""
+    """``dst[rows] = compute(out)``, computing straight into ``dst`` where ``rows`` is a slice
+    (converted to ``dst``'s dtype as it is written)."""
     if isinstance(rows, slice):
         compute(dst[rows])
     else:
-        dst.index_copy_(0, rows, compute(None))
+        dst.index_copy_(0, rows, compute(None).to(dst.dtype))
 
 
 def _use_triton(t: torch.Tensor, use_triton: bool | None) -> bool:
