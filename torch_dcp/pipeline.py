@@ -31,6 +31,7 @@ import torch
 
 from .context import DCPContext, context_parallel
 from .executor.device_plan import DevicePlan
+from .executor.padding import check_capacity
 from .plan import Plan
 
 __all__ = ["MicrobatchPlans"]
@@ -73,11 +74,8 @@ class MicrobatchPlans:
         Raises:
             ValueError: the plan puts more than ``capacity`` tokens on a rank.
         """
-        most = max(plan.local_tokens(r) for r in range(plan.world_size))
-        if most > self.capacity:
-            raise ValueError(f"torch_dcp pipeline: microbatch {len(self._plans)}'s plan puts {most} tokens on a rank, "
-                             f"more than the capacity of {self.capacity} every pipeline stage's activations carry "
-                             "(raise the token capacity)")
+        check_capacity(plan, self.capacity, f"torch_dcp pipeline: microbatch {len(self._plans)}: the capacity every "
+                       "pipeline stage's activations carry")
         self._plans.append((plan, device_plan))
         return len(self._plans) - 1
 

@@ -215,7 +215,7 @@ class RankExecutor:
             self.kernel = device_plan.kernel
         self.device_plan = device_plan
         self._uploaded: UploadedPlan | None = None
-        self._null_row: torch.Tensor | None = None
+        self._null_row: torch.Tensor | None = None  # the forward's null partial row, built by prepare()
         self.record_timings = bool(timings)
         self._clock = _Clock()
         b = plan.batch
@@ -352,14 +352,10 @@ class RankExecutor:
         else:
             run.bufs[Buf.OPART] = op = _Buffer(rows[Buf.OPART] + 1, _partial_fields(h, d, acc), dev)
             if pp.needs_null_row or pp.fills_null:  # the row missing partials point at: output 0, LSE -inf
-                null = self._null_row  # (every row, where a kernel leaves some rows of a division out)
+                # (every row, where a kernel leaves some rows of a division out); prepare() built it
+                # for this device and the plan's heads, which _check_inputs holds the inputs to
                 rows_to_fill = op.words if pp.fills_null else op.words[-1:]
-                if null is not None and null.shape[1] == op.words.shape[1] and null.device == dev:
-                    rows_to_fill.copy_(null.expand_as(rows_to_fill))
-                else:
-                    fields = op.view_rows(rows_to_fill)
-                    fields["o"].zero_()
-                    fields["lse"].fill_(-math.inf)
+                rows_to_fill.copy_(self._null_row.expand_as(rows_to_fill))
 
     def forward_steps(self, q, k, v, scale: float | None = None, keep: bool = False) -> Generator[None, None, tuple]:
         """:meth:`forward` as a generator that yields while waiting for messages (``keep``: as

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PaddedRows"]
+__all__ = ["PaddedRows", "check_capacity"]
 
 
 def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -23,6 +23,15 @@ def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
     out = t.new_zeros((rows, *t.shape[1:]))
     out[: t.shape[0]] = t
     return out
+
+
+def check_capacity(plan: Any, capacity: Any, what: str) -> None:
+    """Raise ``ValueError`` (naming ``what``) unless ``capacity`` is an integer holding every
+    rank's tokens of ``plan`` (the same answer on every rank: they hold the same plan)."""
+    most = max(plan.local_tokens(r) for r in range(plan.world_size))
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < most:
+        raise ValueError(f"{what}={capacity!r}, but the plan puts up to {most} tokens on a rank (raise the token "
+                         "capacity)")
 
 
 class PaddedRows:

@@ -417,14 +417,12 @@ class VarlenKernel:
             call, (wl, wr, qs, ks, *rest) = calls[0], static_calls[0]
             full_q, full_k = qs == ("slice", 0, div.n_q), ks == ("slice", 0, div.n_k)
             n_q, n_k = len(call.q_rows), len(call.keys)
-            for key, full in (("q0", full_q), ("k0", full_k)):
-                arrays.pop(key, None)
+            arrays.pop("q0", None)  # the call's rows are the executor's gathers now
+            arrays.pop("k0", None)
             static = ((wl, wr, ("slice", 0, n_q), ("slice", 0, n_k), *rest),)
             return KernelLayout(n_q, n_k, arrays, (static, n_q, n_k, "single", 1),
                                 kv_order=None if full_k else call.keys, q_order=None if full_q else call.q_rows)
-        if len(calls) == 1 and static_calls[0][2] == ("slice", 0, div.n_q):
-            mode, parts = "single", 1
-        elif times.max(initial=0) <= 1:
+        if times.max(initial=0) <= 1:
             mode, parts = "direct", 1
         else:  # [n_q, P] positions in the concatenated outputs; missing partials: the null row
             parts = int(times.max())
@@ -524,17 +522,8 @@ class VarlenKernel:
     def backward(self, q, k, v, do, lse, delta, meta: _VarlenMeta, scale, acc_dtype):
         """``(dq [n_q, H, D], dk [n_k, H_kv, D], dv [n_k, H_kv, D])`` of the division's pairs,
         given the final LSE and ``delta = rowsum(dO * O)`` (packed like ``q``)."""
-        if meta.mode == "single":  # one call over every query row in order: its dq is the division's
-            c = meta.calls[0]
-            if c.k == slice(0, meta.n_k):
-                return self._call_backward(c, q, k, v, do, lse, delta, meta.rng, scale, acc_dtype)
-            dq, gk, gv = self._call_backward(c, q, take_rows(k, c.k), take_rows(v, c.k), do, lse, delta, meta.rng,
-                                             scale, acc_dtype)
-            dk = torch.zeros(meta.n_k, *k.shape[1:], dtype=acc_dtype, device=q.device)
-            dv = torch.zeros(meta.n_k, *v.shape[1:], dtype=acc_dtype, device=q.device)
-            add_rows(dk, c.k, gk)
-            add_rows(dv, c.k, gv)
-            return dq, dk, dv
+        if meta.mode == "single":  # one call over every (gathered) row in order: its grads are the division's
+            return self._call_backward(meta.calls[0], q, k, v, do, lse, delta, meta.rng, scale, acc_dtype)
         dq = torch.zeros(meta.n_q, *q.shape[1:], dtype=acc_dtype, device=q.device)
         dk = torch.zeros(meta.n_k, *k.shape[1:], dtype=acc_dtype, device=q.device)
         dv = torch.zeros(meta.n_k, *v.shape[1:], dtype=acc_dtype, device=q.device)
