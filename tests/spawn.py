@@ -17,6 +17,8 @@ fault).
 from __future__ import annotations
 
 import datetime
+import multiprocessing
+import os
 import time
 import traceback
 from pathlib import Path
@@ -34,7 +36,9 @@ def run_ranks(fn: Callable, world: int, tmp_path: Path, timeout: float = 300.0, 
     ``barrier=False`` for tests whose ranks do not all reach their teardown (a rank that dies, or
     one left behind on purpose): the teardown then skips its barrier. A rank process that exits
     non-zero (e.g. aborted by the interpreter's teardown) fails the run (``ctx.join`` raises)."""
-    ctx = mp.spawn(_entry, args=(fn, world, str(tmp_path), barrier), nprocs=world, join=False)
+    _forkserver()
+    ctx = mp.start_processes(_entry, args=(fn, world, str(tmp_path), barrier, dict(os.environ)), nprocs=world,
+                             join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
         if time.monotonic() > deadline:
@@ -45,6 +49,22 @@ def run_ranks(fn: Callable, world: int, tmp_path: Path, timeout: float = 300.0, 
         err = tmp_path / f"err{r}"
         assert not err.exists(), err.read_text()
         assert (tmp_path / f"ok{r}").exists(), f"rank {r} did not finish"
+
+
+#: what the fork server imports once, so that a rank starts as a fork of it (milliseconds) rather
+#: than a fresh interpreter importing torch, DTensor and torch_dcp (seconds on 2 cores); and what
+#: the torchtitan and Hugging Face ranks import (Inductor, datasets, TensorBoard, transformers'
+#: Llama; not torchtitan itself, whose CPU shims must come first). A module that is not installed
+#: is skipped by the fork server.
+PRELOAD = ["torch", "torch.distributed.tensor", "torch._dynamo", "torch_dcp", "spawn", "torch._inductor.compile_fx",
+           "datasets", "torch.utils.tensorboard", "transformers.models.llama.modeling_llama"]
+
+
+def _forkserver() -> None:
+    """Start multiprocessing's fork server (once per test process) with :data:`PRELOAD` imported.
+    Nothing in it has initialised a process group or started a thread pool: every rank forked
+    from it starts as clean as a spawned one, with the test process's environment passed in."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)  # read when it starts
 
 
 #: the run's folder, in a spawned rank: files there are a side channel between the ranks that
@@ -70,8 +90,10 @@ def fresh_group(rank: int, world: int, name: str) -> object:
     return _init(rank, world, name)
 
 
-def _entry(rank: int, fn: Callable, world: int, tmp: str, barrier: bool) -> None:
+def _entry(rank: int, fn: Callable, world: int, tmp: str, barrier: bool, environ: dict) -> None:
     global run_dir
+    os.environ.clear()
+    os.environ.update(environ)  # the test's, not the fork server's (started by an earlier test)
     import torch_dcp
 
     torch.set_num_threads(1)  # world processes share 2 cores: more threads each only oversubscribe them

@@ -54,10 +54,16 @@ def _check(plan, batch, tol=1e-10, seed=0, kernel=None):
         assert err <= tol, f"{name}: max abs error {err:.3e} > {tol}"
 
 
+#: GQA and MHA each with one head size over every planner, world size and mask; the other two
+#: pairs of (heads, head size) at world size 3 (the head size is a trailing dimension no planner
+#: or route sees: every pair of the two factors is still run)
+CROSS = [(h, w) for h in ("gqa8/2-d32", "mha4-d64") for w in (1, 2, 3, 4, 8)] + [
+    (h, 3) for h in ("gqa8/2-d64", "mha4-d32")]
+
+
 @pytest.mark.parametrize("planner", ["ring", "greedy", "dcp", "megatron", "fcp"])
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("heads,world_size", CROSS)
 @pytest.mark.parametrize("mask_name", list(MASKS))
-@pytest.mark.parametrize("heads", list(HEADS))
 def test_exact_forward_backward(planner, world_size, mask_name, heads):
     batch = _batch(mask_name, heads)
     divisions = 1 + (world_size + len(mask_name)) % 4
