@@ -86,6 +86,25 @@ def test_importing_the_core_loads_no_benchmark_module():
                 or m in ("torch_dcp.integrations.torchtitan", "torch_dcp.integrations.hf")]
 
 
+def test_planning_imports_no_compiler_or_kernel_modules():
+    """``import torch_dcp`` and planning (what a planning worker or a CLI does) import neither
+    ``torch._dynamo`` (through FlexAttention or a ``torch.compile`` hint) nor Triton nor the flex
+    kernel: they cost over a second per process, paid by every planning worker at its start."""
+    code = (
+        "import json, sys\n"
+        "import torch_dcp\n"
+        "from torch_dcp.data import plan_worker\n"
+        "b = torch_dcp.BatchSpec([100, 50, 30], torch_dcp.Causal(), n_heads=4, n_kv_heads=2, head_dim=16)\n"
+        "torch_dcp.plan(b, 4, planner='dcp', block_size=16).validate()\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent)
+    loaded = set(json.loads(res.stdout.strip().splitlines()[-1]))
+    assert "torch_dcp.executor.kernels" in loaded and "torch_dcp.context" in loaded
+    heavy = {"torch._dynamo", "triton", "torch_dcp.executor.kernels.flex", "torch_dcp.executor.triton_merge"}
+    assert not heavy & loaded, sorted(heavy & loaded)
+
+
 def _import_graph(folder: Path) -> dict[str, set[str]]:
     """module -> the modules of ``folder`` it imports by name (module-level and function-level
     imports alike; ``from package import submodule`` counts as the submodule). The parent

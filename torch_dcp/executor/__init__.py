@@ -5,8 +5,8 @@ from .division import Division, build_division
 from .emulate import emulate
 from .executor import InstructionTime, RankExecutor, dcp_attention
 from .heads import HeadParallelExecutor
-from .kernels import (AutoKernel, DivisionKernel, FlashAttnKernel, FlexKernel, GroupKernel, KernelLayout, ReferenceKernel,
-                      SDPAKernel, VarlenKernel, get_kernel)
+from .kernels import (AutoKernel, DivisionKernel, FlashAttnKernel, GroupKernel, KernelLayout, ReferenceKernel, SDPAKernel,
+                      VarlenKernel, get_kernel)
 from .make import EXECUTORS, make_executor
 from .reduce import merge_partials, reduce_loop
 from .transport import (InProcessTransport, Mailbox, PeerRefusedError, RefusalChannel, TorchDistributedTransport,
@@ -44,3 +44,12 @@ __all__ = [
     "PeerRefusedError",
     "RefusalChannel",
 ]
+
+
+def __getattr__(name: str):
+    """``FlexKernel``, imported at first use (see :mod:`torch_dcp.executor.kernels`)."""
+    if name == "FlexKernel":
+        from .kernels.flex import FlexKernel
+
+        return FlexKernel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,6 @@ import torch
 from .auto import AutoKernel
 from .base import DivisionKernel, GroupKernel, KernelLayout, ReferenceKernel, out_with_delta
 from .flash_attn import FlashAttnKernel, FlashAttnUnavailable, flash_attn_backend
-from .flex import FlexKernel, flex_available
 from .sdpa import SDPAKernel
 from .varlen import VarlenKernel, flash_varlen_available
 
@@ -29,7 +28,26 @@ __all__ = ["KernelLayout", "DivisionKernel", "GroupKernel", "ReferenceKernel", "
 AUTO_VARLEN_CALLS = 1
 
 
+def __getattr__(name: str):
+    """:class:`~torch_dcp.executor.kernels.flex.FlexKernel` and ``flex_available``, imported at
+    first use: FlexAttention imports ``torch._dynamo`` (over a second of ``import torch_dcp``),
+    which a planning worker or a CLI never needs."""
+    if name in ("FlexKernel", "flex_available"):
+        from . import flex
+
+        return getattr(flex, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _flex_kernel() -> DivisionKernel:
+    from .flex import FlexKernel
+
+    return FlexKernel()
+
+
 def _general_kernel() -> DivisionKernel:
+    from .flex import FlexKernel, flex_available
+
     return FlexKernel() if flex_available() else ReferenceKernel()
 
 
@@ -40,7 +58,7 @@ def _flash_attn_kernel() -> AutoKernel:
     return AutoKernel(_general_kernel(), FlashAttnKernel(max_calls=AUTO_VARLEN_CALLS), name="flash_attn")
 
 
-_KERNELS = {"reference": ReferenceKernel, "sdpa": SDPAKernel, "flex": FlexKernel, "varlen": VarlenKernel,
+_KERNELS = {"reference": ReferenceKernel, "sdpa": SDPAKernel, "flex": _flex_kernel, "varlen": VarlenKernel,
             "flash_attn": _flash_attn_kernel}
 
 #: Every kernel name :func:`get_kernel` accepts.
