@@ -76,6 +76,41 @@ def test_refusal_channel_tells_peers_only_what_concerns_them():
     assert f.poll() == (1, "a call rank 0 has not reached")
 
 
+def _refused_then_gone(rank: int, world: int, mesh) -> None:
+    """docs/failures.md's refusal with its race forced: rank 1 refuses its SDPA call (an
+    ``attn_mask``) and ends its process before rank 0 posts its transfers. Rank 0's transfers
+    then fail on a closed connection, and it still raises the refusal (rank 1, its reason)."""
+    import os
+    import time
+
+    import torch.nn.functional as F
+
+    import spawn
+    from torch_dcp.executor import PeerRefusedError
+
+    gone = os.path.join(spawn.run_dir, "rank1-gone")
+    batch = BatchSpec([256], None, n_heads=2, n_kv_heads=2, head_dim=8, dtype="float32")
+    with torch_dcp.context_parallel(mesh, batch=batch, planner="ring", block_size=32, timeout=30) as ctx:
+        q = torch.randn(1, 2, ctx.plan.local_tokens(rank), 8)
+        if rank == 1:
+            with pytest.raises(ValueError, match="attn_mask"):
+                F.scaled_dot_product_attention(q, q, q, is_causal=True, attn_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool))
+            open(gone, "w").close()
+            os._exit(0)  # its connections close with the process
+        deadline = time.monotonic() + 30
+        while not os.path.exists(gone):
+            assert time.monotonic() < deadline, "rank 1 never refused"
+            time.sleep(0.02)
+        time.sleep(0.5)  # rank 1's process has ended
+        with pytest.raises(PeerRefusedError) as err:
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert err.value.peers == [1] and "attn_mask" in err.value.reason, err.value
+
+
+def test_a_peer_that_refused_and_left_is_reported_as_a_refusal(tmp_path):
+    run_ranks(_refused_then_gone, 2, tmp_path, timeout=90, dies=(1,), barrier=False)
+
+
 def test_autocast_casts_sdpa_inputs_as_autocast_does():
     """The SDPA interception's cast inside torch.autocast gives SDPA's inputs the dtypes autocast
     gives them (fp32 and bf16 mixed in, float64 left alone): the same output bit for bit."""

@@ -308,8 +308,8 @@ class TorchDistributedTransport(Transport):
         try:
             reqs = dist.batch_isend_irecv(ops) if ops else []
         except RuntimeError as err:
-            raise TransferError(f"rank {self.rank}: phase {phase}: posting the transfers with rank(s) "
-                                f"{sorted(set(peers))} failed: {err}", phase, sorted(set(peers))) from None
+            raise self._explained(TransferError(f"rank {self.rank}: phase {phase}: posting the transfers with rank(s) "
+                                                f"{sorted(set(peers))} failed: {err}", phase, sorted(set(peers)))) from None
         return phase, reqs, peers, [m for _, _, m in sends]  # send tensors must outlive the asynchronous sends
 
     def wait(self, handle):
@@ -333,11 +333,26 @@ class TorchDistributedTransport(Transport):
                 _waiter.close()  # left blocked until the wait's timeout, or until the group closes
                 _abandoned.append(_waiter)
                 _waiter = None
-                peer, reason = refused
-                raise PeerRefusedError(f"rank {self.rank}: phase {phase}: rank {peer} refused the SDPA call, so its "
-                                       f"transfers will not come: {reason}", phase, [peer], reason)
+                raise self._refusal(phase, *refused)
         if failure:
-            raise failure[0]
+            raise self._explained(failure[0]) if isinstance(failure[0], TransferError) else failure[0]
+
+    def _refusal(self, phase: int, peer: int, reason: str) -> PeerRefusedError:
+        return PeerRefusedError(f"rank {self.rank}: phase {phase}: rank {peer} refused the SDPA call, so its "
+                                f"transfers will not come: {reason}", phase, [peer], reason)
+
+    def _explained(self, err: TransferError) -> TransferError:
+        """``err``, or the :class:`PeerRefusedError` behind it: a peer that refused the call and
+        then closed its group fails this rank's transfers with a closed connection, sooner than
+        a poll of the refusal channel sees the refusal it posted before leaving. One store read;
+        a store that is gone leaves ``err`` as it is."""
+        if self.refusals is None or not self.host_waits:
+            return err
+        try:
+            refused = self.refusals.poll()
+        except Exception:  # noqa: BLE001 -- the store went with the peer: the transfer's own error stands
+            return err
+        return err if refused is None else self._refusal(err.phase, *refused)
 
     def _wait_all(self, phase: int, reqs: list, peers: list[int]) -> None:
         for i, req in enumerate(reqs):
