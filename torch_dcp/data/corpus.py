@@ -19,8 +19,12 @@ __all__ = ["stdlib_text_files", "load_documents", "byte_tokenize", "pack_batches
 
 def stdlib_text_files(limit: int | None = None) -> list[Path]:
     """The standard library's ``*.py`` files, sorted by path (deterministic)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    root = sysconfig.get_paths()["stdlib"]
+    found = []
+    for folder, subfolders, names in os.walk(root):  # site-packages pruned, not walked (it may hold 100k files)
+        subfolders[:] = [d for d in subfolders if d != "site-packages"]
+        found += [Path(folder, n) for n in names if n.endswith(".py")]
+    files = sorted(p for p in found if p.is_file())
     return files[:limit] if limit else files
 
 
