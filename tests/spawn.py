@@ -1,17 +1,22 @@
-"""Run a function on ``world`` gloo ranks in spawned processes (CPU), with results in files.
+"""Run a function on ``world`` gloo ranks in separate processes (CPU), with results in files.
+
+The ranks are forked from multiprocessing's fork server, which imported torch, DTensor,
+torch_dcp and the integrations' heavy modules once (:data:`PRELOAD`): a rank starts in
+milliseconds instead of the seconds a fresh interpreter takes to import them on 2 cores. The
+fork server has initialised no process group and started no thread pool, so a rank starts as
+clean as a spawned one; it gets the test process's environment as it is at the call.
 
 Each rank writes ``ok{rank}`` when ``fn(rank, world, mesh)`` returns and ``err{rank}`` (the
 traceback) when it raises; :func:`run_ranks` asserts every rank finished cleanly, and that every
 rank's process exited 0. A rank tears its groups down with :func:`torch_dcp.shutdown` (a store
 barrier unless ``barrier=False``, torch_dcp's and DTensor's references dropped, every group
-destroyed and freed while the interpreter is whole) and then leaves through the interpreter's
-ordinary exit, where gloo's teardown would abort ("terminate called without an active
-exception", SIGABRT) were a group still alive; only where the teardown reports something still
-alive (:func:`torch_dcp.teardown.leftovers`, written to ``left{rank}``) does the rank leave with
-:func:`torch_dcp.teardown.exit_process` (status 0: its result is already in ``ok``/``err``).
-A failed barrier (a peer that never reached its teardown) is an error of the rank. Inside
-``fn``, :func:`fresh_group` replaces the rank's process group with a new one (recovery after a
-fault).
+destroyed and freed while the interpreter is whole); what the teardown reports still alive
+(:func:`torch_dcp.teardown.leftovers`) is written to ``left{rank}``. A forked rank then leaves
+as multiprocessing's children do, without the interpreter's finalization: the exit through
+it, where gloo's teardown would abort ("terminate called without an active exception") were a
+group still alive, is tests/test_shutdown.py's, whose ranks are fresh interpreters. A failed
+barrier (a peer that never reached its teardown) is an error of the rank. Inside ``fn``,
+:func:`fresh_group` replaces the rank's process group with a new one (recovery after a fault).
 """
 
 from __future__ import annotations

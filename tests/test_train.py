@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,15 +15,33 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "train_llama.py"
 
 
-def _run(args: list[str], log: Path, nproc: int | None) -> list[dict]:
+def _runs(*runs: tuple[list[str], Path, int | None]) -> list[list[dict]]:
+    """Run the recipe once per ``(args, log, nproc)`` (under torchrun with ``nproc`` ranks, else
+    one plain process), all at once (their start-ups overlap one another's waits); every run's
+    rows, in order."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    cmd = [sys.executable]
-    if nproc:
-        cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    cmd += [str(RECIPE), *args, "--log-json", str(log)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return [json.loads(line) for line in log.read_text().splitlines()]
+    procs = []
+    for args, log, nproc in runs:
+        cmd = [sys.executable]
+        if nproc:
+            cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd += [str(RECIPE), *args, "--log-json", str(log)]
+        out = open(log.with_suffix(".out"), "w")
+        procs.append((subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True), out, log))
+    deadline = time.monotonic() + 600
+    rows = []
+    try:
+        for proc, out, log in procs:
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            out.close()
+            assert code == 0, log.with_suffix(".out").read_text()[-6000:]
+            rows.append([json.loads(line) for line in log.read_text().splitlines()])
+    finally:
+        for proc, out, _ in procs:
+            proc.kill()
+            proc.wait()
+            out.close()
+    return rows
 
 
 # lambda-inline (32 s) is slow: the main job's path is causal-loader's, plans made in line equal
@@ -39,8 +58,8 @@ def test_dcp_fsdp_matches_single_process(mask, planning, tmp_path):
     cover the head-parallel path in the default suite)."""
     common = ["--steps", "3", "--tokens-per-step", "3000", "--max-doc-len", "1500", "--mask", mask,
               "--block-size", "128"]
-    dcp = _run(common + ["--cp-impl", "torch_dcp"] + planning, tmp_path / "dcp.jsonl", nproc=4)
-    ref = _run(common + ["--cp-impl", "none"], tmp_path / "ref.jsonl", nproc=None)
+    dcp, ref = _runs((common + ["--cp-impl", "torch_dcp"] + planning, tmp_path / "dcp.jsonl", 4),
+                     (common + ["--cp-impl", "none"], tmp_path / "ref.jsonl", None))
     assert len(dcp) == len(ref) == 3
     for a, b in zip(dcp, ref):
         assert a["docs"] == b["docs"] and a["longest"] == b["longest"]
@@ -57,8 +76,8 @@ def test_tensor_parallel_dcp_matches_tensor_parallel_alone(tmp_path):
     the same --tp 2 without DCP (2 ranks, a dense mask over the whole batch)."""
     common = ["--steps", "3", "--tokens-per-step", "3000", "--max-doc-len", "1500", "--block-size", "128",
               "--tp", "2"]
-    dcp = _run(common + ["--cp-impl", "torch_dcp"], tmp_path / "dcp.jsonl", nproc=4)
-    ref = _run(common + ["--cp-impl", "none"], tmp_path / "ref.jsonl", nproc=2)
+    dcp, ref = _runs((common + ["--cp-impl", "torch_dcp"], tmp_path / "dcp.jsonl", 4),
+                     (common + ["--cp-impl", "none"], tmp_path / "ref.jsonl", 2))
     assert len(dcp) == len(ref) == 3
     for a, b in zip(dcp, ref):
         assert a["plan_heads"] == [2, 1]  # the plan is made for the TP-local heads
