@@ -6,9 +6,12 @@ A fenced ```python block is runnable when its first line is a marker comment:
 * ``# runnable``: one process; executed in this test's process (``runpy``, as ``__main__``,
   in a temporary working directory);
 * ``# runnable: N ranks``: a script the page tells users to start with ``torchrun``; it is
-  written to a file and run as ``python -m torch.distributed.run --standalone
-  --nproc-per-node N file.py`` (gloo, CPU), exactly what a user runs, with a time limit. The
-  multi-rank scripts run side by side (each torchrun picks its own free port).
+  written to a file and run on N gloo ranks of the test harness (processes forked from
+  tests/spawn.py's fork server, which imported torch and torch_dcp once), each with the
+  environment torchrun gives a rank (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+  ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), run as ``__main__`` in the script's
+  folder, with a time limit. The multi-rank scripts run side by side, each on its own port.
+  torchrun itself runs the README's main-job commands (tests/test_train.py).
 
 Any other block is illustration (e.g. a multi-node or GPU job). A snippet that raises, exits
 non-zero or outlives its limit fails the suite. The test prints how many snippets ran and
@@ -17,15 +20,19 @@ asserts a minimum count, so it cannot pass by finding none.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
 import runpy
-import subprocess
+import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
+
+import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -81,19 +88,56 @@ def _snippets() -> tuple[list[tuple[str, str]], list[tuple[str, int, str]]]:
     return single, ranks
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_ranks(script: Path, world: int) -> list:
+    """``world`` ranks of ``script`` as torchrun would start them, forked from the harness's fork
+    server; their output goes to ``script``'s ``.log``."""
+    spawn._forkserver()
+    ctx = multiprocessing.get_context("forkserver")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    procs = [ctx.Process(target=_snippet_rank, args=(str(script), rank, env)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    return procs
+
+
+def _snippet_rank(script: str, rank: int, env: dict) -> None:
+    """One rank: torchrun's environment, the script as ``__main__`` in its folder; exit status
+    0 when it returns (or exits 0), 1 with its traceback in the log when it raises."""
+    os.environ.clear()
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    log = os.open(str(Path(script).with_suffix(".log")), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.chdir(os.path.dirname(script))
+    sys.argv = [script]
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else (0 if err.code is None else 1)
+    except BaseException:  # noqa: BLE001 -- a snippet's failure is the rank's exit status
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def test_snippets_run(tmp_path, monkeypatch, capsys):
     single, ranks = _snippets()
     t0 = time.perf_counter()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    procs = []
+    jobs = []
     for i, (name, world, code) in enumerate(ranks):  # start the multi-rank scripts first: they run meanwhile
         script = tmp_path / f"snippet{i}.py"
         script.write_text(code)
-        log = open(tmp_path / f"snippet{i}.log", "w")
-        procs.append((name, subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", str(script)],
-            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT), tmp_path / f"snippet{i}.log"))
+        jobs.append((name, _start_ranks(script, world), script.with_suffix(".log")))
     failures = []
     monkeypatch.chdir(tmp_path)
     for i, (name, code) in enumerate(single):
@@ -104,17 +148,21 @@ def test_snippets_run(tmp_path, monkeypatch, capsys):
         except BaseException as err:  # noqa: BLE001 -- a snippet's SystemExit too
             failures.append(f"{name}: {type(err).__name__}: {err}")
     t_single = time.perf_counter() - t0
-    for name, proc, log in procs:
-        try:
-            rc = proc.wait(timeout=max(1.0, 240 - (time.perf_counter() - t0)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = "timeout"
-        if rc != 0:
-            failures.append(f"{name}: torchrun exit {rc}:\n" + log.read_text()[-3000:])
+    for name, procs, log in jobs:
+        codes = []
+        for proc in procs:
+            proc.join(timeout=max(1.0, 240 - (time.perf_counter() - t0)))
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+                codes.append("timeout")
+            else:
+                codes.append(proc.exitcode)
+        if any(c != 0 for c in codes):
+            failures.append(f"{name}: rank exit codes {codes}:\n" + log.read_text()[-3000:])
     elapsed = time.perf_counter() - t0
     with capsys.disabled():
-        print(f"\ndocs snippets: {len(single)} single-process ({t_single:.1f} s), {len(ranks)} under torchrun "
+        print(f"\ndocs snippets: {len(single)} single-process ({t_single:.1f} s), {len(ranks)} multi-rank "
               f"({sum(w for _, w, _ in ranks)} ranks in all), {elapsed:.1f} s in all")
     assert not failures, "\n\n".join(failures)
     assert len(single) >= MIN_SINGLE and len(ranks) >= MIN_RANKS, (len(single), len(ranks))
