@@ -63,16 +63,21 @@ def _write(dst: torch.Tensor, rows: Any, compute) -> None:
         dst.index_copy_(0, rows, compute(None).to(dst.dtype))
 
 
-def _use_triton(t: torch.Tensor, use_triton: bool | None) -> bool:
-    """``use_triton`` if given, else whether ``t`` is on CUDA (a fake CUDA tensor counts: the
-    device is taken as is, not queried) and Triton can run there."""
-    if use_triton is not None:
-        return use_triton
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """Whether the executor's Triton launches run on ``t``'s device: CUDA (a fake CUDA tensor
+    counts: the device is taken as is, not queried) with Triton importable. Triton's modules are
+    imported at the first CUDA call: with the ``torch.compile`` hint they register, they cost a
+    CPU-only ``import torch_dcp`` over a second."""
     if not t.is_cuda:
         return False
     from .triton_merge import triton_available
 
     return triton_available(t.device)
+
+
+def _use_triton(t: torch.Tensor, use_triton: bool | None) -> bool:
+    """``use_triton`` if given, else :func:`triton_runs_on`."""
+    return triton_runs_on(t) if use_triton is None else use_triton
 
 
 def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: Any, n: int, p: int,

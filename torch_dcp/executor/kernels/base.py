@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..division import Division
+from ..reduce import triton_runs_on
 
 __all__ = ["KernelLayout", "DivisionKernel", "GroupKernel", "ReferenceKernel", "out_with_delta", "flash_backward_inputs"]
 
@@ -106,7 +107,7 @@ def out_with_delta(do: torch.Tensor, delta: torch.Tensor, acc_dtype: torch.dtype
     (:func:`~torch_dcp.executor.triton_delta.out_with_delta_triton`, the norm in the
     accumulation precision from ``dO`` itself).
     """
-    if do.device.type == "cuda" and _triton_on(do.device):  # one launch (torch_dcp::out_with_delta)
+    if triton_runs_on(do):  # one launch (torch_dcp::out_with_delta)
         from ..triton_delta import out_with_delta_triton
 
         return out_with_delta_triton(do, delta, out_dtype or acc_dtype)
@@ -116,22 +117,13 @@ def out_with_delta(do: torch.Tensor, delta: torch.Tensor, acc_dtype: torch.dtype
     return torch.mul(do, coef.unsqueeze(-1)).to(out_dtype or acc_dtype)
 
 
-def _triton_on(device: torch.device) -> bool:
-    """Whether this module's Triton launches run on the CUDA ``device``; Triton's modules are
-    imported at the first CUDA call (with the ``torch.compile`` hint they register, they cost a
-    CPU-only ``import torch_dcp`` over a second)."""
-    from ..triton_merge import triton_available
-
-    return triton_available(device)
-
-
 def flash_backward_inputs(do: torch.Tensor, delta: torch.Tensor, lse: torch.Tensor, acc_dtype: torch.dtype,
                           out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """What a fused (flash) attention backward takes besides Q, K, V, dO: ``O'``
     (:func:`out_with_delta`, ``out_dtype``) and the final LSE heads-first, ``[H, N]`` float32
     contiguous. On CUDA with Triton both come from one launch
     (``torch_dcp::out_with_delta_lse``)."""
-    if do.device.type == "cuda" and _triton_on(do.device):
+    if triton_runs_on(do):
         from ..triton_delta import out_with_delta_triton
 
         return out_with_delta_triton(do, delta, out_dtype, lse=lse)

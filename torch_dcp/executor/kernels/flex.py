@@ -93,7 +93,7 @@ import torch
 from ...masks import BlockwiseCausal, Causal, Full, Lambda
 from ..division import Division
 from ..triton_delta import flex_backward_inputs_triton
-from ..triton_merge import triton_available
+from ..reduce import triton_runs_on
 from .base import KernelLayout, out_with_delta
 
 __all__ = ["FlexKernel", "flex_available"]
@@ -540,7 +540,7 @@ class FlexKernel:
         dt = self._in_dtype(q, acc)
         stat = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
         q4, k4, v4, do4 = (self._heads_first(t, dt) for t in (q, k, v, do))
-        if q.device.type == "cuda" and stat == torch.float32 and triton_available(q.device):  # one launch
+        if stat == torch.float32 and triton_runs_on(q):  # one launch
             o, lse2, glse2 = flex_backward_inputs_triton(do, delta, lse, dt)
             o4, lse2, glse2 = self._heads_first(o, dt), lse2.unsqueeze(0), glse2.unsqueeze(0)
         else:
