@@ -218,7 +218,7 @@ def test_tables_per_head_dim_and_dtype(tmp_path):
     loaded = CostModel.load(f"{tmp_path / 'base.json'},{tmp_path / 'hd32.json'}")
     assert loaded.kernel == FLAT.kernel and loaded.table_for(32, "float32") == slow
     assert CostModel.load("h100") == CostModel.h100()
-    with pytest.raises(ValueError, match="JSON table files"):
+    with pytest.raises(ValueError, match="JSON cost model files"):
         CostModel.load("b200")
 
 

@@ -199,11 +199,14 @@ def _row_bytes(itb: dict, backward: bool) -> dict[Buf, int]:
 def _memory_seconds(cm: CostModel, ins: BlockwiseCopy | BlockwiseReduction, blen: np.ndarray,
                     row_bytes: dict[Buf, int]) -> float:
     """Time of a copy (read + write of its rows) or a reduction (every source slot read, the
-    destination written)."""
+    destination written): the executor's costs where the model has them, else bytes over the
+    memory bandwidth."""
     if isinstance(ins, BlockwiseCopy):
-        return cm.memory_seconds(2.0 * blen[ins.blocks].sum() * row_bytes[ins.kind])
+        nbytes = 2.0 * blen[ins.blocks].sum() * row_bytes[ins.kind]
+        return float(cm.executor.copy.seconds(nbytes)) if cm.executor else cm.memory_seconds(nbytes)
     n_src = np.diff(ins.src_ptr)
-    return cm.memory_seconds(float(((n_src + 1) * blen[ins.dst_block]).sum()) * row_bytes[ins.src])
+    nbytes = float(((n_src + 1) * blen[ins.dst_block]).sum()) * row_bytes[ins.src]
+    return float(cm.executor.reduction.seconds(nbytes)) if cm.executor else cm.memory_seconds(nbytes)
 
 
 def _transfer_links(topology, links: dict[tuple, _Link], src: int, dst: int) -> tuple[list[_Link], bool]:
@@ -262,6 +265,7 @@ class _Pass:
         self.end_of: dict[tuple[int, int, int], float] = {}
         self.phase_keys: list[dict[int, list[tuple[int, int, int]]]] = [{} for _ in range(w)]
         self.blocked: dict[int, list[tuple[int, int, int]]] = {}
+        self.packed: dict[tuple[int, int], bool] = {}
         self.heap = [(0.0, r) for r in range(w)]
 
     # ------------------------------------------------------------------ compute instructions
@@ -276,14 +280,12 @@ class _Pass:
         self._compute(r, t, "copy", _memory_seconds(self.cm, ins, self.blen, self.row_bytes))
 
     def _attention_seconds(self, launches: list[BlockwiseAttention]) -> list[float]:
-        """:meth:`CostModel.attention_seconds` of every launch, the throughputs interpolated in
-        one call (the same operations element by element as one launch at a time)."""
-        wl, b, cm = self.plan.workload, self.plan.batch, self.cm
-        flops_of = wl.tile_flops_bwd if self.backward else wl.tile_flops_fwd
-        pairs = np.array([float(wl.tile_pairs[ins.tile].sum()) * b.n_heads for ins in launches], float)
-        flops = np.array([float(flops_of[ins.tile].sum()) for ins in launches], float)
-        causal = np.array([not bool(wl.tile_full[ins.tile].all()) for ins in launches], bool)
-        return cm.attention_seconds_array(pairs, flops, self.backward, causal, b.head_dim, b.dtype).tolist()
+        """:meth:`CostModel.launch_seconds` of every launch, in one call."""
+        if not launches:
+            return []
+        tiles = np.concatenate([ins.tile for ins in launches]).astype(np.int64)
+        cell = np.repeat(np.arange(len(launches)), [len(ins.tile) for ins in launches])
+        return self.cm.launch_seconds(self.plan.workload, tiles, cell, len(launches), self.backward).tolist()
 
     def on_attention(self, ins: BlockwiseAttention, r: int, t: float) -> None:
         self._compute(r, t, "attention", self.attention_s[id(ins)])
@@ -316,6 +318,14 @@ class _Pass:
         self.end_of[key] = start + dur
 
     def on_launch(self, ins: CommLaunch, r: int, t: float) -> None:
+        if self.cm.executor is not None and ins.sends and not self.packed.get((r, ins.phase)):
+            # the executor gathers the rows it sends (compute), then posts the transfers
+            self.packed[(r, ins.phase)] = True
+            sent = sum(float(sum(map(self.blen_l.__getitem__, tr.blocks.tolist()))) * self.itb[(self.backward, tr.kind)]
+                       for tr in ins.sends)
+            self.pc[r] -= 1  # _compute moves on; this instruction still posts its transfers
+            self._compute(r, t, "pack", float(self.cm.executor.pack.seconds(sent)))
+            return
         keys = []
         for tr, outgoing in [(x, True) for x in ins.sends] + [(x, False) for x in ins.recvs]:
             key = (ins.phase, r, tr.peer) if outgoing else (ins.phase, tr.peer, r)
@@ -361,6 +371,16 @@ class _Pass:
         progs = [plan.program(r, self.backward).instructions for r in range(w)]
         launches = [ins for prog in progs for ins in prog if isinstance(ins, BlockwiseAttention)]
         self.attention_s = dict(zip(map(id, launches), self._attention_seconds(launches)))  # the programs hold them
+        ex = self.cm.executor
+        if ex is not None:  # the pass's own costs (allocations, delta, final conversions) before its program
+            local = np.bincount(plan.placement.block_rank, weights=self.blen, minlength=w).astype(np.float64)
+            row = self.itb[(self.backward, Buf.Q)] + self.itb[(self.backward, Buf.KV)]
+            for r, sec in enumerate(np.atleast_1d(ex.pass_seconds(local * row, self.backward)).tolist()):
+                if sec > 0:
+                    self.events[r].append(("pass", 0.0, sec))
+                    self.busy[r] += sec
+                    self.clock[r] = sec
+            self.heap = [(float(self.clock[r]), r) for r in range(w)]
         while self.heap:
             t, r = heapq.heappop(self.heap)
             if self.pc[r] < len(progs[r]):
@@ -414,12 +434,9 @@ def division_launch_seconds(plan: Plan, cost_model: CostModel | None = None, bac
     launch, plus the launch overhead; 0 for a division without tiles): float64
     ``[world_size, divisions]``."""
     cm = cost_model or CostModel.a100()
-    wl, b, w, t = plan.workload, plan.batch, plan.world_size, plan.divisions
-    key = plan.placement.tile_rank.astype(np.int64) * t + np.asarray(plan.tile_division, np.int64)
-    pairs = np.bincount(key, weights=wl.tile_pairs, minlength=w * t) * b.n_heads
-    masked = np.bincount(key, weights=~np.asarray(wl.tile_full, bool), minlength=w * t) > 0
-    flops = np.bincount(key, weights=wl.tile_flops_bwd if backward else wl.tile_flops_fwd, minlength=w * t)
-    return cm.attention_seconds_array(pairs, flops, backward, masked, b.head_dim, b.dtype).reshape(w, t)
+    wl, w, t = plan.workload, plan.world_size, plan.divisions
+    cell = plan.placement.tile_rank.astype(np.int64) * t + np.asarray(plan.tile_division, np.int64)
+    return cm.launch_seconds(wl, np.arange(wl.n_tiles), cell, w * t, backward).reshape(w, t)
 
 
 def kernel_floor_seconds(plan: Plan, cost_model: CostModel | None = None, backward: bool | None = None) -> float:
@@ -494,12 +511,8 @@ def ring_step_seconds(plan: Plan, cost_model: CostModel | None = None) -> float:
     total = 0.0
     for backward in (False, True):
         # the attention of every (rank, step): one launch, as the simulator charges a division
-        cell = pl.tile_rank * w + plan.tile_division
-        flops = np.bincount(cell, wl.tile_flops_bwd if backward else wl.tile_flops_fwd, w * w)
-        pairs = np.bincount(cell, wl.tile_pairs, w * w) * b.n_heads
-        masked = np.bincount(cell, ~wl.tile_full, w * w) > 0
-        compute = np.array([cm.attention_seconds(p, f, backward, bool(m), b.head_dim, b.dtype)
-                            for p, f, m in zip(pairs, flops, masked)]).reshape(w, w)
+        cell = pl.tile_rank.astype(np.int64) * w + np.asarray(plan.tile_division, np.int64)
+        compute = cm.launch_seconds(wl, np.arange(wl.n_tiles), cell, w * w, backward).reshape(w, w)
         # bytes into rank r over the hop that overlaps step s - 1 (s = w + 1: after the last step)
         nbytes = np.zeros((w, w + 2))
         np.add.at(nbytes, (t["fetch_rank"], t["fetch_div"]), wl.block_len[t["fetch_block"]] * itb[(backward, Buf.KV)])

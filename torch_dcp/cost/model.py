@@ -19,6 +19,14 @@ Shipped tables (bf16, head_dim 128):
   (Dao, "FlashAttention-2", 2023, figures 4-6, head_dim 128): forward about 150-225 TFLOP/s
   from 512 to 16K tokens, backward about 110-195.
 
+The executor's own costs (:mod:`torch_dcp.cost.executor`): a model with ``executor`` set charges
+every instruction as torch_dcp's executor runs it on the device it was measured on (a division's
+launch by the work its kernel really performs, plus the executor's costs per division and per
+pass); ``python -m torch_dcp.benchmarks calibrate`` measures one, and ``CostModel.load("auto")``
+(:mod:`torch_dcp.cost.auto`) finds it. The ``h100`` and ``a100`` presets are the kernels alone
+(the published tables the paper benchmark simulates with); ``"auto"`` on such a card adds the
+executor's fixed costs per division (:data:`GPU_EXECUTOR`, from an H200 run).
+
 A user loads their own table with :meth:`CostModel.from_json` (same keys as
 :meth:`CostModel.to_json`; ``python -m torch_dcp.benchmarks kernels table`` measures one per
 head_dim) and joins several with :meth:`CostModel.merge`: a launch uses the table measured for
@@ -33,7 +41,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CostModel", "KernelTable", "A100", "H100"]
+from .executor import ExecutorCosts, KernelCosts, LaunchCosts, MemoryCosts
+
+__all__ = ["CostModel", "KernelTable", "Links", "A100", "H100", "GPU_EXECUTOR"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +103,41 @@ A100 = KernelTable(
 )
 
 
+#: The executor's fixed costs on a GPU with layer replay (the default on CUDA): per division, the
+#: CUDA kernels it launched on one H200 (docs/gpu/h200-2026-11-26.md, torch 2.11: 15.0 forward,
+#: 42.7 backward per division, counted by the profiler) at the presets' 5 µs per launch. Without
+#: replay the host bounds a division instead: the same run's busiest of 32 ranks took 7.5 ms
+#: (causal, varlen) and 10.4 ms (λ, FlexAttention) per layer where the kernel table gave 1.10 and
+#: 0.62 ms, about 0.28 / 0.79 ms (varlen) and 0.63 / 1.82 ms (flex) per division and pass. Both
+#: until ``python -m torch_dcp.benchmarks calibrate`` runs on a card.
+GPU_EXECUTOR = ExecutorCosts(
+    general=KernelCosts("flex", LaunchCosts(fixed=15.0 * 5e-6), LaunchCosts(fixed=42.7 * 5e-6)),
+    fast=KernelCosts("varlen", LaunchCosts(fixed=15.0 * 5e-6), LaunchCosts(fixed=42.7 * 5e-6)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+    """Point-to-point and all-to-all links measured on a process group (``calibrate`` under
+    ``torchrun``): latency in seconds and bandwidth in bytes/s, one value for every pair of
+    ranks (a one-node group). :func:`torch_dcp.plan` plans with them in place of the
+    :class:`~torch_dcp.Topology`'s own."""
+
+    latency: float
+    bandwidth: float
+    world_size: int
+    backend: str = ""
+
+    def __post_init__(self):
+        if not (self.latency >= 0 and self.bandwidth > 0 and np.isfinite(self.latency + self.bandwidth)):
+            raise ValueError(f"Links: latency must be >= 0 s and bandwidth > 0 bytes/s, got {self}")
+
+    def apply(self, topology: Any) -> Any:
+        """``topology`` with these links inside and between its nodes."""
+        return dataclasses.replace(topology, intra_latency=self.latency, intra_bandwidth=self.bandwidth,
+                                   inter_latency=self.latency,
+                                   inter_bandwidth=self.bandwidth * topology.rails_per_node)
+
+
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     """Times of instructions and transfers, in seconds (the module docstring has the model).
@@ -113,12 +158,19 @@ class CostModel:
         tables: optional tables measured for other shapes, ``((head_dim, dtype, table), ...)``;
             a launch uses the one matching the batch's head_dim and dtype, else ``kernel``
             (:meth:`table_for`). :meth:`merge` joins measured files (one per head_dim).
+        executor: the executor's own costs (:class:`~torch_dcp.cost.executor.ExecutorCosts`), or
+            None: launches charged by the table and ``launch_overhead`` alone.
+        links: links measured on a process group (:class:`Links`), or None.
+        source: where the model comes from, for logs (``"h100 preset"``, a calibration's device).
     """
 
     kernel: KernelTable = A100
     memory_bandwidth: float = 1.6e12
     launch_overhead: float = 5e-6
     tables: tuple[tuple[int, str, KernelTable], ...] = ()
+    executor: ExecutorCosts | None = None
+    links: Links | None = None
+    source: str = ""
 
     def table_for(self, head_dim: int | None = None, dtype: str | None = None) -> KernelTable:
         """The table measured for ``(head_dim, dtype)``; for ``dtype=None`` any dtype of that
@@ -144,14 +196,21 @@ class CostModel:
     @classmethod
     def a100(cls) -> "CostModel":
         """The A100-80GB model: the FlashAttention-2 paper's throughputs (bf16, head_dim 128),
-        1.6 TB/s of memory bandwidth, 5 µs per launch."""
-        return cls(A100, 1.6e12)
+        1.6 TB/s of memory bandwidth, 5 µs per launch: the kernels alone (the paper's tables);
+        ``with_executor(GPU_EXECUTOR)`` adds the executor's fixed costs (``"auto"`` on an A100)."""
+        return cls(A100, 1.6e12, source="a100 preset")
 
     @classmethod
     def h100(cls) -> "CostModel":
         """The H100 model: the FlashAttention-3 paper's throughputs (bf16, head_dim 128),
-        3.0 TB/s of memory bandwidth, 5 µs per launch."""
-        return cls(H100, 3.0e12)
+        3.0 TB/s of memory bandwidth, 5 µs per launch: the kernels alone (the paper's tables);
+        ``with_executor(GPU_EXECUTOR)`` adds the executor's fixed costs (``"auto"`` on an H100 or
+        H200)."""
+        return cls(H100, 3.0e12, source="h100 preset")
+
+    def with_executor(self, executor: ExecutorCosts | None, source: str | None = None) -> "CostModel":
+        """This model with the executor's costs ``executor`` (and ``source`` for logs)."""
+        return dataclasses.replace(self, executor=executor, source=self.source if source is None else source)
 
     def attention_seconds(self, pairs: float, flops: float, backward: bool, causal: bool,
                           head_dim: int | None = None, dtype: str | None = None) -> float:
@@ -170,6 +229,43 @@ class CostModel:
         flops = np.asarray(flops, float)
         tf = self.table_for(head_dim, dtype).tflops_array(np.sqrt(np.asarray(pairs, float)), backward, causal)
         return np.where(flops > 0, flops / (tf * 1e12) + self.launch_overhead, 0.0)
+
+    def launch_seconds(self, workload: Any, tiles: np.ndarray, tile_cell: np.ndarray, n_cells: int,
+                       backward: bool) -> np.ndarray:
+        """Seconds of ``n_cells`` attention launches (a rank's division each): ``tiles`` (int
+        tile ids) with ``tile_cell`` (the launch of each). Without :attr:`executor`, each launch
+        is :meth:`attention_seconds_array` of its visible pairs; with it, the executor's costs of
+        the kernel its automatic choice runs there (:mod:`torch_dcp.cost.executor`): float64
+        ``[n_cells]``."""
+        from ..workload import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR
+        from .executor import cell_kernels, launch_features
+
+        b = workload.batch
+        tiles = np.asarray(tiles, np.int64)
+        cell = np.asarray(tile_cell, np.int64)
+        if self.executor is None:
+            pairs = np.bincount(cell, weights=workload.tile_pairs[tiles], minlength=n_cells) * b.n_heads
+            flops_of = workload.tile_flops_bwd if backward else workload.tile_flops_fwd
+            flops = np.bincount(cell, weights=flops_of[tiles], minlength=n_cells)
+            masked = np.bincount(cell, weights=~np.asarray(workload.tile_full, bool)[tiles], minlength=n_cells) > 0
+            return self.attention_seconds_array(pairs, flops, backward, masked, b.head_dim, b.dtype)
+        ex = self.executor
+        fast = cell_kernels(workload, tiles, cell, n_cells, ex)
+        seconds = np.zeros(n_cells)
+        fpp = float((BWD_FLOPS_PER_PAIR if backward else FWD_FLOPS_PER_PAIR) * b.head_dim)
+        for kern, cells in ((ex.general, ~fast), (ex.fast, fast)):
+            if kern is None or not cells.any():
+                continue
+            keep = cells[cell]
+            f = launch_features(workload, tiles[keep], cell[keep], n_cells, kern.work, backward)
+            lc = kern.of(backward)
+            sec = f @ lc.vector()
+            if lc.flop is None or lc.masked_flop is None:  # the work at the table's throughput
+                work = np.where(lc.flop is None, f[:, 5], 0.0) + np.where(lc.masked_flop is None, f[:, 6], 0.0)
+                tf = self.table_for(b.head_dim, b.dtype).tflops_array(np.sqrt(work / fpp), backward, f[:, 6] > 0)
+                sec = sec + np.where(work > 0, work / (tf * 1e12) + self.launch_overhead, 0.0)
+            seconds = np.where(cells, sec, seconds)
+        return seconds
 
     def memory_seconds(self, nbytes: float) -> float:
         """A memory-bound pass that reads and writes ``nbytes`` in total."""
@@ -191,38 +287,59 @@ class CostModel:
         return topology.intra_latency + nbytes / topology.intra_bandwidth
 
     @classmethod
-    def load(cls, spec: str) -> "CostModel":
-        """``"a100"``, ``"h100"``, or the paths of JSON cost tables, comma-separated (merged,
-        e.g. one file measured per head_dim).
+    def load(cls, spec: "str | CostModel | None" = "auto", device: Any = None) -> "CostModel":
+        """``"auto"`` (the model of this device: :func:`torch_dcp.cost.auto.resolve`), ``"a100"``,
+        ``"h100"``, or the paths of JSON cost models, comma-separated (merged, e.g. one table
+        file measured per head_dim); a :class:`CostModel` as is; ``None`` as ``"auto"``.
+
+        Args:
+            device: for ``"auto"``: the device planned for (default: CUDA where available, else
+                the CPU).
 
         Raises:
             ValueError: an unknown name or a missing or malformed file.
         """
         from pathlib import Path
 
+        if isinstance(spec, CostModel):
+            return spec
+        if spec is None or spec == "auto":
+            from .auto import resolve
+
+            return resolve(device)
         if spec in ("a100", "h100"):
             return getattr(cls, spec)()
         paths = [Path(x) for x in str(spec).split(",")]
         for path in paths:
             if not path.is_file():
-                raise ValueError(f"cost model must be 'a100', 'h100' or JSON table files, got {spec!r}")
-        return cls.merge(*(cls.from_json(path.read_text()) for path in paths))
+                raise ValueError(f"cost model must be 'auto', 'a100', 'h100' or JSON cost model files, got {spec!r}")
+        models = [cls.from_json(path.read_text()) for path in paths]
+        return dataclasses.replace(cls.merge(*models), source=models[0].source or str(paths[0]))
 
-    def to_json(self) -> str:
+    def to_json(self, **meta: Any) -> str:
+        """The model as JSON (:meth:`from_json` reads it back); ``meta`` is stored beside it."""
         d: dict[str, Any] = {"kernel": dataclasses.asdict(self.kernel), "memory_bandwidth": self.memory_bandwidth,
                              "launch_overhead": self.launch_overhead}
         if self.tables:
             d["tables"] = [{"head_dim": hd, "dtype": dt, "kernel": dataclasses.asdict(t)} for hd, dt, t in self.tables]
+        if self.executor is not None:
+            d["executor"] = self.executor.to_dict()
+        if self.links is not None:
+            d["links"] = dataclasses.asdict(self.links)
+        if self.source:
+            d["source"] = self.source
+        if meta:
+            d["meta"] = meta
         return json.dumps(d, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "CostModel":
-        """Load a table measured on your own device (the format of :meth:`to_json`; a
+        """Load a table or model measured on your own device (the format of :meth:`to_json`; a
         ``meta`` object with ``head_dim`` and ``dtype``, as ``benchmarks kernels table`` writes,
         also files the table under that shape in ``tables``).
 
         Raises:
-            ValueError: malformed JSON or table.
+            ValueError: malformed JSON, table or executor costs.
         """
         def table(k: dict) -> KernelTable:
             return KernelTable(**{key: tuple(float(v) for v in vals) for key, vals in k.items()})
@@ -232,8 +349,11 @@ class CostModel:
             main = table(d["kernel"])
             tables = [(int(t["head_dim"]), str(t["dtype"]), table(t["kernel"])) for t in d.get("tables", [])]
             meta = d.get("meta") or {}
-            if "head_dim" in meta and "dtype" in meta:
+            if "head_dim" in meta and "dtype" in meta and "executor" not in d:
                 tables.insert(0, (int(meta["head_dim"]), str(meta["dtype"]), main))
-            return cls(main, float(d["memory_bandwidth"]), float(d.get("launch_overhead", 5e-6)), tuple(tables))
+            executor = ExecutorCosts.from_dict(d["executor"]) if d.get("executor") else None
+            links = Links(**d["links"]) if d.get("links") else None
+            return cls(main, float(d["memory_bandwidth"]), float(d.get("launch_overhead", 5e-6)), tuple(tables),
+                       executor, links, str(d.get("source", "")))
         except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as err:
-            raise ValueError(f"CostModel.from_json: malformed cost table ({err})") from None
+            raise ValueError(f"CostModel.from_json: malformed cost model ({type(err).__name__}: {err})") from None

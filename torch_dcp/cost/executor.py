@@ -1,0 +1,261 @@
+"""What torch_dcp's own executor costs, instruction by instruction: the terms a calibrated cost
+model charges (NumPy only).
+
+A rank's pass, as :class:`~torch_dcp.executor.RankExecutor` runs it, costs
+
+* per pass: a fixed part and the bytes of its local rows (allocations, ``delta`` in the
+  backward, the final conversions): ``pass_fixed + pass_byte x local bytes``;
+* per ``BlockwiseCopy`` / ``BlockwiseReduction`` / ``CommLaunch`` (gathering the messages it
+  sends): ``fixed + byte x bytes`` (:class:`MemoryCosts`);
+* per ``BlockwiseAttention`` (a *division*): the executor's gathers and writes plus the launches
+  of the kernel it chose there, charged by the work that kernel really performs
+  (:class:`LaunchCosts`, :func:`launch_features`)::
+
+      fixed + call x calls + byte x bytes + call_byte x call_bytes + mask x mask_elements
+            + work FLOPs x flop + masked-work FLOPs x masked_flop
+
+  where a ``flop`` of ``None`` charges the work at the throughput of the cost model's kernel
+  table instead (the GPU presets: FlashAttention's published TFLOP/s by work per launch).
+
+What a kernel really performs (:class:`KernelWork`):
+
+* ``RECTANGLE`` (``sdpa``, ``reference``): one call per query block; each computes the whole
+  rectangle of its query rows x the keys of its tiles, and where a tile is partial the call first
+  builds a dense mask (``query rows x keys x key ranges`` elements) and computes under it;
+* ``BLOCKS`` (``flex``): one launch; the visible pairs rounded up to the kernel's own
+  128 x 128 blocks (a partial tile's mask boundary wastes about half a block per 128 rows);
+* ``VISIBLE`` (``varlen``, ``flash_attn``): one launch over the visible pairs, per document.
+
+The executor's automatic choice (:func:`torch_dcp.executor.get_kernel`) is followed: on a CPU
+every division runs ``sdpa``; on CUDA a division whose documents all have causal or full masks
+runs the fast varlen kernel, any other the general one (FlexAttention).
+
+The form follows FlexSP's fitted ``(α1·s² + α2·s)/d + β1`` per micro-batch (Wang et al., ASPLOS
+2025, §5.1) and DistCA's per-call floor, with terms for what this executor does per division.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import numpy as np
+
+from ..masks import Causal, Full
+from ..workload import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, Buf, Workload, item_token_bytes
+
+__all__ = ["KernelWork", "KERNEL_WORK", "LaunchCosts", "KernelCosts", "MemoryCosts", "ExecutorCosts",
+           "LAUNCH_FEATURES", "launch_features", "cell_kernels"]
+
+#: the side of FlexAttention's blocks (its default ``BLOCK_SIZE``), in tokens
+FLEX_BLOCK = 128
+
+
+class KernelWork(enum.Enum):
+    """The work an attention kernel performs for the tiles it is given (module docstring)."""
+
+    RECTANGLE = "rectangle"
+    BLOCKS = "blocks"
+    VISIBLE = "visible"
+
+
+#: each kernel name's work (the registry's names, :data:`torch_dcp.executor.kernels.KERNEL_NAMES`)
+KERNEL_WORK: dict[str, KernelWork] = {"sdpa": KernelWork.RECTANGLE, "reference": KernelWork.RECTANGLE,
+                                      "flex": KernelWork.BLOCKS, "varlen": KernelWork.VISIBLE,
+                                      "flash_attn": KernelWork.VISIBLE}
+
+#: the features of a division's launch, in :meth:`LaunchCosts.vector` order
+LAUNCH_FEATURES = ("launch", "calls", "bytes", "call_bytes", "mask", "work", "masked_work")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchCosts:
+    """Seconds per unit of each launch feature (:data:`LAUNCH_FEATURES`), one kernel, one pass.
+
+    Attributes:
+        fixed: per division (the executor's gathers and writes as launches, host dispatch).
+        call: per kernel call.
+        byte: per byte the executor gathers and writes (query, key/value and output rows).
+        call_byte: per byte a call copies for itself (GQA heads expanded, casts; ``RECTANGLE``).
+        mask: per mask element x key range built (``RECTANGLE``'s partial groups).
+        flop, masked_flop: per FLOP of the kernel's work on full / masked tiles; ``None``: at
+            the throughput of the cost model's kernel table.
+    """
+
+    fixed: float = 0.0
+    call: float = 0.0
+    byte: float = 0.0
+    call_byte: float = 0.0
+    mask: float = 0.0
+    flop: float | None = None
+    masked_flop: float | None = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is not None and not (np.isfinite(v) and v >= 0):
+                raise ValueError(f"LaunchCosts.{f.name} must be a finite non-negative number of seconds, got {v!r}")
+
+    @classmethod
+    def from_vector(cls, c: np.ndarray) -> "LaunchCosts":
+        """From coefficients in :data:`LAUNCH_FEATURES` order."""
+        return cls(*(float(x) for x in c))
+
+    def vector(self) -> np.ndarray:
+        """float64 ``[len(LAUNCH_FEATURES)]`` (a ``None`` throughput as 0)."""
+        return np.array([self.fixed, self.call, self.byte, self.call_byte, self.mask, self.flop or 0.0,
+                         self.masked_flop or 0.0])
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCosts:
+    """One kernel's launch costs, forward and backward."""
+
+    name: str
+    forward: LaunchCosts
+    backward: LaunchCosts
+
+    def __post_init__(self):
+        if self.name not in KERNEL_WORK:
+            raise ValueError(f"KernelCosts: unknown kernel {self.name!r}; known: {sorted(KERNEL_WORK)}")
+
+    @property
+    def work(self) -> KernelWork:
+        return KERNEL_WORK[self.name]
+
+    def of(self, backward: bool) -> LaunchCosts:
+        return self.backward if backward else self.forward
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryCosts:
+    """A memory-bound instruction: ``fixed + byte x bytes`` seconds."""
+
+    fixed: float = 0.0
+    byte: float = 0.0
+
+    def __post_init__(self):
+        if not all(np.isfinite(v) and v >= 0 for v in (self.fixed, self.byte)):
+            raise ValueError(f"MemoryCosts must be finite and non-negative, got {self}")
+
+    def seconds(self, nbytes: Any) -> Any:
+        nbytes = np.asarray(nbytes, float)
+        return np.where(nbytes > 0, self.fixed + self.byte * nbytes, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutorCosts:
+    """The executor's costs on one device (module docstring).
+
+    Attributes:
+        general: the kernel of every division on a CPU, of divisions the fast kernel cannot
+            express on CUDA (FlexAttention).
+        fast: on CUDA, the varlen kernel of divisions whose documents are all causal or full
+            (``varlen`` or ``flash_attn``); None on a CPU.
+        copy, reduction, pack: ``BlockwiseCopy``, ``BlockwiseReduction``, ``CommLaunch``.
+        pass_fixed: seconds per pass, ``(forward, backward)``.
+        pass_byte: seconds per byte of the rank's local rows in a pass.
+    """
+
+    general: KernelCosts
+    fast: KernelCosts | None = None
+    copy: MemoryCosts = MemoryCosts()
+    reduction: MemoryCosts = MemoryCosts()
+    pack: MemoryCosts = MemoryCosts()
+    pass_fixed: tuple[float, float] = (0.0, 0.0)
+    pass_byte: float = 0.0
+
+    def kernels(self) -> tuple[KernelCosts, ...]:
+        return (self.general,) if self.fast is None else (self.general, self.fast)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ExecutorCosts":
+        """Raises: ValueError (through the constructors) on bad values; KeyError / TypeError on
+        a malformed dict (:meth:`CostModel.from_json` turns them into ValueError)."""
+        def kernel(k):
+            return None if k is None else KernelCosts(k["name"], LaunchCosts(**k["forward"]),
+                                                      LaunchCosts(**k["backward"]))
+
+        return cls(kernel(d["general"]), kernel(d.get("fast")), MemoryCosts(**d["copy"]),
+                   MemoryCosts(**d["reduction"]), MemoryCosts(**d["pack"]),
+                   tuple(float(x) for x in d["pass_fixed"]), float(d["pass_byte"]))
+
+    def pass_seconds(self, local_bytes: Any, backward: bool) -> Any:
+        """The fixed costs of a pass of ranks holding ``local_bytes`` bytes of rows."""
+        return self.pass_fixed[int(backward)] + self.pass_byte * np.asarray(local_bytes, float)
+
+
+def cell_kernels(workload: Workload, tiles: np.ndarray, tile_cell: np.ndarray, n_cells: int,
+                 costs: ExecutorCosts) -> np.ndarray:
+    """Which kernel runs each cell (a rank's division) of ``tiles`` (``tile_cell``: the cell of
+    each): bool ``[n_cells]``, True where the fast kernel does (CUDA: every document of its tiles
+    causal or full), as the executor's automatic choice runs it."""
+    if costs.fast is None or len(tiles) == 0:
+        return np.zeros(n_cells, bool)
+    b = workload.batch
+    flash_ok = np.array([isinstance(m, (Causal, Full)) for m in b.masks], bool)
+    tile_ok = flash_ok[b.doc_mask[workload.block_doc[workload.tile_q[tiles]]]]
+    return np.bincount(np.asarray(tile_cell, np.int64), weights=~tile_ok, minlength=n_cells) == 0
+
+
+def launch_features(workload: Workload, tiles: np.ndarray, tile_cell: np.ndarray, n_cells: int, work: KernelWork,
+                    backward: bool) -> np.ndarray:
+    """The :data:`LAUNCH_FEATURES` of ``n_cells`` launches: float64 ``[n_cells, 7]``.
+
+    Args:
+        tiles: int ``[n]`` tile ids; ``tile_cell``: int ``[n]`` the launch (cell) of each; a
+            tile in no cell is not passed.
+        work: what the kernel performs (:class:`KernelWork`).
+        backward: the backward pass (its rows and FLOPs per pair).
+    """
+    out = np.zeros((n_cells, len(LAUNCH_FEATURES)))
+    if len(tiles) == 0:
+        return out
+    b = workload.batch
+    blen = workload.block_len.astype(np.float64)
+    tq, tk = workload.tile_q[tiles], workload.tile_kv[tiles]
+    cell = np.asarray(tile_cell, np.int64)
+    itb = item_token_bytes(b)
+    q_row, kv_row = itb[(backward, Buf.Q)], itb[(backward, Buf.KV)]
+    res_row = (itb[(True, Buf.DQ)] if backward else itb[(False, Buf.OPART)])
+    fpp = float((BWD_FLOPS_PER_PAIR if backward else FWD_FLOPS_PER_PAIR) * b.n_heads * b.head_dim)
+    pairs = workload.tile_pairs[tiles].astype(np.float64)
+    full = np.asarray(workload.tile_full, bool)[tiles]
+    rect = blen[tq] * blen[tk]
+    # distinct query blocks (groups) and key blocks of each cell
+    g_key, g_inv = np.unique(cell * workload.n_blocks + tq, return_inverse=True)
+    g_cell = g_key // workload.n_blocks
+    k_key = np.unique(cell * workload.n_blocks + tk)
+    k_cell = k_key // workload.n_blocks
+    q_rows = np.bincount(g_cell, weights=blen[g_key % workload.n_blocks], minlength=n_cells)
+    k_rows = np.bincount(k_cell, weights=blen[k_key % workload.n_blocks], minlength=n_cells)
+    n_groups = np.bincount(g_cell, minlength=n_cells).astype(np.float64)
+    out[:, 0] = np.bincount(cell, minlength=n_cells) > 0
+    out[:, 2] = q_rows * (q_row + res_row) + k_rows * (kv_row + (itb[(True, Buf.DKV)] if backward else 0))
+    if work is KernelWork.RECTANGLE:
+        g_masked = np.bincount(g_inv, weights=~full, minlength=len(g_key)) > 0
+        t_masked = g_masked[g_inv]
+        out[:, 1] = n_groups
+        # each call copies its keys' K and V with the query heads (GQA expanded) and its own Q rows
+        acc = 8 if b.dtype == "float64" else 4
+        per_key = 2.0 * b.n_heads * b.head_dim * acc * (2 if backward else 1)
+        per_query = b.n_heads * b.head_dim * acc * (3 if backward else 1)
+        out[:, 3] = (np.bincount(cell, weights=blen[tk], minlength=n_cells) * per_key + q_rows * per_query)
+        ranges = max(m.n_ranges for m in b.masks)
+        out[:, 4] = np.bincount(cell, weights=rect * t_masked * ranges, minlength=n_cells)
+        out[:, 5] = np.bincount(cell, weights=rect * ~t_masked, minlength=n_cells) * fpp
+        out[:, 6] = np.bincount(cell, weights=rect * t_masked, minlength=n_cells) * fpp
+    else:
+        out[:, 1] = out[:, 0]
+        if work is KernelWork.BLOCKS:
+            edge = FLEX_BLOCK / 2.0 * (blen[tq] + blen[tk])
+            done = np.where(full, rect, np.minimum(rect, pairs + edge))
+        else:
+            done = pairs
+        out[:, 5] = np.bincount(cell, weights=done * full, minlength=n_cells) * fpp
+        out[:, 6] = np.bincount(cell, weights=done * ~full, minlength=n_cells) * fpp
+    return out
