@@ -37,7 +37,7 @@ from .workload import Buf, Workload, item_token_bytes
 
 __all__ = ["simulate", "simulate_within", "SimResult", "PassResult", "ring_step_seconds", "floor_seconds",
            "compute_floor_seconds", "kernel_floor_seconds", "division_launch_seconds", "link_floor_seconds",
-           "batch_floor_seconds"]
+           "batch_floor_seconds", "instruction_bytes", "pass_row_bytes", "pass_local_bytes", "send_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,17 +196,43 @@ def _row_bytes(itb: dict, backward: bool) -> dict[Buf, int]:
             Buf.DQ: itb[(True, Buf.DQ)], Buf.DKV: itb[(True, Buf.DKV)]}
 
 
+def instruction_bytes(ins: BlockwiseCopy | BlockwiseReduction, blen: np.ndarray, row_bytes: dict[Buf, int]) -> float:
+    """Bytes a copy (read + write of its rows) or a reduction (every source slot read, the
+    destination written) moves; ``row_bytes``: per token row of each buffer (:func:`pass_row_bytes`)."""
+    if isinstance(ins, BlockwiseCopy):
+        return 2.0 * float(blen[ins.blocks].sum()) * row_bytes[ins.kind]
+    n_src = np.diff(ins.src_ptr)
+    return float(((n_src + 1) * blen[ins.dst_block]).sum()) * row_bytes[ins.src]
+
+
+def pass_row_bytes(batch: BatchSpec, backward: bool) -> dict[Buf, int]:
+    """Bytes per token row of each buffer a pass copies, reduces or sends."""
+    return _row_bytes(item_token_bytes(batch), backward)
+
+
+def pass_local_bytes(plan: Plan, backward: bool) -> np.ndarray:
+    """float64 ``[W]``: bytes of each rank's local rows in a pass (its Q and K/V rows), the size
+    the executor's per-pass costs scale with (:meth:`ExecutorCosts.pass_seconds`)."""
+    itb = item_token_bytes(plan.batch)
+    local = np.bincount(plan.placement.block_rank, weights=plan.workload.block_len,
+                        minlength=plan.world_size).astype(np.float64)
+    return local * (itb[(backward, Buf.Q)] + itb[(backward, Buf.KV)])
+
+
+def send_bytes(ins: CommLaunch, blen: np.ndarray, row_bytes: dict[Buf, int]) -> float:
+    """Bytes a ``CommLaunch`` sends (the executor gathers them)."""
+    return sum(float(blen[tr.blocks].sum()) * row_bytes[tr.kind] for tr in ins.sends)
+
+
 def _memory_seconds(cm: CostModel, ins: BlockwiseCopy | BlockwiseReduction, blen: np.ndarray,
                     row_bytes: dict[Buf, int]) -> float:
-    """Time of a copy (read + write of its rows) or a reduction (every source slot read, the
-    destination written): the executor's costs where the model has them, else bytes over the
-    memory bandwidth."""
-    if isinstance(ins, BlockwiseCopy):
-        nbytes = 2.0 * blen[ins.blocks].sum() * row_bytes[ins.kind]
-        return float(cm.executor.copy.seconds(nbytes)) if cm.executor else cm.memory_seconds(nbytes)
-    n_src = np.diff(ins.src_ptr)
-    nbytes = float(((n_src + 1) * blen[ins.dst_block]).sum()) * row_bytes[ins.src]
-    return float(cm.executor.reduction.seconds(nbytes)) if cm.executor else cm.memory_seconds(nbytes)
+    """Time of a copy or a reduction (:func:`instruction_bytes`): the executor's costs where the
+    model has them, else bytes over the memory bandwidth."""
+    nbytes = instruction_bytes(ins, blen, row_bytes)
+    ex = cm.executor
+    if ex is None:
+        return cm.memory_seconds(nbytes)
+    return float((ex.copy if isinstance(ins, BlockwiseCopy) else ex.reduction).seconds(nbytes))
 
 
 def _transfer_links(topology, links: dict[tuple, _Link], src: int, dst: int) -> tuple[list[_Link], bool]:
@@ -321,8 +347,7 @@ class _Pass:
         if self.cm.executor is not None and ins.sends and not self.packed.get((r, ins.phase)):
             # the executor gathers the rows it sends (compute), then posts the transfers
             self.packed[(r, ins.phase)] = True
-            sent = sum(float(sum(map(self.blen_l.__getitem__, tr.blocks.tolist()))) * self.itb[(self.backward, tr.kind)]
-                       for tr in ins.sends)
+            sent = send_bytes(ins, self.blen, self.row_bytes)
             self.pc[r] -= 1  # _compute moves on; this instruction still posts its transfers
             self._compute(r, t, "pack", float(self.cm.executor.pack.seconds(sent)))
             return
@@ -373,9 +398,8 @@ class _Pass:
         self.attention_s = dict(zip(map(id, launches), self._attention_seconds(launches)))  # the programs hold them
         ex = self.cm.executor
         if ex is not None:  # the pass's own costs (allocations, delta, final conversions) before its program
-            local = np.bincount(plan.placement.block_rank, weights=self.blen, minlength=w).astype(np.float64)
-            row = self.itb[(self.backward, Buf.Q)] + self.itb[(self.backward, Buf.KV)]
-            for r, sec in enumerate(np.atleast_1d(ex.pass_seconds(local * row, self.backward)).tolist()):
+            for r, sec in enumerate(np.atleast_1d(ex.pass_seconds(pass_local_bytes(plan, self.backward),
+                                                                  self.backward)).tolist()):
                 if sec > 0:
                     self.events[r].append(("pass", 0.0, sec))
                     self.busy[r] += sec

@@ -14,7 +14,7 @@ import json
 import sys
 
 from ..topology import TOPOLOGY_PRESETS, Topology
-from . import (balance, common, gpu_report, kernels, loader, ops, pictures, planners, readiness, routes, scale, step,
+from . import (balance, calibrate, common, gpu_report, kernels, loader, ops, pictures, planners, readiness, routes, scale, step,
                sweeps)
 from .common import MASKS
 
@@ -109,6 +109,10 @@ def parser() -> argparse.ArgumentParser:
     pp3.add_argument("--planner", default="dcp")
     pp3.add_argument("--block-size", type=int, default=1024)
     pp3.set_defaults(run=_pictures)
+    cp = sub.add_parser("calibrate", help="the cost model of this device, measured from the executor; --check",
+                        description=calibrate.__doc__, formatter_class=raw)
+    calibrate.add_arguments(cp)
+    cp.set_defaults(run=lambda a: calibrate.run(a))
     kp = sub.add_parser("kernels", help="kernel micro-benchmarks: reduce, table, division, plan",
                         description=kernels.__doc__, formatter_class=raw)
     ksub = kp.add_subparsers(dest="kcmd", required=True)

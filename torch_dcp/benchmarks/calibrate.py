@@ -1,0 +1,379 @@
+"""``python -m torch_dcp.benchmarks calibrate``: the cost model of this device, measured from the
+executor itself, and the check of a model against the executor, rank by rank.
+
+Calibrate (at most about 5 minutes on a 2-core CPU, 3 on a GPU)::
+
+    python -m torch_dcp.benchmarks calibrate                         # this device; stored in the cache
+    python -m torch_dcp.benchmarks calibrate --device cpu --out my_cpu.json
+    torchrun --standalone --nproc-per-node 4 -m torch_dcp.benchmarks calibrate   # + the group's links
+
+It plans synthetic batches (long-tail and corpus document lengths, causal, λ and shared-question
+masks, several world sizes and block sizes), runs every rank of each plan through the executor in
+this process (:func:`~torch_dcp.benchmarks.measure.measure_plan`: every instruction timed, the
+emulated network's copies left out), fits the executor's costs to those times
+(:func:`torch_dcp.cost.fit.fit_executor`; the residuals are printed) and writes the model as JSON:
+by default where ``cost_model="auto"`` finds it (:func:`torch_dcp.cost.auto.cache_path`: keyed by
+the device's name and the torch version; ``TORCH_DCP_COST_MODEL=FILE`` overrides). Under
+``torchrun`` with 2 or more ranks it also measures the process group's point-to-point latency and
+bandwidth and its all-to-all bandwidth (:class:`~torch_dcp.cost.Links`), which plans made with the
+model use for the group's links.
+
+Check (``--check``): for long-tail and corpus batches, every rank's forward + backward measured
+alone beside the simulator's busy time of that rank under the model in use (``--cost``, default
+``auto``); per case the ratio measured / predicted of the busiest rank and of the median rank
+(target 0.8-1.25). The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import torch_dcp
+
+from ..cost import CostModel, ExecutorCosts, KernelCosts, KernelTable, LaunchCosts
+from ..cost.auto import cache_path, device_key
+from ..cost.auto import device_name as model_device_name
+from ..cost.executor import KERNEL_WORK, cell_kernels, launch_features
+from ..cost.fit import FitReport, LaunchSample, MemorySample, PassSample, fit_executor
+from ..plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan
+from ..simulate import instruction_bytes, pass_local_bytes, pass_row_bytes, send_bytes
+from .common import MASKS, batch_lengths, device_name, pick_device
+from .measure import RankTimes, measure_plan
+
+__all__ = ["add_arguments", "run", "main", "calibration_plans", "check_cases", "samples_of", "CHECK_RANGE"]
+
+#: measured / predicted of the busiest and the median rank that the check accepts
+CHECK_RANGE = (0.8, 1.25)
+
+_SHAPES = {"cuda": {"heads": 8, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16"},
+           "cpu": {"heads": 4, "kv_heads": 2, "head_dim": 32, "dtype": "float32"}}
+#: (batch, mask, tokens, world size, block size) of the calibration plans per size
+_PLANS = {
+    "full": [("longtail", "causal", 8192, 4, 128), ("corpus", "causal", 8192, 8, 256),
+             ("longtail", "lambda", 8192, 4, 256), ("corpus", "lambda", 8192, 8, 128),
+             ("longtail", "shared_question", 8192, 8, 512), ("corpus", "shared_question", 8192, 4, 512),
+             ("longtail", "causal", 16384, 8, 512), ("corpus", "lambda", 16384, 4, 512),
+             ("longtail", "lambda", 4096, 2, 128), ("corpus", "causal", 4096, 2, 256)],
+    "tiny": [("longtail", "causal", 768, 2, 128), ("longtail", "lambda", 768, 2, 128)],
+}
+_GPU_SCALE = 8  # GPU calibration plans: 8 x the tokens, 4 x the block sizes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``python -m torch_dcp.benchmarks calibrate``."""
+    p.add_argument("--device", default="auto", help="cuda, cpu or auto (default)")
+    p.add_argument("--kernel", default="auto", help="the executor's kernel (default auto, as the executor chooses)")
+    p.add_argument("--out", default=None, help="write the model here (default: the cache 'auto' reads)")
+    p.add_argument("--size", choices=sorted(_PLANS), default="full", help="calibration plans (tiny: for tests)")
+    p.add_argument("--repeat", type=int, default=2, help="timed steps per plan, median (default 2)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: as set)")
+    p.add_argument("--check", action="store_true", help="check a model against the executor instead of fitting")
+    p.add_argument("--cost", default="auto", help="with --check: the model to check (auto, a100, h100 or JSON)")
+    p.add_argument("--cases", default=None,
+                   help="with --check: BATCH:MASK:TOKENS:W:BLOCK,... (default: long-tail and corpus, 8K-32K "
+                        "tokens, W = 4 and 8, blocks 128-512, causal, lambda, shared_question)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _shape(dev: torch.device) -> dict[str, Any]:
+    return _SHAPES["cuda" if dev.type == "cuda" else "cpu"]
+
+
+def _batch(kind: str, mask: str, tokens: int, shape: dict[str, Any], seed: int) -> torch_dcp.BatchSpec:
+    lens = batch_lengths(kind, tokens, seed=seed, max_doc_len=max(256, tokens // 2))
+    return torch_dcp.BatchSpec(lens, MASKS[mask], n_heads=shape["heads"], n_kv_heads=shape["kv_heads"],
+                               head_dim=shape["head_dim"], dtype=shape["dtype"])
+
+
+def _plan(batch: torch_dcp.BatchSpec, world: int, block: int, planner: str, cost: Any) -> Plan:
+    topo = torch_dcp.Topology(n_nodes=1, ranks_per_node=world)
+    opts: dict[str, Any] = {"head_parallel": 1} if planner == "dcp" else {}
+    return torch_dcp.plan(batch, topo, planner=planner, block_size=block, cost_model=cost, **opts)
+
+
+def calibration_plans(dev: torch.device, size: str = "full", seed: int = 0) -> list[Plan]:
+    """The synthetic plans a calibration measures: dcp's and ring attention's plans (many small
+    and a few large divisions) of long-tail and corpus batches under three masks."""
+    shape = _shape(dev)
+    scale = _GPU_SCALE if dev.type == "cuda" else 1
+    plans = []
+    for i, (kind, mask, tokens, world, block) in enumerate(_PLANS[size]):
+        batch = _batch(kind, mask, tokens * scale, shape, seed + i)
+        planner = "ring" if i % 5 == 4 else "dcp"
+        plans.append(_plan(batch, world, block * min(scale, 4), planner, "h100"))
+    return plans
+
+
+def samples_of(plan: Plan, times: RankTimes, general: str, fast: str | None) -> tuple[list, list, list]:
+    """The fit's samples of one measured plan: ``(launches, memory, passes)``
+    (:mod:`torch_dcp.cost.fit`).
+
+    Raises:
+        RuntimeError: the instruction timings do not follow the plan's programs.
+    """
+    wl = plan.workload
+    blen = wl.block_len
+    kinds = ExecutorCosts(KernelCosts(general, LaunchCosts(), LaunchCosts()),
+                          KernelCosts(fast, LaunchCosts(), LaunchCosts()) if fast else None)
+    launches, memory, passes = [], [], []
+    for r, per_pass in enumerate(times.instructions):
+        for backward, timed in zip((False, True), per_pass):
+            prog = [ins for ins in plan.program(r, backward).instructions if not isinstance(ins, CommWait)]
+            if len(prog) != len(timed):
+                raise RuntimeError(f"rank {r}: {len(timed)} timed instructions for {len(prog)} in its program")
+            rows = pass_row_bytes(plan.batch, backward)
+            for ins, t in zip(prog, timed):
+                if isinstance(ins, BlockwiseAttention):
+                    cell = np.zeros(len(ins.tile), np.int64)
+                    name = fast if cell_kernels(wl, ins.tile, cell, 1, kinds)[0] else general
+                    f = launch_features(wl, ins.tile, cell, 1, KERNEL_WORK[name], backward)[0]
+                    launches.append(LaunchSample(name, backward, tuple(f.tolist()), t.seconds))
+                elif isinstance(ins, (BlockwiseCopy, BlockwiseReduction)):
+                    kind = "copy" if isinstance(ins, BlockwiseCopy) else "reduction"
+                    memory.append(MemorySample(kind, backward, instruction_bytes(ins, blen, rows), t.seconds))
+                elif isinstance(ins, CommLaunch) and ins.sends:
+                    memory.append(MemorySample("pack", backward, send_bytes(ins, blen, rows), t.seconds))
+            busy = (times.backward if backward else times.forward)[r]
+            passes.append(PassSample(backward, float(pass_local_bytes(plan, backward)[r]),
+                                     float(busy - sum(t.seconds for t in timed))))
+    return launches, memory, passes
+
+
+def _kernel_names(dev: torch.device, kernel: str) -> tuple[str, str | None]:
+    """The model's (general, fast) kernels for the executor's ``kernel`` on ``dev``."""
+    from ..executor.kernels import AutoKernel, get_kernel
+
+    shape = _shape(dev)
+    k = get_kernel(kernel, device=dev, dtype=getattr(torch, shape["dtype"]), head_dim=shape["head_dim"])
+    if isinstance(k, AutoKernel):
+        return k.general.name, (k.fast.name if k.fast is not None else None)
+    return k.name, None
+
+
+def _progress(items: list, desc: str) -> Any:
+    try:
+        from tqdm import tqdm
+
+        return tqdm(items, desc=desc, file=sys.stderr, disable=None)
+    except ImportError:  # the benchmarks extra brings tqdm
+        return items
+
+
+def calibrate(dev: torch.device, kernel: str = "auto", size: str = "full", repeat: int = 2,
+              seed: int = 0) -> tuple[CostModel, FitReport, dict[str, Any]]:
+    """Measure the calibration plans on ``dev`` and fit the model: ``(model, residuals, meta)``."""
+    general, fast = _kernel_names(dev, kernel)
+    launches, memory, passes = [], [], []
+    t0 = time.perf_counter()
+    plans = calibration_plans(dev, size, seed)
+    for plan in _progress(plans, "calibrate"):
+        times = measure_plan(plan, dev, kernel, repeat=repeat, instructions=True, seed=seed)
+        got = samples_of(plan, times, general, fast)
+        launches += got[0]
+        memory += got[1]
+        passes += got[2]
+    if fast is not None and not any(s.kernel == fast for s in launches):
+        fast = None  # no division ran the fast kernel: the model keeps the general one
+    costs, report = fit_executor(launches, memory, passes, general, fast)
+    name = model_device_name(dev)
+    meta = {"device": name, "torch": torch.__version__, "key": device_key(dev), "kernel": kernel,
+            "threads": torch.get_num_threads(), "plans": len(plans), "launch_samples": len(launches),
+            "seconds": round(time.perf_counter() - t0, 1), "date": datetime.date.today().isoformat()}
+    g = costs.general.forward, costs.general.backward
+    # the kernel table: the general kernel's throughput on full tiles (no launch is faster), so the
+    # floors built on it stay lower bounds of the executor-aware times
+    tf = [1e-12 / lc.flop if lc.flop else 1e3 for lc in g]
+    table = KernelTable(tokens=(1.0,), fwd_full=(tf[0],), fwd_causal=(tf[0],), bwd_full=(tf[1],), bwd_causal=(tf[1],))
+    bw = 1.0 / costs.copy.byte if costs.copy.byte > 0 else 1e12
+    model = CostModel(table, bw, 0.0, executor=costs,
+                      source=f"calibrated on {name}, torch {torch.__version__}, {meta['date']}")
+    return model, report, meta
+
+
+# ---------------------------------------------------------------------- links under torchrun
+def measure_links(device: torch.device, repeat: int = 5) -> "torch_dcp.cost.Links":
+    """Point-to-point latency and bandwidth (ranks 0 and 1, ping-pong) and all-to-all bandwidth of
+    the default process group; every rank must call it. The bandwidth kept is the lower of the
+    two (bytes each rank sends per second).
+
+    Raises:
+        RuntimeError: no process group, or fewer than 2 ranks.
+    """
+    import torch.distributed as dist
+
+    from ..cost import Links
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        raise RuntimeError("measure_links needs a process group of 2 or more ranks")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def ping(nbytes: int) -> float:
+        buf = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        times = []
+        for _ in range(repeat + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - t0) / 2)
+        return float(np.median(times[1:]))
+
+    small, big = 8, 8 << 20
+    t_small, t_big = ping(small), ping(big)
+    p2p_bw = (big - small) / max(t_big - t_small, 1e-9)
+    chunk = (4 << 20) // world
+    send = torch.zeros(chunk * world // 4, dtype=torch.float32, device=device)
+    recv = torch.empty_like(send)
+    a2a = []
+    for _ in range(repeat + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(recv, send)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        a2a.append(time.perf_counter() - t0)
+    a2a_bw = chunk * (world - 1) / max(float(np.median(a2a[1:])) - t_small, 1e-9)
+    stats = torch.tensor([t_small, min(p2p_bw, a2a_bw)], dtype=torch.float64)
+    dist.broadcast(stats, 0)  # rank 0's measurement (ranks 0 and 1 ran the ping-pong) for everyone
+    return Links(float(stats[0]), float(stats[1]), world, dist.get_backend())
+
+
+# ---------------------------------------------------------------------- the check
+def check_cases(spec: str | None) -> list[tuple[str, str, int, int, int]]:
+    """``(batch, mask, tokens, W, block)`` of the check (``spec``: ``B:M:T:W:BS,...``).
+
+    Raises:
+        ValueError: a malformed case.
+    """
+    if spec:
+        out = []
+        for item in spec.split(","):
+            parts = item.split(":")
+            if len(parts) != 5 or parts[1] not in MASKS:
+                raise ValueError(f"--cases: expected BATCH:MASK:TOKENS:W:BLOCK with a mask of {sorted(MASKS)}, "
+                                 f"got {item!r}")
+            out.append((parts[0], parts[1], int(parts[2]), int(parts[3]), int(parts[4])))
+        return out
+    cases = []
+    blocks = (128, 256, 512)
+    for i, (kind, mask, world) in enumerate((k, m, w) for k in ("longtail", "corpus")
+                                            for m in ("causal", "lambda", "shared_question") for w in (4, 8)):
+        cases.append((kind, mask, (8192, 16384, 32768)[i % 3], world, blocks[i % 3]))
+    return cases
+
+
+def check(model: CostModel, dev: torch.device, cases: list, kernel: str = "auto", repeat: int = 2,
+          seed: int = 0, out: Any = None) -> dict[str, Any]:
+    """Every case's plan (dcp, planned with ``model``) measured rank by rank beside the
+    simulator's busy time of each rank under ``model``: the busiest and the median rank's
+    measured / predicted."""
+    p = (lambda s: print(s, file=out or sys.stdout, flush=True))
+    shape = _shape(dev)
+    rows = []
+    p(f"check of '{model.source or 'the model'}' on {device_name(dev)}: each rank's forward + backward measured "
+      f"alone / the simulator's busy time of that rank")
+    p("| batch | mask | tokens | W | block | busiest rank: measured / predicted ms | ratio | median rank ratio |")
+    p("|---|---|---|---|---|---|---|---|")
+    for kind, mask, tokens, world, block in _progress(cases, "check"):
+        batch = _batch(kind, mask, tokens, shape, seed)
+        plan = _plan(batch, world, block, "dcp", model)
+        times = measure_plan(plan, dev, kernel, repeat=repeat, seed=seed)
+        sim = torch_dcp.simulate(plan, model)
+        pred = sim.forward.busy_s + sim.backward.busy_s
+        meas = times.total
+        ratio = meas / np.maximum(pred, 1e-12)
+        busiest = int(np.argmax(meas))
+        med = int(np.argsort(meas)[len(meas) // 2])
+        rows.append({"batch": kind, "mask": mask, "tokens": tokens, "world": world, "block": block,
+                     "divisions": plan.divisions, "measured_s": meas.tolist(), "predicted_s": pred.tolist(),
+                     "busiest": float(ratio[busiest]), "median": float(ratio[med])})
+        p(f"| {kind} | {mask} | {tokens} | {world} | {block} | {meas[busiest] * 1e3:.1f} / {pred[busiest] * 1e3:.1f} | "
+          f"{ratio[busiest]:.2f} | {ratio[med]:.2f} |")
+    lo, hi = CHECK_RANGE
+    inside = sum(lo <= r["busiest"] <= hi and lo <= r["median"] <= hi for r in rows)
+    p(f"{inside} of {len(rows)} cases with the busiest and the median rank within {lo}-{hi}")
+    return {"model": model.source, "device": device_name(dev), "torch": torch.__version__, "cases": rows,
+            "inside": inside, "range": list(CHECK_RANGE)}
+
+
+# ---------------------------------------------------------------------- the command
+def run(args: argparse.Namespace, out: Any = None) -> dict[str, Any]:
+    """Run ``calibrate`` (or ``calibrate --check``) with parsed options; prints a table and a final
+    JSON line, returns the JSON's dict."""
+    import torch.distributed as dist
+
+    out = out or sys.stdout
+    p = (lambda s="": print(s, file=out, flush=True))
+    dev = pick_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.check:
+        model = CostModel.load(args.cost, device=dev)
+        res = check(model, dev, check_cases(args.cases), args.kernel, args.repeat, args.seed, out)
+        p(json.dumps(res))
+        return res
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    links = None
+    if distributed:
+        if dev.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dev = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=20))
+        links = measure_links(dev)
+        if dist.get_rank() != 0:  # rank 0 measures the executor alone; the others wait for it
+            dist.barrier()
+            dist.destroy_process_group()
+            return {"links": links.__dict__}
+    model, report, meta = calibrate(dev, args.kernel, args.size, args.repeat, args.seed)
+    if links is not None:
+        import dataclasses
+
+        model = dataclasses.replace(model, links=links)
+    path = Path(args.out) if args.out else cache_path(dev)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(model.to_json(**meta))
+    p(f"calibrated {meta['plans']} plans on {meta['device']} (torch {meta['torch']}, {meta['threads']} threads) "
+      f"in {meta['seconds']} s; residuals of the fit:")
+    for line in report.lines():
+        p(line)
+    ex = model.executor
+    p(f"per division: {ex.general.name} fixed {ex.general.forward.fixed * 1e6:.1f} / {ex.general.backward.fixed * 1e6:.1f} "
+      f"µs (forward / backward), per call {ex.general.forward.call * 1e6:.1f} / {ex.general.backward.call * 1e6:.1f} µs")
+    if links is not None:
+        p(f"links ({links.backend}, {links.world_size} ranks): latency {links.latency * 1e6:.1f} µs, "
+          f"bandwidth {links.bandwidth / 1e9:.2f} GB/s")
+    p(f"wrote {path}" + ("" if args.out else " (the cache cost_model='auto' reads)"))
+    res = {"path": str(path), "meta": meta, "residuals": report.terms,
+           "links": links.__dict__ if links is not None else None}
+    p(json.dumps(res))
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    return res
+
+
+def main(argv: list[str] | None = None, out: Any = None) -> dict[str, Any]:
+    """``run`` with its own parser (for scripts and tests)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv), out)
+
+
+if __name__ == "__main__":  # torchrun -m torch_dcp.benchmarks.calibrate
+    main()
