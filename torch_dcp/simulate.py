@@ -29,6 +29,7 @@ import heapq
 import numpy as np
 
 from .cost import CostModel
+from .cost.executor import memory_kind
 from .plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan, dispatch
 from .plan.heads import HeadParallelPlan
 from .planners.base import Routing
@@ -232,7 +233,8 @@ def _memory_seconds(cm: CostModel, ins: BlockwiseCopy | BlockwiseReduction, blen
     ex = cm.executor
     if ex is None:
         return cm.memory_seconds(nbytes)
-    return float((ex.copy if isinstance(ins, BlockwiseCopy) else ex.reduction).seconds(nbytes))
+    costs = ex.memory(memory_kind(ins))
+    return 0.0 if costs is None else float(costs.seconds(nbytes))
 
 
 def _transfer_links(topology, links: dict[tuple, _Link], src: int, dst: int) -> tuple[list[_Link], bool]:

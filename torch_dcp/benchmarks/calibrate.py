@@ -43,7 +43,7 @@ import torch_dcp
 from ..cost import CostModel, ExecutorCosts, KernelCosts, KernelTable, LaunchCosts
 from ..cost.auto import cache_path, device_key
 from ..cost.auto import device_name as model_device_name
-from ..cost.executor import KERNEL_WORK, cell_kernels, launch_features
+from ..cost.executor import KERNEL_WORK, cell_kernels, launch_features, memory_kind
 from ..cost.fit import FitReport, LaunchSample, MemorySample, PassSample, fit_executor
 from ..plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan
 from ..simulate import instruction_bytes, pass_local_bytes, pass_row_bytes, send_bytes
@@ -139,8 +139,9 @@ def samples_of(plan: Plan, times: RankTimes, general: str, fast: str | None) -> 
                     f = launch_features(wl, ins.tile, cell, 1, KERNEL_WORK[name], backward)[0]
                     launches.append(LaunchSample(name, backward, tuple(f.tolist()), t.seconds))
                 elif isinstance(ins, (BlockwiseCopy, BlockwiseReduction)):
-                    kind = "copy" if isinstance(ins, BlockwiseCopy) else "reduction"
-                    memory.append(MemorySample(kind, backward, instruction_bytes(ins, blen, rows), t.seconds))
+                    kind = memory_kind(ins)
+                    if kind != "alias":
+                        memory.append(MemorySample(kind, backward, instruction_bytes(ins, blen, rows), t.seconds))
                 elif isinstance(ins, CommLaunch) and ins.sends:
                     memory.append(MemorySample("pack", backward, send_bytes(ins, blen, rows), t.seconds))
             busy = (times.backward if backward else times.forward)[r]

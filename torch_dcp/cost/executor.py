@@ -45,7 +45,7 @@ import numpy as np
 from ..masks import Causal, Full
 from ..workload import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, Buf, Workload, item_token_bytes
 
-__all__ = ["KernelWork", "KERNEL_WORK", "LaunchCosts", "KernelCosts", "MemoryCosts", "ExecutorCosts",
+__all__ = ["memory_kind", "KernelWork", "KERNEL_WORK", "LaunchCosts", "KernelCosts", "MemoryCosts", "ExecutorCosts",
            "LAUNCH_FEATURES", "launch_features", "cell_kernels"]
 
 #: the side of FlexAttention's blocks (its default ``BLOCK_SIZE``), in tokens
@@ -153,7 +153,8 @@ class ExecutorCosts:
             express on CUDA (FlexAttention).
         fast: on CUDA, the varlen kernel of divisions whose documents are all causal or full
             (``varlen`` or ``flash_attn``); None on a CPU.
-        copy, reduction, pack: ``BlockwiseCopy``, ``BlockwiseReduction``, ``CommLaunch``.
+        copy, merge, sum, pack: ``BlockwiseCopy``, ``BlockwiseReduction`` (an LSE merge of partial
+            outputs; a sum of gradients), ``CommLaunch`` (:func:`memory_kind`).
         pass_fixed: seconds per pass, ``(forward, backward)``.
         pass_byte: seconds per byte of the rank's local rows in a pass.
     """
@@ -161,7 +162,8 @@ class ExecutorCosts:
     general: KernelCosts
     fast: KernelCosts | None = None
     copy: MemoryCosts = MemoryCosts()
-    reduction: MemoryCosts = MemoryCosts()
+    merge: MemoryCosts = MemoryCosts()
+    sum: MemoryCosts = MemoryCosts()
     pack: MemoryCosts = MemoryCosts()
     pass_fixed: tuple[float, float] = (0.0, 0.0)
     pass_byte: float = 0.0
@@ -181,12 +183,32 @@ class ExecutorCosts:
                                                       LaunchCosts(**k["backward"]))
 
         return cls(kernel(d["general"]), kernel(d.get("fast")), MemoryCosts(**d["copy"]),
-                   MemoryCosts(**d["reduction"]), MemoryCosts(**d["pack"]),
+                   MemoryCosts(**d["merge"]), MemoryCosts(**d["sum"]), MemoryCosts(**d["pack"]),
                    tuple(float(x) for x in d["pass_fixed"]), float(d["pass_byte"]))
+
+    def memory(self, kind: str) -> MemoryCosts | None:
+        """The costs of a memory-bound instruction of ``kind`` (:func:`memory_kind`); None:
+        free (``"alias"``)."""
+        return None if kind == "alias" else getattr(self, kind)
 
     def pass_seconds(self, local_bytes: Any, backward: bool) -> Any:
         """The fixed costs of a pass of ranks holding ``local_bytes`` bytes of rows."""
         return self.pass_fixed[int(backward)] + self.pass_byte * np.asarray(local_bytes, float)
+
+
+def memory_kind(ins: Any) -> str:
+    """What a copy or reduction instruction is to the executor: ``"copy"``; ``"merge"`` (LSE
+    merge of partial outputs); ``"sum"`` (of gradients); ``"alias"``: a sum of one partial per
+    row into dQ, which the executor hands out as the result itself (no work)."""
+    from ..plan import BlockwiseCopy, ReduceOp
+
+    if isinstance(ins, BlockwiseCopy):
+        return "copy"
+    if ins.op is ReduceOp.LSE_MERGE:
+        return "merge"
+    if ins.src is Buf.DQ and len(ins.src_ptr) > 1 and bool(np.all(np.diff(ins.src_ptr) == 1)):
+        return "alias"
+    return "sum"
 
 
 def cell_kernels(workload: Workload, tiles: np.ndarray, tile_cell: np.ndarray, n_cells: int,

@@ -9,8 +9,10 @@ by non-negative least squares (Lawson and Hanson, *Solving Least Squares Problem
 launches count beside a few large ones:
 
 * a division's launch, per kernel and pass, on :data:`~torch_dcp.cost.executor.LAUNCH_FEATURES`;
-* copies, reductions and message gathers: ``fixed + byte x bytes``;
-* a pass: what the rank's pass took beyond its instructions, ``fixed + byte x local bytes``.
+* copies, LSE merges, sums and message gathers: ``fixed + byte x bytes`` (unweighted: their sums
+  matter);
+* a pass: what the rank's pass took beyond its instructions, ``fixed + byte x local bytes``
+  (unweighted).
 
 :func:`fit_executor` returns the model and its residuals (:class:`FitReport`).
 """
@@ -26,7 +28,7 @@ from .executor import LAUNCH_FEATURES, ExecutorCosts, KernelCosts, LaunchCosts, 
 
 __all__ = ["LaunchSample", "MemorySample", "PassSample", "FitReport", "fit_executor", "nnls_fit"]
 
-MEMORY_KINDS = ("copy", "reduction", "pack")
+MEMORY_KINDS = ("copy", "merge", "sum", "pack")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +43,8 @@ class LaunchSample:
 
 @dataclasses.dataclass(frozen=True)
 class MemorySample:
-    """One copy, reduction or message gather (``kind``) of ``nbytes`` bytes."""
+    """One memory-bound instruction of ``kind`` (:data:`MEMORY_KINDS`: a copy, an LSE merge, a
+    sum, a message gather) of ``nbytes`` bytes."""
 
     kind: str
     backward: bool
@@ -136,21 +139,21 @@ def fit_executor(launches: Iterable[LaunchSample], memory: Iterable[MemorySample
             continue
         x = np.array([[1.0, s.nbytes] for s in sel])
         y = np.array([s.seconds for s in sel])
-        c = nnls_fit(x, y)
+        c = nnls_fit(x, y, weight=False)
         mem[kind] = MemoryCosts(float(c[0]), float(c[1]))
         report[kind] = _residuals(x @ c, y)
     fixed, pass_byte = [0.0, 0.0], 0.0
     if passes:  # one byte term, a fixed term per pass
         x = np.array([[not s.backward, s.backward, s.local_bytes] for s in passes], float)
         y = np.maximum(np.array([s.seconds for s in passes]), 1e-7)
-        c = nnls_fit(x, y)
+        c = nnls_fit(x, y, weight=False)
         fixed, pass_byte = [float(c[0]), float(c[1])], float(c[2])
         for backward in (False, True):
             sel = x[:, 1] == backward
             if sel.any():
                 report[f"{'backward' if backward else 'forward'} pass"] = _residuals(x[sel] @ c, y[sel])
     costs = ExecutorCosts(general=kernels[general], fast=kernels[fast] if fast else None, copy=mem["copy"],
-                          reduction=mem["reduction"], pack=mem["pack"], pass_fixed=(fixed[0], fixed[1]),
+                          merge=mem["merge"], sum=mem["sum"], pack=mem["pack"], pass_fixed=(fixed[0], fixed[1]),
                           pass_byte=pass_byte)
     return costs, FitReport(report)
 
