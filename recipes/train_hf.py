@@ -43,6 +43,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-doc-len", type=int, default=2048)
     p.add_argument("--cp-impl", choices=["torch_dcp", "none"], default="torch_dcp")
     p.add_argument("--planner", default="dcp", help="dcp, greedy, fcp, megatron, ring or allgather")
+    p.add_argument("--cost-model", default="auto",
+                   help="the cost model dcp times its candidates with: auto (default), a100, h100 or a JSON file")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--replay", action=argparse.BooleanOptionalAction, default=None,
                    help="layer replay: the first layer records this rank's attention device work (a CUDA graph), the others replay it (default: on for CUDA; no effect on CPU)")
@@ -139,7 +141,7 @@ def train(args: argparse.Namespace, mesh=None, emit=print) -> list[dict]:
             with torch_dcp.context_parallel(mesh, buffers=packed.buffers, buffer_seq_dims=packed.buffer_seq_dims,
                                             no_restore_buffers=set(packed.buffers), batch=packed.batch,
                                             planner=args.planner, block_size=args.block_size,
-                                            replay=args.replay) as ctx:
+                                            replay=args.replay, cost_model=args.cost_model) as ctx:
                 loss = model(**packed.model_inputs()).loss  # this rank's tokens' loss sum / the global label count
                 (loss * world).backward()  # FSDP2 averages gradients over the mesh: the sum of the ranks' shares
             loss = loss.detach().clone()

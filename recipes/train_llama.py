@@ -303,6 +303,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--head-parallel", type=_head_parallel, default=None, metavar="N|auto",
                    help="ranks of a head group trading heads by all-to-all (torch_dcp.plan's head_parallel; default: "
                         "auto for dcp, which keeps the fastest N on the simulator, 1 for the other planners)")
+    p.add_argument("--cost-model", default="auto",
+                   help="the cost model dcp times its candidates with: auto (default: this device's calibration, "
+                        "else a shipped preset), a100, h100 or a JSON file (python -m torch_dcp.benchmarks calibrate)")
     p.add_argument("--mask", choices=sorted(MASKS), default="causal")
     p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--divisions", type=int, default=2)
@@ -398,7 +401,9 @@ class Job:
 
     def planning_config(self) -> PlanningConfig:
         a = self.args
-        options = {} if a.head_parallel is None else {"head_parallel": a.head_parallel}
+        options = {"cost_model": a.cost_model} if a.planner == "dcp" else {}
+        if a.head_parallel is not None:
+            options["head_parallel"] = a.head_parallel
         return PlanningConfig(self.dcp_size, planner=a.planner, block_size=a.block_size, divisions=a.divisions,
                               options=options, compare=("ring",) if a.ring_stats else ())
 
@@ -586,6 +591,8 @@ def main() -> None:
               f"planner={args.planner}, mask={args.mask}, {n_params / 1e6:.2f}M parameters, "
               f"{len(job.docs)} documents, {args.tokens_per_step} tokens/step"
               + (f", {plans}" if args.cp_impl == "torch_dcp" else ""), flush=True)
+        if args.cp_impl == "torch_dcp" and args.planner == "dcp":
+            print(f"cost model: {torch_dcp.CostModel.load(args.cost_model, device=device).source}", flush=True)
         if args.cp_impl == "torch":
             print("note: PyTorch's context_parallel sees one causal sequence: it attends across document "
                   f"boundaries and pads to a multiple of 2 x {world} tokens (more work than DCP, different loss)",

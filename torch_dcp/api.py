@@ -62,7 +62,7 @@ def plan(
     planner: str = "greedy",
     block_size: int = 1024,
     divisions: int | None = None,
-    cost_model: "CostModel | str | None" = None,
+    cost_model: "CostModel | str | None" = "auto",
     head_parallel: int | str | None = None,
     **options: Any,
 ) -> "Plan | HeadParallelPlan":
@@ -85,9 +85,12 @@ def plan(
         cost_model: for planners that offer several candidates (``"dcp"`` with its default
             time objective: its placements, ring attention's and Megatron's plans, see
             :func:`~torch_dcp.planners.dcp.dcp_candidates`, for every head parallelism tried),
-            the :class:`~torch_dcp.cost.CostModel` (or ``"a100"``, ``"h100"``, JSON table
-            paths) whose simulated forward + backward time picks the fastest
-            (:func:`torch_dcp.simulate.simulate`); default ``"a100"``. The fastest placement is
+            the :class:`~torch_dcp.cost.CostModel` (or ``"auto"``, ``"a100"``, ``"h100"``, JSON
+            cost-model paths) whose simulated forward + backward time picks the fastest
+            (:func:`torch_dcp.simulate.simulate`); default ``"auto"`` (``None`` too): this
+            device's calibrated model, else a shipped preset (:mod:`torch_dcp.cost.auto`; it
+            warns where the device was never calibrated). A model with measured links
+            (``calibrate`` under ``torchrun``) plans with them in place of the topology's. The fastest placement is
             then also timed with its last division running a local tail (:data:`LOCAL_TAIL` of
             every rank's local compute, the remote tiles in the divisions before:
             :func:`~torch_dcp.schedule.assign_divisions`) and, on several nodes, with its
@@ -109,7 +112,8 @@ def plan(
 
     Returns:
         The :class:`Plan`, or a :class:`~torch_dcp.plan.heads.HeadParallelPlan` where ``N > 1``;
-        ``plan.plan_seconds`` holds the planning time (placement, divisions and, where
+        ``plan.cost_model`` names the model that timed the candidates (its ``source``; empty
+        when there was one candidate); ``plan.plan_seconds`` holds the planning time (placement, divisions and, where
         candidates are timed, their simulation); ``plan.candidates`` the ``(planner label,
         simulated seconds)`` of every candidate (NaN for one not simulated because its floor,
         :func:`torch_dcp.simulate.floor_seconds`, or its forward plus its backward's floor, lies
@@ -137,6 +141,13 @@ def plan(
         inner = planner
         get_planner(planner)
         sizes = _head_sizes(batch, topology, planner, head_parallel, options)
+    cm = None
+    if inner in CANDIDATES:  # the planner times candidates: with the model, on its measured links
+        from .cost import CostModel
+
+        cm = CostModel.load(cost_model)
+        if cm.links is not None and cm.links.world_size == topology.world_size:
+            topology = cm.links.apply(topology)
     t0 = time.perf_counter()
     with _collector_paused():
         plans: list[Plan | HeadParallelPlan] = []
@@ -148,11 +159,13 @@ def plan(
         if len(plans) > 1:
             from .cost import CostModel
 
-            cm = cost_model if isinstance(cost_model, CostModel) else CostModel.load(cost_model or "a100")
+            cm = cm or CostModel.load(cost_model)
             chosen, timed = _fastest(plans, cm, SIMULATED, deeper=divisions is None)
+            source = cm.source
         else:
-            chosen = plans[0]
+            chosen, source = plans[0], ""
     chosen.plan_seconds = time.perf_counter() - t0
+    chosen.cost_model = source
     chosen.candidates = timed
     return chosen
 

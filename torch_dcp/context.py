@@ -42,6 +42,7 @@ from . import attention_op, teardown
 from .api import plan as make_plan
 from .attention_op import as_dtensor, bind_args, like, local
 from .batch import BatchSpec
+from .cost import CostModel
 from .executor import RankExecutor, TorchDistributedTransport, make_executor
 from .executor.groups import host_group, transfer_group
 from .executor.transport import RefusalChannel, TransferError, TransferTimeoutError, as_timedelta, is_timeout
@@ -168,6 +169,7 @@ def context_parallel(
     head_parallel: int | str | None = None,
     replay: "bool | Recorder | None" = None,
     padded_tokens: int | None = None,
+    cost_model: "CostModel | str | None" = "auto",
 ) -> Iterator[DCPContext]:
     """Run the body's ``F.scaled_dot_product_attention`` calls with dynamic context parallelism.
 
@@ -186,6 +188,8 @@ def context_parallel(
         plan: a precomputed :class:`Plan` (give exactly one of ``batch`` and ``plan``; a
             ``device_plan`` alone gives its plan).
         topology: ranks per node and links, for planning (default: all ranks on one node).
+        cost_model: the model that times a planner's candidates when planning here
+            (:func:`torch_dcp.plan`; default ``"auto"``: this device's).
         kernel: the executor's attention kernel (default ``"auto"``).
         timeout: the longest any wait inside the context blocks (seconds or a ``timedelta``;
             default 10 minutes): the plan check at entry and, on CPU (gloo), every transfer.
@@ -289,7 +293,7 @@ def context_parallel(
     if plan is None:
         topo = topology if topology is not None else Topology.single_node(world)
         plan = make_plan(batch, topo, planner=planner, block_size=block_size, divisions=divisions,
-                         head_parallel=head_parallel)
+                         head_parallel=head_parallel, cost_model=cost_model)
     if plan.world_size != world:
         raise ValueError(f"torch_dcp.context_parallel: the plan is for {plan.world_size} ranks, the mesh has {world}")
     if padded_tokens is not None:  # the same answer on every rank: they hold the same plan

@@ -30,10 +30,12 @@ from typing import Any
 
 from .model import GPU_EXECUTOR, CostModel
 
-__all__ = ["resolve", "cache_path", "device_key", "ENV_VAR", "CALIBRATE_COMMAND", "PRESET_DIR"]
+__all__ = ["resolve", "cache_path", "device_key", "device_name", "ENV_VAR", "CACHE_VAR", "CALIBRATE_COMMAND", "PRESET_DIR"]
 
 #: the variable naming a cost-model file that ``"auto"`` uses before anything else
 ENV_VAR = "TORCH_DCP_COST_MODEL"
+#: the variable naming the folder of calibrated models (default: the user's cache folder)
+CACHE_VAR = "TORCH_DCP_COST_CACHE"
 #: the command that calibrates this device (named by the fallback's warning)
 CALIBRATE_COMMAND = "python -m torch_dcp.benchmarks calibrate"
 #: the shipped models
@@ -79,9 +81,13 @@ def device_key(device: Any = None) -> str:
 
 def cache_path(device: Any = None) -> Path:
     """Where ``calibrate`` stores and ``"auto"`` finds ``device``'s model:
-    ``$XDG_CACHE_HOME/torch_dcp/cost/<device_key>.json`` (``~/.cache`` by default)."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "torch_dcp" / "cost" / f"{device_key(device)}.json"
+    ``$XDG_CACHE_HOME/torch_dcp/cost/<device_key>.json`` (``~/.cache`` by default), or
+    ``$TORCH_DCP_COST_CACHE/<device_key>.json``."""
+    root = os.environ.get(CACHE_VAR)
+    if root:
+        return Path(root) / f"{device_key(device)}.json"
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "torch_dcp" / "cost" / f"{device_key(device)}.json"
 
 
 def _announce(model: CostModel, how: str) -> CostModel:

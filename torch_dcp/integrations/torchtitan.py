@@ -118,6 +118,10 @@ class DCPConfig:
     inside a node): a positive integer dividing the heads and the ranks per node, auto (dcp only: it keeps the
     fastest N on the simulator) or default (auto for dcp's time objective, else 1)."""
 
+    cost_model: str = "auto"
+    """The cost model that times dcp's candidates: auto (this device's calibration, else a shipped preset; python -m
+    torch_dcp.benchmarks calibrate makes one), a100, h100, or a JSON cost-model file."""
+
     kernel: str = "auto"
     """Attention kernel of the executor: auto, flex, varlen, flash_attn, sdpa or reference."""
 
@@ -149,7 +153,7 @@ class DCPConfig:
 
     def planner_options(self) -> dict:
         """Options of the planner beyond block size and divisions (dcp's objective, the head parallelism)."""
-        out: dict = {"objective": self.objective} if self.planner == "dcp" else {}
+        out: dict = {"objective": self.objective, "cost_model": self.cost_model} if self.planner == "dcp" else {}
         hp = str(self.head_parallel)
         if hp != "default":
             out["head_parallel"] = hp if hp == "auto" else int(hp)

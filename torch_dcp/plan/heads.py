@@ -208,6 +208,8 @@ class HeadParallelPlan:
         self._a2a_seconds: dict[tuple[bool, str, bool], float] = {}
         self.plan_seconds = outer.plan_seconds
         #: ``(planner label, simulated seconds)`` of the candidates :func:`torch_dcp.plan` timed
+        #: the ``source`` of the cost model that timed them (:func:`torch_dcp.plan`; empty: none)
+        self.cost_model = ""
         self.candidates: list[tuple[str, float]] = []
 
     # ------------------------------------------------------------------ basics

@@ -59,6 +59,8 @@ class Plan:
         self.divisions = int(divisions)
         self.plan_seconds = float(plan_seconds)
         #: ``(planner label, simulated seconds)`` of the candidates :func:`torch_dcp.plan` timed
+        #: the ``source`` of the cost model that timed them (:func:`torch_dcp.plan`; empty: none)
+        self.cost_model = ""
         self.candidates: list[tuple[str, float]] = []
         self._programs: dict[tuple[int, bool], Program] = {}
 
