@@ -136,7 +136,7 @@ def test_cost_table_from_file(tmp_path):
 
     (tmp_path / "t.json").write_text(CostModel.h100().to_json())
     assert CostModel.load(str(tmp_path / "t.json")) == CostModel.h100()
-    with pytest.raises(ValueError, match="JSON table file"):
+    with pytest.raises(ValueError, match="JSON cost model file"):
         CostModel.load("b200")
 
 
