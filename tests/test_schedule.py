@@ -92,7 +92,7 @@ def test_timed_plans_also_time_a_node_first_schedule():
     # fastest of all it timed
     topo = torch_dcp.Topology(n_nodes=2, ranks_per_node=4)
     batch = BatchSpec([24000, 3000, 2000, 1500, 1000, 500], Causal(), n_heads=8, n_kv_heads=2, head_dim=64)
-    plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=512, head_parallel=1)
+    plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=512, head_parallel=1, cost_model="a100")
     labels = [name for name, _ in plan.candidates]
     assert any(label.endswith("(node first, T=6)") for label in labels), labels
     assert labels[-1].endswith("(local tail)")

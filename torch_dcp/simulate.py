@@ -531,7 +531,7 @@ def ring_step_seconds(plan: Plan, cost_model: CostModel | None = None) -> float:
     if plan.placement.routing is not Routing.RING:
         raise ValueError(f"ring_step_seconds needs a ring plan, got routing {plan.placement.routing.value!r}")
     cm = cost_model or CostModel.a100()
-    wl, pl, b, topo = plan.workload, plan.placement, plan.batch, plan.topology
+    wl, pl, topo = plan.workload, plan.placement, plan.topology
     w, itb, t = plan.world_size, item_token_bytes(plan.batch), plan.tables
     inter = topo.node_of((np.arange(w) - 1) % w) != topo.node_of(np.arange(w))
     total = 0.0

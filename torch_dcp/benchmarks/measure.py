@@ -24,10 +24,10 @@ from ..executor.executor import InstructionTime
 from ..plan import Plan
 from .common import DTYPES, sync
 
-__all__ = ["RankTimes", "measure_plan", "plan_inputs"]
+__all__ = ["RankTimes", "measure_plan", "plan_inputs", "NetworkTimedTransport", "timed_stretches"]
 
 
-class _NetworkTimed(InProcessTransport):
+class NetworkTimedTransport(InProcessTransport):
     """The in-process transport, timing its own copies: :attr:`seconds` in all, and
     :attr:`launches` for each ``launch`` call in order."""
 
@@ -62,7 +62,7 @@ class _NetworkTimed(InProcessTransport):
             yield
 
 
-def _timed(gen, seconds: np.ndarray, rank: int, device: torch.device):
+def timed_stretches(gen, seconds: np.ndarray, rank: int, device: torch.device):
     """Drive ``gen``, adding the time of every stretch it runs (between its yields) to
     ``seconds[rank]``."""
     while True:
@@ -126,7 +126,7 @@ def measure_plan(plan: Plan, device: torch.device, kernel: Any = "auto", repeat:
 
     W, b = plan.world_size, plan.batch
     mailbox = Mailbox()
-    nets = [_NetworkTimed(mailbox, r, device) for r in range(W)]
+    nets = [NetworkTimedTransport(mailbox, r, device) for r in range(W)]
     kern = get_kernel(kernel, device=device, dtype=DTYPES[b.dtype], head_dim=b.head_dim)
     execs = [RankExecutor(plan, r, nets[r], kernel=kern, timings=instructions) for r in range(W)]
     for e in execs:
@@ -140,13 +140,13 @@ def measure_plan(plan: Plan, device: torch.device, kernel: Any = "auto", repeat:
             e.reset_timings()
             n.seconds, n.launches = 0.0, []
         busy_f, busy_b = np.zeros(W), np.zeros(W)
-        fwd = interleave([_timed(e.forward_steps(*x[:3]), busy_f, r, device) for r, (e, x) in enumerate(zip(execs, local))],
+        fwd = interleave([timed_stretches(e.forward_steps(*x[:3]), busy_f, r, device) for r, (e, x) in enumerate(zip(execs, local))],
                          lambda: mailbox.events)
         net_f = np.array([n.seconds for n in nets])
         launches_f = [list(n.launches) for n in nets]
         for n in nets:
             n.seconds, n.launches = 0.0, []
-        interleave([_timed(e.backward_steps(*x[:3], o, lse, x[3]), busy_b, r, device)
+        interleave([timed_stretches(e.backward_steps(*x[:3], o, lse, x[3]), busy_b, r, device)
                     for r, (e, x, (o, lse)) in enumerate(zip(execs, local, fwd))], lambda: mailbox.events)
         net_b = np.array([n.seconds for n in nets])
         if it == 0:

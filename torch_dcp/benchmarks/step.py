@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 import numpy as np
@@ -58,7 +57,8 @@ import torch
 import torch_dcp
 from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor
 
-from .common import (DTYPES, MASKS, DenseAttention, batch_lengths, device_name, pick_device, sync, time_median,
+from .measure import NetworkTimedTransport, timed_stretches
+from .common import (DTYPES, MASKS, DenseAttention, batch_lengths, device_name, pick_device, time_median,
                      varlen_calls, varlen_unavailable)
 
 __all__ = ["add_arguments", "run", "main", "TARGETS"]
@@ -183,54 +183,6 @@ def _one_rank(batch, args, dev, q, k, v, go) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- W ranks, emulated
-class _NetworkTimed(InProcessTransport):
-    """The in-process transport, timing its own copies (the emulated network) in
-    :attr:`seconds`, the device synchronised around each."""
-
-    def __init__(self, mailbox: Mailbox, rank: int, device: torch.device):
-        super().__init__(mailbox, rank)
-        self.device = device
-        self.seconds = 0.0
-
-    def launch(self, phase, sends, recvs):
-        sync(self.device)
-        t0 = time.perf_counter()
-        handle = super().launch(phase, sends, recvs)
-        sync(self.device)
-        self.seconds += time.perf_counter() - t0
-        return handle
-
-    def wait(self, handle):
-        gen = super().wait(handle)
-        while True:
-            sync(self.device)
-            t0 = time.perf_counter()
-            try:
-                next(gen)
-            except StopIteration:
-                return
-            finally:
-                sync(self.device)
-                self.seconds += time.perf_counter() - t0
-            yield
-
-
-def _timed(gen, seconds: np.ndarray, rank: int, device: torch.device):
-    """Drive ``gen``, adding the time of every stretch it runs (between its yields) to
-    ``seconds[rank]``."""
-    while True:
-        sync(device)
-        t0 = time.perf_counter()
-        try:
-            next(gen)
-        except StopIteration as stop:
-            return stop.value
-        finally:
-            sync(device)
-            seconds[rank] += time.perf_counter() - t0
-        yield
-
-
 def _ranks(batch, args, dev, q, k, v, go) -> dict[str, Any]:
     """Every rank's forward + backward seconds (network copies excluded), median of
     ``args.repeat`` steps after a first one that uploads the device plans; the first step's
@@ -242,7 +194,7 @@ def _ranks(batch, args, dev, q, k, v, go) -> dict[str, Any]:
                           head_parallel=1)  # the flat plan: each rank's executor on its own tokens
     W = plan.world_size
     mailbox = Mailbox()
-    nets = [_NetworkTimed(mailbox, r, dev) for r in range(W)]
+    nets = [NetworkTimedTransport(mailbox, r, dev) for r in range(W)]
     b = plan.batch  # one kernel instance (and its caches) for all ranks
     kern = torch_dcp.executor.get_kernel(args.kernel, device=dev, dtype=getattr(torch, b.dtype), head_dim=b.head_dim)
     execs = [RankExecutor(plan, r, nets[r], kernel=kern) for r in range(W)]
@@ -255,9 +207,9 @@ def _ranks(batch, args, dev, q, k, v, go) -> dict[str, Any]:
         busy = np.zeros(W)
         for n in nets:
             n.seconds = 0.0
-        fwd = interleave([_timed(e.forward_steps(*x[:3]), busy, r, dev) for r, (e, x) in enumerate(zip(execs, local))],
+        fwd = interleave([timed_stretches(e.forward_steps(*x[:3]), busy, r, dev) for r, (e, x) in enumerate(zip(execs, local))],
                          lambda: mailbox.events)
-        interleave([_timed(e.backward_steps(*x[:3], o, lse, x[3]), busy, r, dev)
+        interleave([timed_stretches(e.backward_steps(*x[:3], o, lse, x[3]), busy, r, dev)
                     for r, (e, x, (o, lse)) in enumerate(zip(execs, local, fwd))], lambda: mailbox.events)
         if first is None:
             first = fwd

@@ -24,7 +24,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .executor import LAUNCH_FEATURES, ExecutorCosts, KernelCosts, LaunchCosts, MemoryCosts
+from .executor import ExecutorCosts, KernelCosts, LaunchCosts, MemoryCosts
 
 __all__ = ["LaunchSample", "MemorySample", "PassSample", "FitReport", "fit_executor", "nnls_fit"]
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .executor import ExecutorCosts, KernelCosts, LaunchCosts, MemoryCosts
+from .executor import ExecutorCosts, KernelCosts, LaunchCosts
 
 __all__ = ["CostModel", "KernelTable", "Links", "A100", "H100", "GPU_EXECUTOR"]
 
