@@ -23,14 +23,14 @@ def _plan():
 def test_fit_recovers_known_costs():
     """Samples made from known costs (with 0.1 % noise) are fitted back within 10 %."""
     rng = np.random.default_rng(0)
-    true = ExecutorCosts(KernelCosts("sdpa", LaunchCosts(50e-6, 80e-6, 1e-9, 2e-10, 4e-9, 2e-10, 3e-10),
-                                     LaunchCosts(90e-6, 150e-6, 2e-9, 4e-10, 6e-9, 4e-10, 6e-10)),
+    true = ExecutorCosts(KernelCosts("sdpa", LaunchCosts(50e-6, 80e-6, 1e-9, 2e-10, 4e-9, 2e-10, 3e-10, 40e-6),
+                                     LaunchCosts(90e-6, 150e-6, 2e-9, 4e-10, 6e-9, 4e-10, 6e-10, 70e-6)),
                          copy=MemoryCosts(10e-6, 1e-9), merge=MemoryCosts(30e-6, 1e-9), sum=MemoryCosts(5e-6, 3e-10),
                          pack=MemoryCosts(20e-6, 2e-10), pass_fixed=(1e-4, 5e-4), pass_byte=2e-10)
     launches, memory, passes = [], [], []
     for _ in range(400):
         f = np.array([1, rng.integers(1, 30), rng.uniform(1e5, 1e7), rng.uniform(0, 1e7), rng.uniform(0, 1e6),
-                      rng.uniform(1e6, 1e9), rng.uniform(0, 1e9)])
+                      rng.uniform(1e6, 1e9), rng.uniform(0, 1e9), rng.integers(0, 30)])
         for bw in (False, True):
             t = f @ true.general.of(bw).vector() * rng.normal(1, 0.001)
             launches.append(LaunchSample("sdpa", bw, tuple(f), float(t)))

@@ -63,7 +63,8 @@ _PLANS = {
              ("longtail", "lambda", 8192, 4, 256), ("corpus", "lambda", 8192, 8, 128),
              ("longtail", "shared_question", 8192, 8, 512), ("corpus", "shared_question", 8192, 4, 512),
              ("longtail", "causal", 16384, 8, 512), ("corpus", "lambda", 16384, 4, 512),
-             ("longtail", "lambda", 4096, 2, 128), ("corpus", "causal", 4096, 2, 256)],
+             ("longtail", "lambda", 4096, 2, 128), ("corpus", "causal", 4096, 2, 256),
+             ("longtail", "lambda", 32768, 8, 512), ("corpus", "shared_question", 32768, 4, 512)],
     "tiny": [("longtail", "causal", 768, 2, 128), ("longtail", "lambda", 768, 2, 128)],
 }
 _GPU_SCALE = 8  # GPU calibration plans: 8 x the tokens, 4 x the block sizes

@@ -12,7 +12,7 @@ A rank's pass, as :class:`~torch_dcp.executor.RankExecutor` runs it, costs
   (:class:`LaunchCosts`, :func:`launch_features`)::
 
       fixed + call x calls + byte x bytes + call_byte x call_bytes + mask x mask_elements
-            + work FLOPs x flop + masked-work FLOPs x masked_flop
+            + work FLOPs x flop + masked-work FLOPs x masked_flop + masked_call x masked calls
 
   where a ``flop`` of ``None`` charges the work at the throughput of the cost model's kernel
   table instead (the GPU presets: FlashAttention's published TFLOP/s by work per launch).
@@ -20,8 +20,12 @@ A rank's pass, as :class:`~torch_dcp.executor.RankExecutor` runs it, costs
 What a kernel really performs (:class:`KernelWork`):
 
 * ``RECTANGLE`` (``sdpa``, ``reference``): one call per query block; each computes the whole
-  rectangle of its query rows x the keys of its tiles, and where a tile is partial the call first
-  builds a dense mask (``query rows x keys x key ranges`` elements) and computes under it;
+  rectangle of its query rows x the keys of its tiles, and where a tile is partial the call
+  computes under a dense mask of the whole rectangle, evaluated from the key ranges in the partial
+  tiles (``query rows x keys x key ranges`` elements there) -- except where the one partial tile
+  is the block's own diagonal under a causal mask: that block runs as a causal call (no mask; the
+  CPU kernel skips only its key splits of 512 above the diagonal) beside one unmasked call on the
+  other keys;
 * ``BLOCKS`` (``flex``): one launch; the visible pairs rounded up to the kernel's own
   128 x 128 blocks (a partial tile's mask boundary wastes about half a block per 128 rows);
 * ``VISIBLE`` (``varlen``, ``flash_attn``): one launch over the visible pairs, per document.
@@ -48,6 +52,8 @@ from ..workload import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, Buf, Workload, it
 __all__ = ["memory_kind", "KernelWork", "KERNEL_WORK", "LaunchCosts", "KernelCosts", "MemoryCosts", "ExecutorCosts",
            "LAUNCH_FEATURES", "launch_features", "cell_kernels"]
 
+#: the key split of PyTorch's CPU flash attention (``kvSplitSize`` for 512 keys or more)
+CPU_KV_SPLIT = 512
 #: the side of FlexAttention's blocks (its default ``BLOCK_SIZE``), in tokens
 FLEX_BLOCK = 128
 
@@ -66,7 +72,7 @@ KERNEL_WORK: dict[str, KernelWork] = {"sdpa": KernelWork.RECTANGLE, "reference":
                                       "flash_attn": KernelWork.VISIBLE}
 
 #: the features of a division's launch, in :meth:`LaunchCosts.vector` order
-LAUNCH_FEATURES = ("launch", "calls", "bytes", "call_bytes", "mask", "work", "masked_work")
+LAUNCH_FEATURES = ("launch", "calls", "bytes", "call_bytes", "mask", "work", "masked_work", "masked_calls")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +84,10 @@ class LaunchCosts:
         call: per kernel call.
         byte: per byte the executor gathers and writes (query, key/value and output rows).
         call_byte: per byte a call copies for itself (GQA heads expanded, casts; ``RECTANGLE``).
-        mask: per mask element x key range built (``RECTANGLE``'s partial groups).
+        mask: per mask element x key range evaluated (``RECTANGLE``'s partial tiles).
         flop, masked_flop: per FLOP of the kernel's work on full / masked tiles; ``None``: at
             the throughput of the cost model's kernel table.
+        masked_call: per call under a mask it builds (``RECTANGLE``'s partial groups).
     """
 
     fixed: float = 0.0
@@ -90,6 +97,7 @@ class LaunchCosts:
     mask: float = 0.0
     flop: float | None = None
     masked_flop: float | None = None
+    masked_call: float = 0.0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -105,7 +113,7 @@ class LaunchCosts:
     def vector(self) -> np.ndarray:
         """float64 ``[len(LAUNCH_FEATURES)]`` (a ``None`` throughput as 0)."""
         return np.array([self.fixed, self.call, self.byte, self.call_byte, self.mask, self.flop or 0.0,
-                         self.masked_flop or 0.0])
+                         self.masked_flop or 0.0, self.masked_call])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,18 +267,31 @@ def launch_features(workload: Workload, tiles: np.ndarray, tile_cell: np.ndarray
     out[:, 0] = np.bincount(cell, minlength=n_cells) > 0
     out[:, 2] = q_rows * (q_row + res_row) + k_rows * (kv_row + (itb[(True, Buf.DKV)] if backward else 0))
     if work is KernelWork.RECTANGLE:
-        g_masked = np.bincount(g_inv, weights=~full, minlength=len(g_key)) > 0
-        t_masked = g_masked[g_inv]
-        out[:, 1] = n_groups
+        partial = ~full
+        g_partial = np.bincount(g_inv, weights=partial, minlength=len(g_key))
+        # a group whose one partial tile is its own diagonal block of a causal document runs that
+        # block as a causal call (no mask, the hidden half skipped) beside one call on the rest
+        causal_doc = np.array([isinstance(m, Causal) for m in b.masks], bool)[b.doc_mask[workload.block_doc[tq]]]
+        diag = partial & (tq == tk) & causal_doc
+        g_tail = (g_partial == 1) & (np.bincount(g_inv, weights=diag, minlength=len(g_key)) == 1)
+        tail = g_tail[g_inv]
+        t_masked = (g_partial > 0)[g_inv] & ~tail
+        g_rest = np.bincount(g_inv, weights=~diag, minlength=len(g_key)) > 0
+        out[:, 1] = n_groups + np.bincount(g_cell, weights=g_tail & g_rest, minlength=n_cells)
         # each call copies its keys' K and V with the query heads (GQA expanded) and its own Q rows
         acc = 8 if b.dtype == "float64" else 4
         per_key = 2.0 * b.n_heads * b.head_dim * acc * (2 if backward else 1)
         per_query = b.n_heads * b.head_dim * acc * (3 if backward else 1)
         out[:, 3] = (np.bincount(cell, weights=blen[tk], minlength=n_cells) * per_key + q_rows * per_query)
         ranges = max(m.n_ranges for m in b.masks)
-        out[:, 4] = np.bincount(cell, weights=rect * t_masked * ranges, minlength=n_cells)
-        out[:, 5] = np.bincount(cell, weights=rect * ~t_masked, minlength=n_cells) * fpp
+        out[:, 4] = np.bincount(cell, weights=rect * (partial & t_masked) * ranges, minlength=n_cells)
+        # the CPU flash kernel skips key splits of 512 past the diagonal: a causal block of n keys
+        # costs its whole square up to n = 512, 3/4 of it at 1024, half as n grows
+        side = np.maximum(blen[tq], 1.0)
+        done = np.where(tail & diag, rect * (0.5 + 0.5 * np.minimum(1.0, CPU_KV_SPLIT / side)), rect)
+        out[:, 5] = np.bincount(cell, weights=done * ~t_masked, minlength=n_cells) * fpp
         out[:, 6] = np.bincount(cell, weights=rect * t_masked, minlength=n_cells) * fpp
+        out[:, 7] = np.bincount(g_cell, weights=(g_partial > 0) & ~g_tail, minlength=n_cells)
     else:
         out[:, 1] = out[:, 0]
         if work is KernelWork.BLOCKS:

@@ -5,14 +5,12 @@ The samples are what ``python -m torch_dcp.benchmarks calibrate`` measures by ru
 itself: every instruction's time (``RankExecutor(..., timings=True)``) with its features, and every
 rank's pass (its stretches of work between waits, network copies excluded). Each term is fitted
 by non-negative least squares (Lawson and Hanson, *Solving Least Squares Problems*, 1974, ch. 23;
-``scipy.optimize.nnls``), rows weighted by ``1 / sqrt(max(seconds, mean / 10))`` so that many small
-launches count beside a few large ones:
+``scipy.optimize.nnls``); launches weighted by ``1 / sqrt(max(seconds, mean / 10))`` so that many
+small launches count beside a few large ones, the other terms unweighted:
 
 * a division's launch, per kernel and pass, on :data:`~torch_dcp.cost.executor.LAUNCH_FEATURES`;
-* copies, LSE merges, sums and message gathers: ``fixed + byte x bytes`` (unweighted: their sums
-  matter);
-* a pass: what the rank's pass took beyond its instructions, ``fixed + byte x local bytes``
-  (unweighted).
+* copies, LSE merges, sums and message gathers: ``fixed + byte x bytes``;
+* a pass: what the rank's pass took beyond its instructions, ``fixed + byte x local bytes``.
 
 :func:`fit_executor` returns the model and its residuals (:class:`FitReport`).
 """

@@ -135,6 +135,8 @@ class _Group(NamedTuple):
     q1: int
     keys: Any  # slice of the packed keys, or an int64 index tensor into them
     partial: bool  # some pair of the group is masked: build its mask
+    runs: tuple = ()  # [a, b) columns of the group's keys in partial tiles (the mask is evaluated there only)
+    tail: int = -1  # >= 0: keys [tail:] are the queries' own block under a causal mask, the rest all visible
 
 
 class _GroupMeta(NamedTuple):
@@ -144,6 +146,41 @@ class _GroupMeta(NamedTuple):
     k_pos: torch.Tensor  # [n_k] document-local positions of the packed keys
     starts: torch.Tensor  # [n_q, R] key ranges [start, end) of the packed queries
     ends: torch.Tensor
+
+
+def _causal_tail(div: Division, g: int, rows: np.ndarray, runs: tuple) -> int:
+    """Where group ``g``'s keys end in its own query block under a causal mask (query ``i`` of the
+    block sees key ``i`` of the block and those before it, every earlier key visible): the first
+    column of that block among the group's keys, else -1."""
+    if len(runs) != 1 or runs[0][1] != len(rows):
+        return -1
+    a, b = runs[0]
+    q0, q1 = int(div.q_ptr[g]), int(div.q_ptr[g + 1])
+    if b - a != q1 - q0:
+        return -1
+    kp, kd = div.k_pos[rows[a:b]], div.k_doc[rows[a:b]]
+    qp, qd = div.q_pos[q0:q1], div.q_doc[q0:q1]
+    if not (np.array_equal(kp, qp) and np.array_equal(kd, qd)):
+        return -1
+    st, en = div.key_starts[q0:q1, None, :], div.key_ends[q0:q1, None, :]
+    vis = ((kp[None, :, None] >= st) & (kp[None, :, None] < en)).any(-1)
+    return a if np.array_equal(vis, np.tri(b - a, dtype=bool)) else -1
+
+
+def _partial_runs(lengths: np.ndarray, full: np.ndarray) -> tuple[tuple[int, int], ...]:
+    """``[a, b)`` column runs of the partial tiles among a group's tiles (key rows ``lengths``
+    each, in order), adjacent ones merged."""
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    runs: list[list[int]] = []
+    for a, b, f in zip(starts.tolist(), ends.tolist(), full.tolist()):
+        if f:
+            continue
+        if runs and runs[-1][1] == a:
+            runs[-1][1] = b
+        else:
+            runs.append([a, b])
+    return tuple((a, b) for a, b in runs)
 
 
 class GroupKernel:
@@ -166,13 +203,15 @@ class GroupKernel:
             rows = np.concatenate([np.arange(a, b) for a, b in zip(lo.tolist(), hi.tolist())]) if len(js) else \
                 np.zeros(0, np.int64)
             partial = not bool(full[g, js].all())
+            runs = _partial_runs(hi - lo, full[g, js]) if partial else ()
+            tail = _causal_tail(div, g, rows, runs)
             if len(rows) and rows[-1] - rows[0] + 1 == len(rows):
                 keys = ("slice", int(rows[0]), int(rows[-1]) + 1)
             else:
                 keys = ("index", off, off + len(rows))
                 idx.append(rows)
                 off += len(rows)
-            static.append((int(div.q_ptr[g]), int(div.q_ptr[g + 1]), keys, partial))
+            static.append((int(div.q_ptr[g]), int(div.q_ptr[g + 1]), keys, partial, runs, tail))
         arrays = {"kidx": np.concatenate(idx).astype(np.int64) if idx else np.zeros(0, np.int64),
                   "k_pos": div.k_pos.astype(np.int64), "starts": div.key_starts.astype(np.int64),
                   "ends": div.key_ends.astype(np.int64)}
@@ -181,9 +220,9 @@ class GroupKernel:
     def bind(self, arrays: dict[str, torch.Tensor], static: Any) -> _GroupMeta:
         groups_static, n_q, n_k = static
         groups = []
-        for q0, q1, (how, a, b), partial in groups_static:
+        for q0, q1, (how, a, b), partial, runs, tail in groups_static:
             keys = slice(a, b) if how == "slice" else arrays["kidx"][a:b]
-            groups.append(_Group(q0, q1, keys, partial))
+            groups.append(_Group(q0, q1, keys, partial, runs, tail))
         return _GroupMeta(groups, n_q, n_k, arrays["k_pos"], arrays["starts"], arrays["ends"])
 
     @staticmethod
@@ -192,19 +231,34 @@ class GroupKernel:
 
     @staticmethod
     def _mask(meta: _GroupMeta, g: _Group) -> torch.Tensor | None:
+        """bool ``[n_q, n_k]`` of a partial group: the batch's key ranges evaluated in its partial
+        tiles' columns only (every pair of a full tile is visible)."""
         if not g.partial:
             return None
-        kp = GroupKernel._keys(meta.k_pos, g.keys)[None, :, None]
+        kp = GroupKernel._keys(meta.k_pos, g.keys)
         st, en = meta.starts[g.q0:g.q1, None, :], meta.ends[g.q0:g.q1, None, :]
-        return ((kp >= st) & (kp < en)).any(-1)
+        mask = torch.ones(g.q1 - g.q0, len(kp), dtype=torch.bool, device=kp.device)
+        for a, b in g.runs:
+            k = kp[a:b][None, :, None]
+            mask[:, a:b] = ((k >= st) & (k < en)).any(-1)
+        return mask
 
     def forward(self, q, k, v, meta: _GroupMeta, scale, acc_dtype):
         h, d = q.shape[1], q.shape[2]
         out = torch.zeros(meta.n_q, h, d, dtype=acc_dtype, device=q.device)
         lse = torch.full((meta.n_q, h), -math.inf, dtype=acc_dtype, device=q.device)
         for g in meta.groups:
-            o, l = self.forward_group(q[g.q0:g.q1], self._keys(k, g.keys), self._keys(v, g.keys), self._mask(meta, g),
-                                      scale, acc_dtype)
+            gq, gk, gv = q[g.q0:g.q1], self._keys(k, g.keys), self._keys(v, g.keys)
+            if g.tail < 0:
+                o, l = self.forward_group(gq, gk, gv, self._mask(meta, g), scale, acc_dtype)
+            else:  # the visible keys in one call, the causal diagonal block in another, merged by LSE
+                a = g.tail
+                o, l = self.forward_causal(gq, gk[a:], gv[a:], scale, acc_dtype)
+                if a > 0:
+                    o1, l1 = self.forward_group(gq, gk[:a], gv[:a], None, scale, acc_dtype)
+                    m = torch.logaddexp(l, l1)
+                    o = o * torch.exp(l - m).unsqueeze(-1) + o1 * torch.exp(l1 - m).unsqueeze(-1)
+                    l = m
             out[g.q0:g.q1] = o
             lse[g.q0:g.q1] = l
         return out, lse
@@ -215,8 +269,17 @@ class GroupKernel:
         dv = torch.zeros(meta.n_k, *v.shape[1:], dtype=acc_dtype, device=q.device)
         for g in meta.groups:
             s = slice(g.q0, g.q1)
-            gq, gk, gv = self.backward_group(q[s], self._keys(k, g.keys), self._keys(v, g.keys), do[s], lse[s], delta[s],
-                                             self._mask(meta, g), scale, acc_dtype)
+            kk, vv = self._keys(k, g.keys), self._keys(v, g.keys)
+            if g.tail < 0:
+                gq, gk, gv = self.backward_group(q[s], kk, vv, do[s], lse[s], delta[s], self._mask(meta, g), scale,
+                                                 acc_dtype)
+            else:  # the gradients of the two calls add up (they are taken with the final LSE)
+                a = g.tail
+                gq, gk, gv = self.backward_causal(q[s], kk[a:], vv[a:], do[s], lse[s], delta[s], scale, acc_dtype)
+                if a > 0:
+                    gq1, gk1, gv1 = self.backward_group(q[s], kk[:a], vv[:a], do[s], lse[s], delta[s], None, scale,
+                                                        acc_dtype)
+                    gq, gk, gv = gq + gq1, torch.cat((gk1, gk)), torch.cat((gv1, gv))
             dq[s] = gq
             if isinstance(g.keys, slice):
                 dk[g.keys] += gk
@@ -228,6 +291,19 @@ class GroupKernel:
 
     def forward_group(self, q, k, v, mask, scale, acc_dtype):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    @staticmethod
+    def _tril(n: int, device: torch.device) -> torch.Tensor:
+        return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+    def forward_causal(self, q, k, v, scale, acc_dtype):
+        """:meth:`forward_group` of a query block against its own keys under a causal mask (query
+        ``i`` sees keys ``0..i``); subclasses with a causal kernel skip the hidden half."""
+        return self.forward_group(q, k, v, self._tril(q.shape[0], q.device), scale, acc_dtype)
+
+    def backward_causal(self, q, k, v, do, lse, delta, scale, acc_dtype):
+        """:meth:`backward_group` of :meth:`forward_causal`'s pairs."""
+        return self.backward_group(q, k, v, do, lse, delta, self._tril(q.shape[0], q.device), scale, acc_dtype)
 
     def backward_group(self, q, k, v, do, lse, delta, mask, scale, acc_dtype):  # pragma: no cover - abstract
         raise NotImplementedError

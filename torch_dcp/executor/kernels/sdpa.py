@@ -45,10 +45,30 @@ class SDPAKernel(GroupKernel):
     def forward_group(self, q, k, v, mask, scale, acc_dtype):
         if q.device.type != "cpu":
             return self._fallback.forward_group(q, k, v, mask, scale, acc_dtype)
+        return self._call(q, k, v, mask, scale, acc_dtype)
+
+    def forward_causal(self, q, k, v, scale, acc_dtype):
+        if q.device.type != "cpu":
+            return super().forward_causal(q, k, v, scale, acc_dtype)
+        return self._call(q, k, v, None, scale, acc_dtype, causal=True)
+
+    def backward_group(self, q, k, v, do, lse, delta, mask, scale, acc_dtype):
+        if q.device.type != "cpu":
+            return self._fallback.backward_group(q, k, v, do, lse, delta, mask, scale, acc_dtype)
+        return self._call_backward(q, k, v, do, lse, delta, mask, scale, acc_dtype)
+
+    def backward_causal(self, q, k, v, do, lse, delta, scale, acc_dtype):
+        if q.device.type != "cpu":
+            return super().backward_causal(q, k, v, do, lse, delta, scale, acc_dtype)
+        return self._call_backward(q, k, v, do, lse, delta, None, scale, acc_dtype, causal=True)
+
+    def _call(self, q, k, v, mask, scale, acc_dtype, causal=False):
+        """The fused forward: under ``mask`` (bool ``[n_q, n_k]`` or None), or causal (query
+        ``i`` sees keys ``0..i``: the kernel skips the blocks above the diagonal)."""
         g = q.shape[1] // k.shape[1]
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             self._heads_first(q, acc_dtype), self._heads_first(k, acc_dtype, g), self._heads_first(v, acc_dtype, g),
-            0.0, False, attn_mask=self._additive(mask, acc_dtype), scale=scale)
+            0.0, causal, attn_mask=self._additive(mask, acc_dtype), scale=scale)
         out = out[0].transpose(0, 1)
         lse = lse[0].transpose(0, 1).to(acc_dtype)
         if mask is not None:
@@ -58,9 +78,7 @@ class SDPAKernel(GroupKernel):
                 out = out.masked_fill(empty[:, None, None], 0.0)
         return out, lse
 
-    def backward_group(self, q, k, v, do, lse, delta, mask, scale, acc_dtype):
-        if q.device.type != "cpu":
-            return self._fallback.backward_group(q, k, v, do, lse, delta, mask, scale, acc_dtype)
+    def _call_backward(self, q, k, v, do, lse, delta, mask, scale, acc_dtype, causal=False):
         nk, hkv, d = k.shape
         g = q.shape[1] // hkv
         do_acc = do.to(acc_dtype)
@@ -69,7 +87,7 @@ class SDPAKernel(GroupKernel):
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             self._heads_first(do_acc, acc_dtype), self._heads_first(q, acc_dtype), self._heads_first(k, acc_dtype, g),
             self._heads_first(v, acc_dtype, g), self._heads_first(out_like, acc_dtype),
-            lse_safe.transpose(0, 1).unsqueeze(0).contiguous(), 0.0, False,
+            lse_safe.transpose(0, 1).unsqueeze(0).contiguous(), 0.0, causal,
             attn_mask=self._additive(mask, acc_dtype), scale=scale)
         dq = dq[0].transpose(0, 1)
         dk = dk[0].transpose(0, 1).reshape(nk, hkv, g, d).sum(2)
