@@ -6,7 +6,8 @@ itself: every instruction's time (``RankExecutor(..., timings=True)``) with its 
 rank's pass (its stretches of work between waits, network copies excluded). Each term is fitted
 by non-negative least squares (Lawson and Hanson, *Solving Least Squares Problems*, 1974, ch. 23;
 ``scipy.optimize.nnls``); launches weighted by ``1 / sqrt(max(seconds, mean / 10))`` so that many
-small launches count beside a few large ones, the other terms unweighted:
+small launches count beside a few large ones, then scaled so that their predicted total is the
+measured one (a rank's time is a sum); the other terms unweighted:
 
 * a division's launch, per kernel and pass, on :data:`~torch_dcp.cost.executor.LAUNCH_FEATURES`;
 * copies, LSE merges, sums and message gathers: ``fixed + byte x bytes``;
@@ -126,6 +127,7 @@ def fit_executor(launches: Iterable[LaunchSample], memory: Iterable[MemorySample
             x = np.array([s.features for s in sel], float)
             y = np.array([s.seconds for s in sel], float)
             c = nnls_fit(x, y)
+            c = c * (y.sum() / max(float((x @ c).sum()), 1e-12))  # the weights bias the total: rescale to it
             per_pass.append(LaunchCosts.from_vector(c))
             report[f"{name} {'backward' if backward else 'forward'} launches"] = _residuals(x @ c, y)
         kernels[name] = KernelCosts(name, *per_pass)
