@@ -69,6 +69,8 @@ needs_triton = pytest.mark.skipif(not triton_available("cuda"),
                                   reason="triton is not installed")
 
 H, HKV, D = 8, 2, 128
+#: the plans of a GPU (the kernels are told an H100; without a GPU "auto" would plan for this CPU)
+GPU_MODEL = "a100"
 LENS = (1537, 301, 6049, 777)  # odd lengths, blocks of 1024: documents straddle blocks; at W = 4 the
 # long document's causal work is split across ranks (their partials merged)
 MASKS = {"causal": M.Causal(), "lambda": M.Lambda(sink=64, window=1500),
@@ -106,7 +108,8 @@ class _DryRun(TorchDispatchMode):
 @functools.lru_cache(maxsize=None)
 def _plan(mask: str, dtype: str, world: int):
     batch = BatchSpec(list(LENS), MASKS[mask], n_heads=H, n_kv_heads=HKV, head_dim=D, dtype=dtype)
-    return torch_dcp.plan(batch, Topology(n_nodes=1, ranks_per_node=world), planner="dcp", block_size=1024)
+    return torch_dcp.plan(batch, Topology(n_nodes=1, ranks_per_node=world), planner="dcp", block_size=1024,
+                          cost_model=GPU_MODEL)
 
 
 def _dry_run(plan, kernel, dtype: torch.dtype):
@@ -144,7 +147,7 @@ def test_emulate_4x8_with_head_parallelism():
     batch = BatchSpec(list(LENS) * 3, MASKS["causal"], n_heads=H, n_kv_heads=HKV, head_dim=D, dtype="bfloat16")
     for hp in ("auto", 2):
         plan = torch_dcp.plan(batch, Topology(n_nodes=4, ranks_per_node=8), planner="dcp", block_size=1024,
-                              head_parallel=hp)
+                              head_parallel=hp, cost_model=GPU_MODEL)
         _, seen = _dry_run(plan, None, torch.bfloat16)
         assert seen[FLASH]
 
@@ -277,7 +280,7 @@ def test_device_operations_per_division_on_the_cuda_path():
     for mask in (M.Causal(), M.Lambda(sink=64, window=512)):
         batch = BatchSpec(lens, mask, n_heads=8, n_kv_heads=2, head_dim=128, dtype="bfloat16")
         plan = torch_dcp.plan(batch, Topology(n_nodes=2, ranks_per_node=4), planner="dcp", block_size=512,
-                              divisions=4, head_parallel=1)
+                              divisions=4, head_parallel=1, cost_model=GPU_MODEL)
         rows = count_ops(plan, "cuda", fake=True)
         for name, launches, bound in (("forward", 1, 5.5), ("backward", 2, 12.0)):
             sel = [r for r in rows if r["pass"] == name]

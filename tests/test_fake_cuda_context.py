@@ -48,7 +48,8 @@ SCRIPT = textwrap.dedent(
     H, H_KV, D, DIM, VOCAB = 8, 2, 64, 128, 97
     batch = BatchSpec(lens, MASKS[mask], n_heads=H, n_kv_heads=H_KV, head_dim=D, dtype=str(dtype).split(".")[1])
     topo = Topology(n_nodes=max(1, world // 4), ranks_per_node=min(world, 4))
-    plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=512, head_parallel=hp if hp == "auto" else int(hp))
+    plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=512, head_parallel=hp if hp == "auto" else int(hp),
+                          cost_model="a100")  # a GPU's plan (without a GPU "auto" plans for this CPU)
 
 
     class Attention(nn.Module):

@@ -8,6 +8,7 @@
                                                                       kernel micro-benchmarks
     python -m torch_dcp.benchmarks ops [--ranks 3 --divisions 2] ...  executor operations per division
     python -m torch_dcp.benchmarks step [--mask lambda --ranks 32] ...  a step's attention (fwd + bwd) vs dense calls
+    python -m torch_dcp.benchmarks calibrate [--check] ...           this device's cost model, from the executor
     python -m torch_dcp.benchmarks loader [--workers 2] ...           steps/s the planning loader sustains (32 ranks)
     python -m torch_dcp.benchmarks scale [--cases 131k,1m,4m] ...      dcp's default plan at 32 to 1,024 ranks
     python -m torch_dcp.benchmarks gpu-report --out DIR [--quick | --dry-run | --stages a,b]
@@ -16,7 +17,7 @@
 Modules: :mod:`.common` (masks by name, batches, length sources, progress bar),
 :mod:`.planners` (``planners``, ``paper``), :mod:`.sweeps` (``paper --sweep``),
 :mod:`.pictures` and :mod:`.viz` (``pictures``; matplotlib), :mod:`.kernels` (``kernels ...``),
-:mod:`.ops` (``ops``), :mod:`.step` (``step``), :mod:`.loader` (``loader``), :mod:`.scale` (``scale``),
+:mod:`.ops` (``ops``), :mod:`.step` (``step``), :mod:`.calibrate` and :mod:`.measure` (``calibrate``), :mod:`.loader` (``loader``), :mod:`.scale` (``scale``),
 :mod:`.gpu_report` (``gpu-report``),
 :mod:`.cli` (the argument parser). The progress bar needs tqdm and the pictures matplotlib:
 ``pip install 'torch-dcp[benchmarks]'``.
