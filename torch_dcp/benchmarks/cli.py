@@ -60,8 +60,9 @@ def parser() -> argparse.ArgumentParser:
     pp2.add_argument("--divisions", type=int, default=None,
                      help=_DIVISIONS_HELP)
     pp2.add_argument("--cost", default="a100",
-                     help="a100, h100, or JSON cost tables measured on your GPU (CostModel.to_json format), "
-                          "comma-separated, e.g. one per head_dim")
+                     help="the simulated cluster's kernel model: a100 (default), h100, auto (this device's calibrated "
+                          "model) or JSON cost tables / models (CostModel.to_json format), comma-separated, e.g. "
+                          "one per head_dim")
     pp2.add_argument("--batches", default=None,
                      help="length sources to run (default: all): corpus, longtail, longalign, ldc")
     pp2.add_argument("--longalign", default=None, metavar="PATH",
@@ -77,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
     bp = sub.add_parser("balance", help="dcp's time objective against its compute-balanced plan, with floors",
                         description=balance.__doc__, formatter_class=raw)
     bp.add_argument("--topology", choices=sorted(TOPOLOGY_PRESETS), default="a100")
-    bp.add_argument("--cost", default="a100", help="a100, h100 or JSON cost tables")
+    bp.add_argument("--cost", default="a100", help="the simulated cluster's kernel model: a100 (default), h100, auto (this device's calibrated model) or JSON cost models")
     bp.add_argument("--masks", default="causal,lambda")
     bp.add_argument("--scales", default="0.5,1,2,4")
     bp.add_argument("--block-sizes", default="1024,2048")
@@ -85,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("readiness", help="dcp's plans run in divisions against dataflow (tiles as inputs arrive)",
                         description=readiness.__doc__, formatter_class=raw)
     rp.add_argument("--topology", choices=sorted(TOPOLOGY_PRESETS), default="a100")
-    rp.add_argument("--cost", default="a100", help="a100, h100 or JSON cost tables")
+    rp.add_argument("--cost", default="a100", help="the simulated cluster's kernel model: a100 (default), h100, auto (this device's calibrated model) or JSON cost models")
     rp.add_argument("--masks", default=",".join(MASKS))
     rp.add_argument("--scales", default="0.5,1,2,4")
     rp.add_argument("--block-sizes", default="1024,2048")
@@ -95,7 +96,7 @@ def parser() -> argparse.ArgumentParser:
     np_ = sub.add_parser("routes", help="dcp's placement with node routes against direct routes: inter-node bytes",
                          description=routes.__doc__, formatter_class=raw)
     np_.add_argument("--topology", choices=sorted(TOPOLOGY_PRESETS), default="a100")
-    np_.add_argument("--cost", default="a100", help="a100, h100 or JSON cost tables")
+    np_.add_argument("--cost", default="a100", help="the simulated cluster's kernel model: a100 (default), h100, auto (this device's calibrated model) or JSON cost models")
     np_.add_argument("--batch", default="corpus", help="length source: corpus or longtail")
     np_.add_argument("--mask", choices=sorted(MASKS), default="causal")
     np_.add_argument("--scales", default="0.5,1,2,4")
@@ -160,7 +161,9 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--nodes", type=int, default=4)
     pl.add_argument("--ranks-per-node", type=int, default=8)
     pl.add_argument("--block", type=int, default=1024)
-    pl.add_argument("--cost", default="h100", help="a100, h100 or a JSON table (e.g. written by 'table')")
+    pl.add_argument("--cost", default="auto",
+                    help="auto (default: this device's calibrated model, else a preset), a100, h100 or a JSON table "
+                         "or model (written by 'table' or 'calibrate')")
     pl.add_argument("--dtype", choices=sorted(common.DTYPES), default=None)
     pl.add_argument("--kernel", default="auto")
     pl.add_argument("--device", default="auto")
