@@ -182,6 +182,8 @@ def main() -> None:
         dist.init_process_group("gloo")
         mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dcp",))
     log = open(args.log_json, "w") if args.log_json and int(os.environ.get("RANK", 0)) == 0 else None
+    if args.cp_impl == "torch_dcp" and args.planner == "dcp" and int(os.environ.get("RANK", 0)) == 0:
+        print(f"cost model: {torch_dcp.CostModel.load(args.cost_model, device='cpu').source}", flush=True)
 
     def emit(row: dict) -> None:
         print(json.dumps(row), flush=True)

@@ -325,7 +325,9 @@ class DCPTrainer(Trainer):
                     f"(x {self._dcp_tp[1]} tensor-parallel, {self._dcp_heads[0]}/{self._dcp_heads[1]} heads each), "
                     f"{self.dcp_topology.n_nodes} node(s); planner={config.dcp.planner} "
                     f"block_size={config.dcp.block_size} divisions={config.dcp.divisions} "
-                    f"kernel={config.dcp.kernel} attention dtype={self._dcp_dtype}")
+                    f"kernel={config.dcp.kernel} attention dtype={self._dcp_dtype}"
+                    + (f" cost model: {torch_dcp.CostModel.load(config.dcp.cost_model).source}"
+                       if config.dcp.planner == "dcp" else ""))
 
     # ------------------------------------------------------------------ the per-step plan
     def batch_generator(self, data_iterable):
