@@ -150,3 +150,11 @@ def test_check_arithmetic_and_tiny_calibration(tmp_path):
     with pytest.raises(ValueError, match="BATCH:MASK"):
         calibrate.check_cases("longtail:nomask:1:2:3")
     assert json.loads(out.read_text())["meta"]["device"].startswith("cpu")
+
+
+def test_torchtitan_cost_model_key_is_checked():
+    from torch_dcp.integrations.torchtitan_config import DCPConfig
+
+    assert DCPConfig().cost_model == "auto" and DCPConfig(cost_model="h100").planner_options()["cost_model"] == "h100"
+    with pytest.raises(ValueError, match="--dcp.cost-model"):
+        DCPConfig(cost_model="no-such-model").validate()

@@ -90,8 +90,8 @@ def plan(
             (:func:`torch_dcp.simulate.simulate`); default ``"auto"`` (``None`` too): this
             device's calibrated model, else a shipped preset (:mod:`torch_dcp.cost.auto`; it
             warns where the device was never calibrated). A model with measured links
-            (``calibrate`` under ``torchrun``) plans with them in place of the topology's. The fastest placement is
-            then also timed with its last division running a local tail (:data:`LOCAL_TAIL` of
+            (``calibrate`` under ``torchrun``) plans with them in place of the topology's. The
+            fastest placement is then also timed with its last division running a local tail (:data:`LOCAL_TAIL` of
             every rank's local compute, the remote tiles in the divisions before:
             :func:`~torch_dcp.schedule.assign_divisions`) and, on several nodes, with its
             intra-node tiles first (``node_first``, at ``T +`` :data:`NODE_FIRST_EXTRA_DIVISIONS`
@@ -113,8 +113,8 @@ def plan(
     Returns:
         The :class:`Plan`, or a :class:`~torch_dcp.plan.heads.HeadParallelPlan` where ``N > 1``;
         ``plan.cost_model`` names the model that timed the candidates (its ``source``; empty
-        when there was one candidate); ``plan.plan_seconds`` holds the planning time (placement, divisions and, where
-        candidates are timed, their simulation); ``plan.candidates`` the ``(planner label,
+        when there was one candidate); ``plan.plan_seconds`` holds the planning time (placement,
+        divisions and, where candidates are timed, their simulation); ``plan.candidates`` the ``(planner label,
         simulated seconds)`` of every candidate (NaN for one not simulated because its floor,
         :func:`torch_dcp.simulate.floor_seconds`, or its forward plus its backward's floor, lies
         above a faster candidate's time; empty when the planner offers one). Labels of
@@ -141,8 +141,8 @@ def plan(
         inner = planner
         get_planner(planner)
         sizes = _head_sizes(batch, topology, planner, head_parallel, options)
-    cm = None
-    if inner in CANDIDATES:  # the planner times candidates: with the model, on its measured links
+    cm = None  # only a planner that offers candidates times them (several plans need one: see _head_sizes)
+    if inner in CANDIDATES:  # with the model, on its measured links
         from .cost import CostModel
 
         cm = CostModel.load(cost_model)
@@ -157,9 +157,6 @@ def plan(
                 plans += _plans_at(batch, topology, inner, n, block_size, divisions, planner, *search)
         timed: list[tuple[str, float]] = []
         if len(plans) > 1:
-            from .cost import CostModel
-
-            cm = cm or CostModel.load(cost_model)
             chosen, timed = _fastest(plans, cm, SIMULATED, deeper=divisions is None)
             source = cm.source
         else:

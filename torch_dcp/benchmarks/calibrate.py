@@ -47,7 +47,7 @@ from ..cost.executor import KERNEL_WORK, cell_kernels, launch_features, memory_k
 from ..cost.fit import FitReport, LaunchSample, MemorySample, PassSample, fit_executor
 from ..plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan
 from ..simulate import instruction_bytes, pass_local_bytes, pass_row_bytes, send_bytes
-from .common import MASKS, batch_lengths, device_name, pick_device
+from .common import MASKS, batch_lengths, device_name, pick_device, progress
 from .measure import RankTimes, measure_plan
 
 __all__ = ["add_arguments", "run", "main", "calibration_plans", "check_cases", "samples_of", "CHECK_RANGE"]
@@ -163,12 +163,11 @@ def _kernel_names(dev: torch.device, kernel: str) -> tuple[str, str | None]:
 
 
 def _progress(items: list, desc: str) -> Any:
-    try:
-        from tqdm import tqdm
-
-        return tqdm(items, desc=desc, file=sys.stderr, disable=None)
-    except ImportError:  # the benchmarks extra brings tqdm
-        return items
+    """``items``, with the benchmarks' progress bar (:func:`~torch_dcp.benchmarks.common.progress`)."""
+    with progress(len(items), desc) as bar:
+        for item in items:
+            yield item
+            bar.update(1)
 
 
 def calibrate(dev: torch.device, kernel: str = "auto", size: str = "full", repeat: int = 2,

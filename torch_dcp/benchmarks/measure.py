@@ -21,10 +21,11 @@ import torch
 
 from ..executor import InProcessTransport, Mailbox, RankExecutor, get_kernel
 from ..executor.executor import InstructionTime
+from ..batch import BatchSpec
 from ..plan import Plan
 from .common import DTYPES, sync
 
-__all__ = ["RankTimes", "measure_plan", "plan_inputs", "NetworkTimedTransport", "timed_stretches"]
+__all__ = ["RankTimes", "measure_plan", "batch_inputs", "NetworkTimedTransport", "timed_stretches"]
 
 
 class NetworkTimedTransport(InProcessTransport):
@@ -98,13 +99,14 @@ class RankTimes:
         return self.forward + self.backward
 
 
-def plan_inputs(plan: Plan, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Random ``q, k, v, grad_out`` of the whole batch in global token order, the batch's dtype."""
-    b = plan.batch
+def batch_inputs(batch: BatchSpec, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random ``q, k, v, grad_out`` of the whole batch in global token order, the batch's dtype:
+    ``q, grad_out: [T, H, D]``, ``k, v: [T, H_kv, D]``."""
     g = torch.Generator(device=device).manual_seed(seed)
-    T, H, Hkv, D = b.total_tokens, b.n_heads, b.n_kv_heads, b.head_dim
+    T, H, Hkv, D = batch.total_tokens, batch.n_heads, batch.n_kv_heads, batch.head_dim
     shapes = ((T, H, D), (T, Hkv, D), (T, Hkv, D), (T, H, D))
-    return tuple(torch.randn(s, generator=g, device=device, dtype=torch.float32).to(DTYPES[b.dtype]) for s in shapes)
+    return tuple(torch.randn(s, generator=g, device=device, dtype=torch.float32).to(DTYPES[batch.dtype])
+                 for s in shapes)
 
 
 def measure_plan(plan: Plan, device: torch.device, kernel: Any = "auto", repeat: int = 3,
@@ -131,7 +133,7 @@ def measure_plan(plan: Plan, device: torch.device, kernel: Any = "auto", repeat:
     execs = [RankExecutor(plan, r, nets[r], kernel=kern, timings=instructions) for r in range(W)]
     for e in execs:
         e.prepare(device)
-    q, k, v, go = plan_inputs(plan, device, seed)
+    q, k, v, go = batch_inputs(plan.batch, device, seed)
     idx = [torch.from_numpy(plan.token_indices(r)).to(device) for r in range(W)]
     local = [(q[i], k[i], v[i], go[i]) for i in idx]
     fwd_runs, bwd_runs, last = [], [], []

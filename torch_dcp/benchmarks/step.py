@@ -57,7 +57,7 @@ import torch
 import torch_dcp
 from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor
 
-from .measure import NetworkTimedTransport, timed_stretches
+from .measure import NetworkTimedTransport, batch_inputs, timed_stretches
 from .common import (DTYPES, MASKS, DenseAttention, batch_lengths, device_name, pick_device, time_median,
                      varlen_calls, varlen_unavailable)
 
@@ -118,15 +118,6 @@ def _topology(ranks: int, per_node: int) -> torch_dcp.Topology:
     if ranks % per_node:
         raise ValueError(f"--ranks {ranks} is not a whole number of nodes of {per_node} ranks")
     return torch_dcp.Topology(n_nodes=ranks // per_node, ranks_per_node=per_node)
-
-
-def _inputs(batch: torch_dcp.BatchSpec, dev: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
-    """``q, k, v, grad_out`` of the whole batch in global token order, the batch's dtype."""
-    g = torch.Generator(device=dev).manual_seed(seed)
-    T, H, Hkv, D = batch.total_tokens, batch.n_heads, batch.n_kv_heads, batch.head_dim
-    dt = DTYPES[batch.dtype]
-    shapes = ((T, H, D), (T, Hkv, D), (T, Hkv, D), (T, H, D))
-    return tuple(torch.randn(s, generator=g, device=dev, dtype=torch.float32).to(dt) for s in shapes)
 
 
 def _name(kernel: Any) -> str:
@@ -236,7 +227,7 @@ def run(args: argparse.Namespace, out: Any = None) -> dict[str, Any]:
     lens = batch_lengths(a.batch, a.tokens, seed=a.seed, max_doc_len=a.max_doc_len)
     batch = torch_dcp.BatchSpec(lens, MASKS[a.mask], n_heads=a.heads, n_kv_heads=a.kv_heads, head_dim=a.head_dim,
                                 dtype=a.dtype)
-    q, k, v, go = _inputs(batch, dev, a.seed)
+    q, k, v, go = batch_inputs(batch, dev, a.seed)
 
     out = out or sys.stdout
 

@@ -234,71 +234,100 @@ def cell_kernels(workload: Workload, tiles: np.ndarray, tile_cell: np.ndarray, n
 
 def launch_features(workload: Workload, tiles: np.ndarray, tile_cell: np.ndarray, n_cells: int, work: KernelWork,
                     backward: bool) -> np.ndarray:
-    """The :data:`LAUNCH_FEATURES` of ``n_cells`` launches: float64 ``[n_cells, 7]``.
+    """The :data:`LAUNCH_FEATURES` of ``n_cells`` launches: float64 ``[n_cells, len(LAUNCH_FEATURES)]``.
 
     Args:
         tiles: int ``[n]`` tile ids; ``tile_cell``: int ``[n]`` the launch (cell) of each; a
             tile in no cell is not passed.
-        work: what the kernel performs (:class:`KernelWork`).
+        work: what the kernel performs (:class:`KernelWork`; :data:`_WORK_FEATURES` fills its
+            columns).
         backward: the backward pass (its rows and FLOPs per pair).
     """
     out = np.zeros((n_cells, len(LAUNCH_FEATURES)))
     if len(tiles) == 0:
         return out
-    b = workload.batch
-    blen = workload.block_len.astype(np.float64)
-    tq, tk = workload.tile_q[tiles], workload.tile_kv[tiles]
-    cell = np.asarray(tile_cell, np.int64)
-    itb = item_token_bytes(b)
+    t = _Tiles(workload, np.asarray(tiles, np.int64), np.asarray(tile_cell, np.int64), n_cells, backward)
+    itb = item_token_bytes(workload.batch)
     q_row, kv_row = itb[(backward, Buf.Q)], itb[(backward, Buf.KV)]
     res_row = (itb[(True, Buf.DQ)] if backward else itb[(False, Buf.OPART)])
-    fpp = float((BWD_FLOPS_PER_PAIR if backward else FWD_FLOPS_PER_PAIR) * b.n_heads * b.head_dim)
-    pairs = workload.tile_pairs[tiles].astype(np.float64)
-    full = np.asarray(workload.tile_full, bool)[tiles]
-    rect = blen[tq] * blen[tk]
-    # distinct query blocks (groups) and key blocks of each cell
-    g_key, g_inv = np.unique(cell * workload.n_blocks + tq, return_inverse=True)
-    g_cell = g_key // workload.n_blocks
-    k_key = np.unique(cell * workload.n_blocks + tk)
-    k_cell = k_key // workload.n_blocks
-    q_rows = np.bincount(g_cell, weights=blen[g_key % workload.n_blocks], minlength=n_cells)
-    k_rows = np.bincount(k_cell, weights=blen[k_key % workload.n_blocks], minlength=n_cells)
-    n_groups = np.bincount(g_cell, minlength=n_cells).astype(np.float64)
-    out[:, 0] = np.bincount(cell, minlength=n_cells) > 0
-    out[:, 2] = q_rows * (q_row + res_row) + k_rows * (kv_row + (itb[(True, Buf.DKV)] if backward else 0))
-    if work is KernelWork.RECTANGLE:
-        partial = ~full
-        g_partial = np.bincount(g_inv, weights=partial, minlength=len(g_key))
-        # a group whose one partial tile is its own diagonal block of a causal document runs that
-        # block as a causal call (no mask, the hidden half skipped) beside one call on the rest
-        causal_doc = np.array([isinstance(m, Causal) for m in b.masks], bool)[b.doc_mask[workload.block_doc[tq]]]
-        diag = partial & (tq == tk) & causal_doc
-        g_tail = (g_partial == 1) & (np.bincount(g_inv, weights=diag, minlength=len(g_key)) == 1)
-        tail = g_tail[g_inv]
-        t_masked = (g_partial > 0)[g_inv] & ~tail
-        g_rest = np.bincount(g_inv, weights=~diag, minlength=len(g_key)) > 0
-        out[:, 1] = n_groups + np.bincount(g_cell, weights=g_tail & g_rest, minlength=n_cells)
-        # each call copies its keys' K and V with the query heads (GQA expanded) and its own Q rows
-        acc = 8 if b.dtype == "float64" else 4
-        per_key = 2.0 * b.n_heads * b.head_dim * acc * (2 if backward else 1)
-        per_query = b.n_heads * b.head_dim * acc * (3 if backward else 1)
-        out[:, 3] = (np.bincount(cell, weights=blen[tk], minlength=n_cells) * per_key + q_rows * per_query)
-        ranges = max(m.n_ranges for m in b.masks)
-        out[:, 4] = np.bincount(cell, weights=rect * (partial & t_masked) * ranges, minlength=n_cells)
-        # the CPU flash kernel skips key splits of 512 past the diagonal: a causal block of n keys
-        # costs its whole square up to n = 512, 3/4 of it at 1024, half as n grows
-        side = np.maximum(blen[tq], 1.0)
-        done = np.where(tail & diag, rect * (0.5 + 0.5 * np.minimum(1.0, CPU_KV_SPLIT / side)), rect)
-        out[:, 5] = np.bincount(cell, weights=done * ~t_masked, minlength=n_cells) * fpp
-        out[:, 6] = np.bincount(cell, weights=rect * t_masked, minlength=n_cells) * fpp
-        out[:, 7] = np.bincount(g_cell, weights=(g_partial > 0) & ~g_tail, minlength=n_cells)
-    else:
-        out[:, 1] = out[:, 0]
-        if work is KernelWork.BLOCKS:
-            edge = FLEX_BLOCK / 2.0 * (blen[tq] + blen[tk])
-            done = np.where(full, rect, np.minimum(rect, pairs + edge))
-        else:
-            done = pairs
-        out[:, 5] = np.bincount(cell, weights=done * full, minlength=n_cells) * fpp
-        out[:, 6] = np.bincount(cell, weights=done * ~full, minlength=n_cells) * fpp
+    out[:, 0] = np.bincount(t.cell, minlength=n_cells) > 0
+    out[:, 2] = t.q_rows * (q_row + res_row) + t.k_rows * (kv_row + (itb[(True, Buf.DKV)] if backward else 0))
+    _WORK_FEATURES[work](t, out)
     return out
+
+
+class _Tiles:
+    """The tiles of some launches, with what every kernel's features need: their rectangles,
+    visible pairs, the distinct query blocks (groups) and key blocks of each launch."""
+
+    def __init__(self, workload: Workload, tiles: np.ndarray, cell: np.ndarray, n_cells: int, backward: bool):
+        b, nb = workload.batch, workload.n_blocks
+        self.workload, self.cell, self.n_cells, self.backward = workload, cell, n_cells, backward
+        self.blen = workload.block_len.astype(np.float64)
+        self.tq, self.tk = workload.tile_q[tiles], workload.tile_kv[tiles]
+        self.pairs = workload.tile_pairs[tiles].astype(np.float64)
+        self.full = np.asarray(workload.tile_full, bool)[tiles]
+        self.rect = self.blen[self.tq] * self.blen[self.tk]
+        self.fpp = float((BWD_FLOPS_PER_PAIR if backward else FWD_FLOPS_PER_PAIR) * b.n_heads * b.head_dim)
+        self.g_key, self.g_inv = np.unique(cell * nb + self.tq, return_inverse=True)
+        self.g_cell = self.g_key // nb
+        k_key = np.unique(cell * nb + self.tk)
+        self.q_rows = np.bincount(self.g_cell, weights=self.blen[self.g_key % nb], minlength=n_cells)
+        self.k_rows = np.bincount(k_key // nb, weights=self.blen[k_key % nb], minlength=n_cells)
+
+    def per_cell(self, weights: np.ndarray) -> np.ndarray:
+        """Sums of per-tile ``weights`` by launch: ``[n_cells]``."""
+        return np.bincount(self.cell, weights=weights, minlength=self.n_cells)
+
+    def per_group(self, weights: np.ndarray) -> np.ndarray:
+        """Sums of per-tile ``weights`` by group: ``[groups]``."""
+        return np.bincount(self.g_inv, weights=weights, minlength=len(self.g_key))
+
+
+def _rectangle_features(t: _Tiles, out: np.ndarray) -> None:
+    """``KernelWork.RECTANGLE`` (module docstring): a call per group, whole rectangles, masks
+    built in partial tiles, causal diagonal blocks as causal calls of their own."""
+    b, partial = t.workload.batch, ~t.full
+    g_partial = t.per_group(partial)
+    causal_doc = np.array([isinstance(m, Causal) for m in b.masks], bool)[b.doc_mask[t.workload.block_doc[t.tq]]]
+    diag = partial & (t.tq == t.tk) & causal_doc
+    g_tail = (g_partial == 1) & (t.per_group(diag) == 1)  # the group's one partial tile is its causal diagonal
+    tail = g_tail[t.g_inv]
+    t_masked = (g_partial > 0)[t.g_inv] & ~tail
+    g_rest = t.per_group(~diag) > 0  # a tail group's other keys: one more call
+    out[:, 1] = np.bincount(t.g_cell, weights=1.0 + (g_tail & g_rest), minlength=t.n_cells)
+    # each call copies its keys' K and V with the query heads (GQA expanded) and its own Q rows
+    acc = 8 if b.dtype == "float64" else 4
+    per_key = 2.0 * b.n_heads * b.head_dim * acc * (2 if t.backward else 1)
+    per_query = b.n_heads * b.head_dim * acc * (3 if t.backward else 1)
+    out[:, 3] = t.per_cell(t.blen[t.tk]) * per_key + t.q_rows * per_query
+    out[:, 4] = t.per_cell(t.rect * (partial & t_masked)) * max(m.n_ranges for m in b.masks)
+    # the CPU flash kernel skips key splits of 512 past the diagonal: a causal block of n keys
+    # costs its whole square up to n = 512, 3/4 of it at 1024, half as n grows
+    side = np.maximum(t.blen[t.tq], 1.0)
+    done = np.where(tail & diag, t.rect * (0.5 + 0.5 * np.minimum(1.0, CPU_KV_SPLIT / side)), t.rect)
+    out[:, 5] = t.per_cell(done * ~t_masked) * t.fpp
+    out[:, 6] = t.per_cell(t.rect * t_masked) * t.fpp
+    out[:, 7] = np.bincount(t.g_cell, weights=(g_partial > 0) & ~g_tail, minlength=t.n_cells)
+
+
+def _blocks_features(t: _Tiles, out: np.ndarray) -> None:
+    """``KernelWork.BLOCKS``: one launch; partial tiles' pairs rounded up to 128 x 128 blocks."""
+    edge = FLEX_BLOCK / 2.0 * (t.blen[t.tq] + t.blen[t.tk])
+    _one_launch(t, out, np.where(t.full, t.rect, np.minimum(t.rect, t.pairs + edge)))
+
+
+def _visible_features(t: _Tiles, out: np.ndarray) -> None:
+    """``KernelWork.VISIBLE``: one launch over the visible pairs."""
+    _one_launch(t, out, t.pairs)
+
+
+def _one_launch(t: _Tiles, out: np.ndarray, done: np.ndarray) -> None:
+    out[:, 1] = out[:, 0]
+    out[:, 5] = t.per_cell(done * t.full) * t.fpp
+    out[:, 6] = t.per_cell(done * ~t.full) * t.fpp
+
+
+#: each kernel work's columns of :func:`launch_features` (beyond the launch and the executor's bytes)
+_WORK_FEATURES = {KernelWork.RECTANGLE: _rectangle_features, KernelWork.BLOCKS: _blocks_features,
+                  KernelWork.VISIBLE: _visible_features}

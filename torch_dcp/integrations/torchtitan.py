@@ -9,7 +9,7 @@ torchtitan's extension point is a config registry module: ``--module M --config 
 * :func:`llama3_debugmodel_dcp` and :func:`llama3_8b_dcp`: torchtitan's own ``llama3_debugmodel``
   and ``llama3_8b`` configs (every torchtitan key still applies) turned into
   :class:`DCPTrainer.Config` with a ``dcp: DCPConfig`` section (``--dcp.planner``,
-  ``--dcp.block-size``, ``--dcp.divisions``, ``--dcp.kernel``, ``--dcp.check-plan``,
+  ``--dcp.block-size``, ``--dcp.divisions``, ``--dcp.cost-model``, ``--dcp.kernel``, ``--dcp.check-plan``,
   ``--dcp.timeout``, ``--dcp.plan-ahead``, ``--dcp.plan-workers``, ``--dcp.token-capacity``,
   ``--dcp.replay``);
 * :class:`DCPTrainer`, torchtitan's ``Trainer`` with three hooks overridden:
@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,106 +83,13 @@ from torchtitan.trainer import Trainer
 
 import torch_dcp
 from torch_dcp.data import PlanningConfig, PlanningLoader, packed_document_lengths
-from torch_dcp.executor.kernels import KERNEL_NAMES
 from torch_dcp.pipeline import MicrobatchPlans
-from torch_dcp.planners import PLANNERS
 from torch_dcp.tensor_parallel import TensorParallelHeads
+
+from .torchtitan_config import DCPConfig
 
 __all__ = ["DCPConfig", "DCPTrainer", "DCPSelectiveAC", "check_config", "check_pipeline", "pipeline_step", "with_dcp",
            "llama3_debugmodel_dcp", "llama3_8b_dcp", "PIPELINE_SCHEDULES"]
-
-KERNELS = KERNEL_NAMES
-
-
-@dataclass(kw_only=True, slots=True)
-class DCPConfig:
-    """The ``--dcp.*`` keys."""
-
-    planner: str = "dcp"
-    """Placement of token blocks and attention tiles: dcp (hypergraph), greedy, fcp, megatron, ring or allgather."""
-
-    block_size: int = 1024
-    """Tokens per block (ignored by ring, whose chunks are 1/(2W) of each document)."""
-
-    divisions: str = "default"
-    """Divisions per rank, to overlap communication with compute: a positive integer, or default
-    (torch_dcp.plan's: 4, where dcp's time objective may keep its plan's intra-node tiles first at 6)."""
-
-    objective: str = "time"
-    """dcp only: time (candidates timed on the simulator, compute balance may loosen to 2x where links are the
-    bottleneck) or bytes (compute within 1.1 of the mean, fewest bytes moved)."""
-
-    head_parallel: str = "default"
-    """Ranks of a head group trading heads by all-to-all before the plan runs over the groups (DeepSpeed-Ulysses
-    inside a node): a positive integer dividing the heads and the ranks per node, auto (dcp only: it keeps the
-    fastest N on the simulator) or default (auto for dcp's time objective, else 1)."""
-
-    cost_model: str = "auto"
-    """The cost model that times dcp's candidates: auto (this device's calibration, else a shipped preset; python -m
-    torch_dcp.benchmarks calibrate makes one), a100, h100, or a JSON cost-model file."""
-
-    kernel: str = "auto"
-    """Attention kernel of the executor: auto, flex, varlen, flash_attn, sdpa or reference."""
-
-    check_plan: bool = False
-    """Validate every plan (every tile once, inputs present, sends matched) before running it."""
-
-    timeout: float = 600.0
-    """Seconds any wait of the DCP step may block (the plan check, every transfer, a plan made ahead)."""
-
-    plan_ahead: int = 2
-    """Microbatches planned ahead by planning worker processes, spread over the ranks and shared through the
-    process group's store (torch_dcp.data.PlanningLoader); 0 plans every microbatch in line on every rank."""
-
-    plan_workers: int = 1
-    """Planning worker processes per rank (with plan_ahead > 0)."""
-
-    replay: bool = True
-    """Layer replay on CUDA: the first layer of a step records the rank's attention device work (a CUDA graph) and
-    every other layer replays it; --dcp.no-replay runs every layer eagerly. No effect on CPU."""
-
-    token_capacity: float = 1.25
-    """Pipeline parallelism only: every rank's tokens of a microbatch are padded to this many times the mean
-    (microbatch rows x seq_len), the fixed shape pipeline stages exchange; a plan that puts more on a rank stops
-    the step naming this key."""
-
-    def division_count(self) -> int | None:
-        """``divisions`` as :func:`torch_dcp.plan` takes it: an integer, or None for its default."""
-        return None if str(self.divisions) == "default" else int(self.divisions)
-
-    def planner_options(self) -> dict:
-        """Options of the planner beyond block size and divisions (dcp's objective, the head parallelism)."""
-        out: dict = {"objective": self.objective, "cost_model": self.cost_model} if self.planner == "dcp" else {}
-        hp = str(self.head_parallel)
-        if hp != "default":
-            out["head_parallel"] = hp if hp == "auto" else int(hp)
-        return out
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad key."""
-        if self.planner not in PLANNERS:
-            raise ValueError(f"--dcp.planner: unknown planner {self.planner!r}; choose one of {sorted(PLANNERS)}")
-        for key, value in (("block-size", self.block_size), ("plan-workers", self.plan_workers)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"--dcp.{key} must be a positive integer, got {value!r}")
-        div = str(self.divisions)
-        if isinstance(self.divisions, bool) or not (div == "default" or (div.isdigit() and int(div) > 0)):
-            raise ValueError(f"--dcp.divisions must be default or a positive integer, got {self.divisions!r}")
-        if isinstance(self.plan_ahead, bool) or not isinstance(self.plan_ahead, int) or self.plan_ahead < 0:
-            raise ValueError(f"--dcp.plan-ahead must be an integer >= 0, got {self.plan_ahead!r}")
-        if self.objective not in ("time", "bytes"):
-            raise ValueError(f"--dcp.objective must be time or bytes, got {self.objective!r}")
-        hp = str(self.head_parallel)
-        if hp not in ("auto", "default") and not (hp.isdigit() and int(hp) > 0):
-            raise ValueError(f"--dcp.head-parallel must be default, auto or a positive integer, got "
-                             f"{self.head_parallel!r}")
-        if self.kernel not in KERNELS:
-            raise ValueError(f"--dcp.kernel: unknown kernel {self.kernel!r}; choose one of {list(KERNELS)}")
-        if isinstance(self.token_capacity, bool) or not self.token_capacity >= 1.0:
-            raise ValueError(f"--dcp.token-capacity must be a number >= 1, got {self.token_capacity!r}")
-        if not self.timeout > 0:
-            raise ValueError(f"--dcp.timeout must be a positive number of seconds, got {self.timeout!r}")
-
 
 def check_config(config: "DCPTrainer.Config") -> None:
     """Refuse, at start-up, what the DCP trainer does not support.
@@ -325,9 +231,8 @@ class DCPTrainer(Trainer):
                     f"(x {self._dcp_tp[1]} tensor-parallel, {self._dcp_heads[0]}/{self._dcp_heads[1]} heads each), "
                     f"{self.dcp_topology.n_nodes} node(s); planner={config.dcp.planner} "
                     f"block_size={config.dcp.block_size} divisions={config.dcp.divisions} "
-                    f"kernel={config.dcp.kernel} attention dtype={self._dcp_dtype}"
-                    + (f" cost model: {torch_dcp.CostModel.load(config.dcp.cost_model).source}"
-                       if config.dcp.planner == "dcp" else ""))
+                    f"kernel={config.dcp.kernel} attention dtype={self._dcp_dtype} cost model: "
+                    f"{torch_dcp.CostModel.load(config.dcp.cost_model).source if config.dcp.planner == 'dcp' else '-'}")
 
     # ------------------------------------------------------------------ the per-step plan
     def batch_generator(self, data_iterable):

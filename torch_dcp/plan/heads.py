@@ -207,9 +207,9 @@ class HeadParallelPlan:
         self.keep_sharded = bool(keep_sharded)
         self._a2a_seconds: dict[tuple[bool, str, bool], float] = {}
         self.plan_seconds = outer.plan_seconds
-        #: ``(planner label, simulated seconds)`` of the candidates :func:`torch_dcp.plan` timed
-        #: the ``source`` of the cost model that timed them (:func:`torch_dcp.plan`; empty: none)
+        #: the ``source`` of the cost model that timed the candidates (:func:`torch_dcp.plan`; empty: none)
         self.cost_model = ""
+        #: ``(planner label, simulated seconds)`` of the candidates :func:`torch_dcp.plan` timed
         self.candidates: list[tuple[str, float]] = []
 
     # ------------------------------------------------------------------ basics

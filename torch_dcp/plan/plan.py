@@ -58,9 +58,9 @@ class Plan:
         self.tile_division = td
         self.divisions = int(divisions)
         self.plan_seconds = float(plan_seconds)
-        #: ``(planner label, simulated seconds)`` of the candidates :func:`torch_dcp.plan` timed
-        #: the ``source`` of the cost model that timed them (:func:`torch_dcp.plan`; empty: none)
+        #: the ``source`` of the cost model that timed the candidates (:func:`torch_dcp.plan`; empty: none)
         self.cost_model = ""
+        #: ``(planner label, simulated seconds)`` of the candidates :func:`torch_dcp.plan` timed
         self.candidates: list[tuple[str, float]] = []
         self._programs: dict[tuple[int, bool], Program] = {}
 
