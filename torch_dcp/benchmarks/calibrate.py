@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=2, help="timed steps per plan, median (default 2)")
     p.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: as set)")
     p.add_argument("--check", action="store_true", help="check a model against the executor instead of fitting")
-    p.add_argument("--cost", default="auto", help="with --check: the model to check (auto, a100, h100 or JSON)")
+    p.add_argument("--cost", default="auto", help="with --check: the model to check (auto, a100, h100, a100-executor, h100-executor or JSON)")
     p.add_argument("--cases", default=None,
                    help="with --check: BATCH:MASK:TOKENS:W:BLOCK,... (default: long-tail and corpus, 8K-32K "
                         "tokens, W = 4 and 8, blocks 128-512, causal, lambda, shared_question)")

@@ -60,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     pp2.add_argument("--divisions", type=int, default=None,
                      help=_DIVISIONS_HELP)
     pp2.add_argument("--cost", default="a100",
-                     help="the simulated cluster's kernel model: a100 (default), h100, auto (this device's calibrated "
+                     help="the simulated cluster's kernel model: a100 (default), h100 (kernels alone), a100-executor, h100-executor (with the executor's fixed costs per division), auto (this device's calibrated "
                           "model) or JSON cost tables / models (CostModel.to_json format), comma-separated, e.g. "
                           "one per head_dim")
     pp2.add_argument("--batches", default=None,
@@ -78,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
     bp = sub.add_parser("balance", help="dcp's time objective against its compute-balanced plan, with floors",
                         description=balance.__doc__, formatter_class=raw)
     bp.add_argument("--topology", choices=sorted(TOPOLOGY_PRESETS), default="a100")
-    bp.add_argument("--cost", default="a100", help="the simulated cluster's kernel model: a100 (default), h100, auto (this device's calibrated model) or JSON cost models")
+    bp.add_argument("--cost", default="a100", help="the simulated cluster's kernel model: a100 (default), h100 (kernels alone), a100-executor, h100-executor (with the executor's fixed costs per division), auto (this device's calibrated model) or JSON cost models")
     bp.add_argument("--masks", default="causal,lambda")
     bp.add_argument("--scales", default="0.5,1,2,4")
     bp.add_argument("--block-sizes", default="1024,2048")
@@ -86,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("readiness", help="dcp's plans run in divisions against dataflow (tiles as inputs arrive)",
                         description=readiness.__doc__, formatter_class=raw)
     rp.add_argument("--topology", choices=sorted(TOPOLOGY_PRESETS), default="a100")
-    rp.add_argument("--cost", default="a100", help="the simulated cluster's kernel model: a100 (default), h100, auto (this device's calibrated model) or JSON cost models")
+    rp.add_argument("--cost", default="a100", help="the simulated cluster's kernel model: a100 (default), h100 (kernels alone), a100-executor, h100-executor (with the executor's fixed costs per division), auto (this device's calibrated model) or JSON cost models")
     rp.add_argument("--masks", default=",".join(MASKS))
     rp.add_argument("--scales", default="0.5,1,2,4")
     rp.add_argument("--block-sizes", default="1024,2048")
@@ -96,7 +96,7 @@ def parser() -> argparse.ArgumentParser:
     np_ = sub.add_parser("routes", help="dcp's placement with node routes against direct routes: inter-node bytes",
                          description=routes.__doc__, formatter_class=raw)
     np_.add_argument("--topology", choices=sorted(TOPOLOGY_PRESETS), default="a100")
-    np_.add_argument("--cost", default="a100", help="the simulated cluster's kernel model: a100 (default), h100, auto (this device's calibrated model) or JSON cost models")
+    np_.add_argument("--cost", default="a100", help="the simulated cluster's kernel model: a100 (default), h100 (kernels alone), a100-executor, h100-executor (with the executor's fixed costs per division), auto (this device's calibrated model) or JSON cost models")
     np_.add_argument("--batch", default="corpus", help="length source: corpus or longtail")
     np_.add_argument("--mask", choices=sorted(MASKS), default="causal")
     np_.add_argument("--scales", default="0.5,1,2,4")

@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .model import GPU_EXECUTOR, CostModel
+from .model import CostModel
 
 __all__ = ["resolve", "cache_path", "device_key", "device_name", "ENV_VAR", "CACHE_VAR", "CALIBRATE_COMMAND", "PRESET_DIR"]
 
@@ -118,11 +118,9 @@ def resolve(device: Any = None) -> CostModel:
     name = device_name(dev)
     for pattern, preset in (("H100", "h100"), ("H200", "h100"), ("A100", "a100")):
         if dev.type == "cuda" and pattern in name.upper():
-            base = CostModel.load(preset)
-            return _announce(base.with_executor(GPU_EXECUTOR, f"{preset} preset with the executor's H200 fixed costs"),
-                             f"shipped preset for {name}")
+            return _announce(CostModel.load(f"{preset}-executor"), f"shipped preset for {name}")
     if dev.type == "cuda":
-        model = CostModel.h100().with_executor(GPU_EXECUTOR, "h100 preset with the executor's H200 fixed costs")
+        model = CostModel.load("h100-executor")
     else:
         model = CostModel.load(str(PRESET_DIR / "cpu.json"))
     key = ("uncalibrated", name)

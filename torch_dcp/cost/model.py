@@ -289,7 +289,8 @@ class CostModel:
     @classmethod
     def load(cls, spec: "str | CostModel | None" = "auto", device: Any = None) -> "CostModel":
         """``"auto"`` (the model of this device: :func:`torch_dcp.cost.auto.resolve`), ``"a100"``,
-        ``"h100"``, or the paths of JSON cost models, comma-separated (merged, e.g. one table
+        ``"h100"`` (the kernels alone), ``"a100-executor"``, ``"h100-executor"`` (the same with the
+        executor's fixed costs, :data:`GPU_EXECUTOR`: what ``"auto"`` gives on that card), or the paths of JSON cost models, comma-separated (merged, e.g. one table
         file measured per head_dim); a :class:`CostModel` as is; ``None`` as ``"auto"``.
 
         Args:
@@ -309,10 +310,15 @@ class CostModel:
             return resolve(device)
         if spec in ("a100", "h100"):
             return getattr(cls, spec)()
+        if spec in ("a100-executor", "h100-executor"):
+            name = spec.split("-")[0]
+            return getattr(cls, name)().with_executor(
+                GPU_EXECUTOR, f"{name} preset with the executor's H200 fixed costs")
         paths = [Path(x) for x in str(spec).split(",")]
         for path in paths:
             if not path.is_file():
-                raise ValueError(f"cost model must be 'auto', 'a100', 'h100' or JSON cost model files, got {spec!r}")
+                raise ValueError(f"cost model must be 'auto', 'a100', 'h100', 'a100-executor', 'h100-executor' or "
+                                 f"JSON cost model files, got {spec!r}")
         models = [cls.from_json(path.read_text()) for path in paths]
         return dataclasses.replace(cls.merge(*models), source=models[0].source or str(paths[0]))
 

@@ -54,7 +54,8 @@ from torch_dcp.data import packed_document_lengths
 from torch_dcp.executor.device_plan import host_to_device
 from torch_dcp.masks import MaskSpec
 
-__all__ = ["NAME", "attention_forward", "mask_function", "pack", "PackedBatch", "batch_mask", "model_heads"]
+__all__ = ["NAME", "attention_forward", "mask_function", "pack", "PackedBatch", "batch_mask", "model_heads",
+           "DCPTrainer", "DCPSFTTrainer"]
 
 #: the ``attn_implementation`` this module registers
 NAME = "torch_dcp"
@@ -352,3 +353,13 @@ def pack(documents: Sequence[Any] | None = None, config: Any = None, *, input_id
     t_ids, t_pos, t_lab = (host_to_device(torch.from_numpy(np.ascontiguousarray(a))[None], dev)
                            for a in (tokens, positions, shifted))
     return PackedBatch(t_ids, t_pos, t_lab, int((shifted != -100).sum()), batch)
+
+
+def __getattr__(name: str) -> Any:
+    """``DCPTrainer`` and ``DCPSFTTrainer`` (:mod:`torch_dcp.integrations.hf_trainer`), imported on
+    first use: they need accelerate (and trl for ``DCPSFTTrainer``)."""
+    if name in ("DCPTrainer", "DCPSFTTrainer"):
+        from . import hf_trainer
+
+        return getattr(hf_trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,346 @@
+"""Hugging Face ``Trainer`` and TRL's ``SFTTrainer`` with torch_dcp as their context parallelism.
+
+The switch a user writes::
+
+    from accelerate import ParallelismConfig
+    from torch_dcp.integrations.hf import DCPSFTTrainer          # or DCPTrainer
+
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="torch_dcp")
+    args = SFTConfig(..., packing=True, parallelism_config=ParallelismConfig(cp_size=N))
+    DCPSFTTrainer(model=model, args=args, train_dataset=ds, ...).train()
+
+:class:`DCPTrainer` and :class:`DCPSFTTrainer` take exactly their bases' arguments. The DCP group
+is the mesh's ``cp`` dimension: accelerate gives every rank of it the same micro-batch (as for
+its own context parallelism) and shards the model over the data dimensions as it does (FSDP2 on
+``dp_shard_cp`` where the user asks for FSDP, else DDP over every rank). Each micro-batch --
+TRL's padding-free rows (one ``[1, T]`` row, position ids restarting in every document) or a
+padded batch of several sequences (each row's unpadded tokens one document) -- becomes one
+global batch of documents (:func:`torch_dcp.integrations.hf.pack`) and runs inside
+:func:`torch_dcp.context_parallel` on a plan of its documents. Each rank's loss is its tokens'
+sum over the step's global label count (``num_items_in_batch``, counted from the pre-shifted
+labels), so Trainer's gradient accumulation and loss scaling give the loss and gradients of one
+process training the same batches with each document masked on its own.
+
+What accelerate's own context parallelism does instead (``cp_backend="torch"``): it enters
+PyTorch's ``context_parallel`` and hooks every attention module to drop its mask for
+``is_causal=True``, so packed documents attend across their boundaries. Here accelerate sees the
+``cp`` dimension only as one that receives the same batch (:class:`DCPParallelismConfig`): its
+CP hooks, its refusal of CP without FSDP, and TRL's refusal of packing under CP do not apply.
+
+Plans are made before the forward: Trainer fetches an optimizer step's micro-batches at once
+(``get_batch_samples``), and every one of them is packed and planned there, with
+:attr:`DCPTrainerMixin.dcp` (:class:`TrainerDCPConfig`: planner, block size, the cost model,
+``"auto"`` by default). The plans' figures (bytes moved, against ring attention's plan of the
+same batch; compute imbalance; planning seconds) go into Trainer's logs.
+
+Refused at construction, naming the setting: a model whose ``attn_implementation`` is not
+``"torch_dcp"``, attention dropout, logit soft-capping, layer types other than full and sliding
+attention, accelerate's ``sp_size`` or ``tp_size`` beside ``cp_size``, a ``cp_size`` that does not
+divide the world size. ``cp_size`` 1 (or no parallelism config) leaves the stock Trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from accelerate import ParallelismConfig
+
+import torch_dcp
+from torch_dcp.data.plan_worker import PlanningConfig, plan_batch
+
+from . import hf
+
+__all__ = ["TrainerDCPConfig", "DCPParallelismConfig", "DCPTrainerMixin", "DCPTrainer", "DCPSFTTrainer",
+           "micro_batch_documents"]
+
+#: the key under which a prepared micro-batch carries its plan from ``get_batch_samples`` to the step
+_KEY = "_torch_dcp"
+#: the padding-free collator's keys that describe the packing (dropped: the plan carries the documents)
+_PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+#: keys the micro-batch may carry that DCP rebuilds from the documents
+_KNOWN_KEYS = {"input_ids", "labels", "shift_labels", "position_ids", "attention_mask", *_PACKING_KEYS}
+
+
+@dataclasses.dataclass
+class TrainerDCPConfig:
+    """How :class:`DCPTrainer` and :class:`DCPSFTTrainer` plan every micro-batch.
+
+    Attributes:
+        planner: :func:`torch_dcp.plan`'s planner (default ``"dcp"``).
+        block_size: tokens per block.
+        divisions: divisions per rank (``None``: the planner's default).
+        cost_model: the model dcp times its candidates with (``"auto"``: this device's).
+        compare: planners whose plans of the same batch are made for the logs (bytes against
+            ring attention's); ``()`` for none.
+        timeout: seconds any wait inside the context may block.
+    """
+
+    planner: str = "dcp"
+    block_size: int = 256
+    divisions: int | None = None
+    cost_model: str = "auto"
+    compare: tuple[str, ...] = ("ring",)
+    timeout: float = 600.0
+
+
+class DCPParallelismConfig(ParallelismConfig):
+    """accelerate's :class:`~accelerate.ParallelismConfig` with the ``cp`` dimension run by torch_dcp.
+
+    The mesh keeps ``cp`` (its ranks receive the same batch; FSDP shards over ``dp_shard_cp``)
+    but accelerate's own context parallelism is off: ``cp_enabled`` is False, so no PyTorch
+    ``context_parallel``, no hooks dropping the attention mask, and no FSDP required for it.
+    """
+
+    _accelerate_sees_cp = False
+
+    @classmethod
+    def of(cls, pc: ParallelismConfig) -> "DCPParallelismConfig":
+        """The same sizes and handlers as ``pc``."""
+        if isinstance(pc, cls):
+            return pc
+        return cls(**{f.name: getattr(pc, f.name) for f in dataclasses.fields(pc) if f.init})
+
+    @property
+    def cp_enabled(self) -> bool:  # accelerate's CP backend: off unless a validation asks
+        return self._accelerate_sees_cp and self.cp_size > 1
+
+    def _with_cp(self, prop: property) -> Any:
+        self._accelerate_sees_cp = True
+        try:
+            return prop.fget(self)
+        finally:
+            self._accelerate_sees_cp = False
+
+    non_dp_dim_names = property(lambda self: self._with_cp(ParallelismConfig.non_dp_dim_names))
+    dp_shard_cp_dim_names = property(lambda self: self._with_cp(ParallelismConfig.dp_shard_cp_dim_names))
+    dp_cp_dim_names = property(lambda self: self._with_cp(ParallelismConfig.dp_cp_dim_names))
+
+    def _validate_accelerator(self, accelerator: Any) -> None:
+        from accelerate.utils import DistributedType
+
+        if accelerator.distributed_type == DistributedType.MULTI_CPU:
+            # accelerate takes parallelism configs on devices only; on CPU ranks (gloo) the DCP
+            # group and the data shards need nothing of it but a mesh of the world's size
+            if self.total_size != accelerator.num_processes:
+                raise ValueError(f"parallelism_config: dp_shard_size x cp_size = {self.total_size}, but "
+                                 f"{accelerator.num_processes} processes run")
+            return
+        self._accelerate_sees_cp = True
+        try:
+            super()._validate_accelerator(accelerator)
+        finally:
+            self._accelerate_sees_cp = False
+
+
+# ------------------------------------------------------------------ micro-batches as documents
+def micro_batch_documents(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The documents of one Trainer micro-batch, as :func:`~torch_dcp.integrations.hf.pack`'s arguments.
+
+    Args:
+        inputs: the collator's batch: ``input_ids`` ``[B, L]`` and ``labels`` ``[B, L]``
+            (HF-style, unshifted, ``-100``: no loss); either padding-free (``B == 1`` with
+            ``position_ids`` restarting at 0 in every document, TRL's ``padding_free`` /
+            ``bfd`` packing) or rows with an ``attention_mask`` (each row's unpadded tokens
+            one document; padding on either side) or without one (each row one document).
+
+    Returns:
+        ``{"input_ids": row, "position_ids": row, "labels": row}`` or ``{"documents": [...],
+        "labels": [...]}``.
+
+    Raises:
+        ValueError: no ``input_ids`` or ``labels``, a tensor the plan cannot shard (any key
+            but ids, labels, positions, the attention mask and the packing keys), a row whose
+            attention mask is not one contiguous run, or an empty row.
+    """
+    extra = sorted(k for k, v in inputs.items() if k not in _KNOWN_KEYS and isinstance(v, torch.Tensor))
+    if extra:
+        raise ValueError(f"torch_dcp Trainer: the micro-batch carries {extra}, which context parallelism cannot "
+                         "shard (it shards input_ids, labels and position_ids by the plan)")
+    for key in ("input_ids", "labels"):
+        if key not in inputs:
+            raise ValueError(f"torch_dcp Trainer: the micro-batch has no {key!r} (a causal LM's batch: input_ids "
+                             "and labels)")
+    ids, labels = inputs["input_ids"], inputs["labels"]
+    if ids.dim() != 2 or labels.shape != ids.shape:
+        raise ValueError(f"torch_dcp Trainer: input_ids {list(ids.shape)} and labels {list(labels.shape)} must "
+                         "both be [batch, length]")
+    mask = inputs.get("attention_mask")
+    if mask is None and "position_ids" in inputs and ids.shape[0] == 1:
+        return {"input_ids": ids, "position_ids": inputs["position_ids"], "labels": labels}
+    docs, labs = [], []
+    for b in range(ids.shape[0]):
+        keep = torch.ones(ids.shape[1], dtype=torch.bool) if mask is None else mask[b].detach().cpu().bool()
+        idx = torch.nonzero(keep).flatten()
+        if idx.numel() == 0:
+            raise ValueError(f"torch_dcp Trainer: row {b} of the micro-batch has no tokens (attention_mask all 0)")
+        if idx[-1] - idx[0] + 1 != idx.numel():
+            raise ValueError(f"torch_dcp Trainer: row {b}'s attention_mask is not one contiguous run of tokens "
+                             "(padding on the sides only)")
+        sl = slice(int(idx[0]), int(idx[-1]) + 1)
+        docs.append(ids[b, sl])
+        labs.append(labels[b, sl])
+    return {"documents": docs, "labels": labs}
+
+
+@dataclasses.dataclass
+class _Prepared:
+    packed: hf.PackedBatch
+    plan: Any
+    header: dict[str, Any]
+
+
+# ------------------------------------------------------------------ the trainers
+class DCPTrainerMixin:
+    """What :class:`DCPTrainer` and :class:`DCPSFTTrainer` add to their Trainer base (see the
+    module docstring). Set :attr:`dcp` (a :class:`TrainerDCPConfig`) on the class or the
+    instance before ``train()`` to plan otherwise."""
+
+    #: how every micro-batch is planned
+    dcp: TrainerDCPConfig = TrainerDCPConfig()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        targs = kwargs.get("args") if "args" in kwargs else (args[1] if len(args) > 1 else None)
+        pc = getattr(targs, "parallelism_config", None)
+        if pc is None and int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1")) > 1:
+            pc = ParallelismConfig()  # accelerate launch's settings, read from the environment
+        self._dcp_size = 1
+        self.dcp = dataclasses.replace(self.dcp)  # this trainer's own copy of the class's settings
+        if pc is not None and pc.cp_size > 1:
+            _check_parallelism(pc)
+            targs.parallelism_config = DCPParallelismConfig.of(pc)
+            self._dcp_size = pc.cp_size
+        super().__init__(*args, **kwargs)
+        self._dcp_stats: list[dict[str, float]] = []
+        if self._dcp_size > 1:
+            _check_model(self.model)
+
+    # -- planning ahead: the optimizer step's micro-batches, before the first forward
+    @property
+    def dcp_mesh(self) -> Any:
+        """The DCP group's one-dimensional mesh (accelerate's ``cp`` dimension)."""
+        return self.accelerator.torch_device_mesh["cp"]
+
+    def _dcp_prepare(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        conf = self.dcp
+        packed = hf.pack(config=self.model.config, dtype=_attention_dtype(self), device=self.args.device,
+                         **micro_batch_documents(inputs))
+        options = {"cost_model": conf.cost_model} if conf.planner == "dcp" else {}
+        plan, header = plan_batch(packed.batch, PlanningConfig(self._dcp_size, conf.planner, conf.block_size,
+                                                               conf.divisions, options, compare=conf.compare))
+        return {"input_ids": packed.input_ids, "labels": packed.labels, "shift_labels": packed.labels,
+                "position_ids": packed.position_ids, _KEY: _Prepared(packed, plan, header)}
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        if self._dcp_size == 1:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        samples = []
+        for _ in range(num_batches):
+            try:
+                samples.append(self._dcp_prepare(next(epoch_iterator)))
+            except StopIteration:
+                break
+        return samples, self._get_num_items_in_batch(samples, device)
+
+    def _prepare_context_parallel_inputs(self, model: Any, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        if self._dcp_size == 1:
+            return super()._prepare_context_parallel_inputs(model, inputs)
+        prepared = inputs.pop(_KEY, None)
+        if prepared is None:  # evaluation: batches that did not pass through get_batch_samples
+            prepared = self._dcp_prepare(inputs)[_KEY]
+        packed = prepared.packed
+        self._dcp_stats.append(_plan_figures(prepared.header))
+        ctx = functools.partial(torch_dcp.context_parallel, self.dcp_mesh, buffers=packed.buffers,
+                                buffer_seq_dims=packed.buffer_seq_dims, no_restore_buffers=set(packed.buffers),
+                                plan=prepared.plan, timeout=self.dcp.timeout)
+        return ctx, {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "labels": packed.labels,
+                     "shift_labels": packed.labels}
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self._dcp_stats:
+            keys = self._dcp_stats[0].keys()
+            logs.update({f"dcp_{k}": round(float(np.mean([s[k] for s in self._dcp_stats])), 4) for k in keys})
+            self._dcp_stats.clear()
+        super().log(logs, *args, **kwargs)
+
+
+def _plan_figures(header: dict[str, Any]) -> dict[str, float]:
+    stats = header["stats"]
+    out = {"comm_bytes": float(stats["comm_bytes"]), "compute_imbalance": float(stats["compute_imbalance"]),
+           "plan_seconds": float(header["plan_seconds"])}
+    ring = header.get("compare", {}).get("ring", {})
+    if ring.get("comm_bytes"):
+        out["bytes_vs_ring"] = stats["comm_bytes"] / ring["comm_bytes"]
+    return out
+
+
+def _attention_dtype(trainer: Any) -> torch.dtype:
+    if trainer.args.bf16:
+        return torch.bfloat16
+    if trainer.args.fp16:
+        return torch.float16
+    return next(trainer.model.parameters()).dtype
+
+
+def _check_parallelism(pc: ParallelismConfig) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if pc.sp_size and pc.sp_size > 1:
+        raise ValueError(f"torch_dcp Trainer: parallelism_config.sp_size={pc.sp_size} (DeepSpeed sequence "
+                         "parallelism) cannot run beside torch_dcp's context parallelism; set sp_size=1")
+    if pc.tp_size and pc.tp_size > 1:
+        raise ValueError(f"torch_dcp Trainer: parallelism_config.tp_size={pc.tp_size}: tensor parallelism beside "
+                         "torch_dcp is not supported in the Trainer integration; set tp_size=1")
+    if world % pc.cp_size:
+        raise ValueError(f"torch_dcp Trainer: parallelism_config.cp_size={pc.cp_size} does not divide the world "
+                         f"size {world}")
+
+
+def _check_model(model: Any) -> None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    impl = getattr(config, "_attn_implementation", None)
+    if impl != hf.NAME:
+        raise ValueError(f"torch_dcp Trainer: the model's attn_implementation is {impl!r}; load or build it with "
+                         f"attn_implementation={hf.NAME!r} (import torch_dcp.integrations.hf registers it)")
+    if float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+        raise ValueError(f"torch_dcp Trainer: config.attention_dropout={config.attention_dropout}: attention "
+                         "dropout is not supported under torch_dcp; set it to 0")
+    for key in ("attn_logit_softcapping", "attn_softcapping"):
+        if getattr(config, key, None):
+            raise ValueError(f"torch_dcp Trainer: config.{key}={getattr(config, key)}: logit soft-capping is not "
+                             "supported under torch_dcp")
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
+    if other:
+        raise ValueError(f"torch_dcp Trainer: config.layer_types has {other}; torch_dcp runs full and sliding-window "
+                         "attention layers only")
+
+
+class DCPTrainer(DCPTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with torch_dcp as its context parallelism (module docstring);
+    the same arguments as ``Trainer``."""
+
+
+def _sft_trainer() -> type:
+    from trl import SFTTrainer
+
+    class DCPSFTTrainer(DCPTrainerMixin, SFTTrainer):
+        """``trl.SFTTrainer`` with torch_dcp as its context parallelism (module docstring);
+        the same arguments as ``SFTTrainer``. Packing (``bfd``) and padding-free rows are
+        trained exactly: each document attends to itself only."""
+
+    DCPSFTTrainer.__module__ = __name__
+    DCPSFTTrainer.__qualname__ = "DCPSFTTrainer"
+    return DCPSFTTrainer
+
+
+def __getattr__(name: str) -> Any:  # DCPSFTTrainer imports trl on first use only
+    if name == "DCPSFTTrainer":
+        cls = _sft_trainer()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
