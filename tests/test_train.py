@@ -15,17 +15,17 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "train_llama.py"
 
 
-def _runs(*runs: tuple[list[str], Path, int | None]) -> list[list[dict]]:
-    """Run the recipe once per ``(args, log, nproc)`` (under torchrun with ``nproc`` ranks, else
+def _runs(*runs: tuple[list[str], Path, int | None], recipe: Path = RECIPE) -> list[list[dict]]:
+    """Run ``recipe`` once per ``(args, log, nproc)`` (under torchrun with ``nproc`` ranks, else
     one plain process), all at once (their start-ups overlap one another's waits); every run's
-    rows, in order."""
+    rows (the JSON lines it wrote to ``--log-json``), in order."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     procs = []
     for args, log, nproc in runs:
         cmd = [sys.executable]
         if nproc:
             cmd += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        cmd += [str(RECIPE), *args, "--log-json", str(log)]
+        cmd += [str(recipe), *args, "--log-json", str(log)]
         out = open(log.with_suffix(".out"), "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True), out, log))
     deadline = time.monotonic() + 600

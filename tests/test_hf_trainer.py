@@ -1,0 +1,153 @@
+"""Hugging Face Trainer and TRL's SFTTrainer under torch_dcp: recipes/train_trl.py on gloo ranks
+against one process running the same batches, and the integration's pieces on their own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("accelerate")
+
+from test_train import ROOT, _runs  # noqa: E402
+
+RECIPE = ROOT / "recipes" / "train_trl.py"
+REL = 1e-5
+
+
+def _close(dcp: list[dict], ref: list[dict]) -> None:
+    assert len(dcp) == len(ref) == 3, (dcp, ref)
+    for mine, theirs in zip(dcp, ref):
+        for key in ("loss", "grad_norm"):
+            assert abs(mine[key] - theirs[key]) <= REL * abs(theirs[key]), (key, mine, theirs)
+
+
+# ranks, data shards, trainer, model: Llama (full causal) and Qwen2 (every layer a 96-token window,
+# documents up to 320 tokens), GQA 4/2, 3 optimizer steps of 2 accumulated micro-batches
+# (the 2-rank SFT case is test_recipe_reference_flag's; 4 ranks as 2 x 2 with Trainer is -m slow: the
+# SFT case covers the data shards, the 2-rank Trainer case the padded batches)
+CASES = [(3, 1, "sft", "qwen2"), (4, 2, "sft", "qwen2"), (2, 1, "hf", "llama"),
+         pytest.param(4, 2, "hf", "qwen2", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("world,shards,trainer,model", CASES,
+                         ids=["sft-qwen2-3x1", "sft-qwen2-2x2", "hf-llama-2x1", "hf-qwen2-2x2"])
+def test_trainer_matches_one_process(world, shards, trainer, model, tmp_path):
+    """DCPSFTTrainer (bfd packing, padding-free rows) and DCPTrainer (padded batches of 4
+    documents) on W gloo ranks, as W DCP ranks or 2 DCP ranks x 2 data shards: the logged losses
+    and gradient norms of every step within 1e-5 relative of one process (the stock trainer,
+    transformers' SDPA masking every document on its own) on the same batches; the plans'
+    figures are in the logs."""
+    args = ["--trainer", trainer, "--model", model, "--dp-shards", str(shards)]
+    dcp, ref = _runs((args, tmp_path / "dcp.jsonl", world), (args, tmp_path / "ref.jsonl", None), recipe=RECIPE)
+    _close(dcp, ref)
+    for row in dcp:
+        assert row["dcp_plan_seconds"] > 0 and row["dcp_compute_imbalance"] >= 1.0
+        assert 0 <= row["dcp_bytes_vs_ring"] < 1.0  # documents kept whole move less than ring attention
+    assert all("dcp_plan_seconds" not in row for row in ref)
+
+
+def test_recipe_reference_flag():
+    """The recipe as docs/huggingface.md names it: 2 ranks, --reference prints the comparison."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          str(RECIPE), "--reference"], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    line = [x for x in out.stdout.splitlines() if x.startswith("summary:")][-1]
+    loss_rel = float(line.split("loss rel <= ")[1].split(",")[0])
+    grad_rel = float(line.split("grad_norm rel <= ")[1])
+    assert loss_rel <= REL and grad_rel <= REL, line
+
+
+def test_micro_batch_documents():
+    """Padding-free rows keep their position ids; padded rows become one document each (padding
+    on either side); what cannot be sharded is refused, naming it."""
+    from torch_dcp.integrations.hf_trainer import micro_batch_documents
+
+    ids = torch.arange(10)[None]
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4]])
+    got = micro_batch_documents({"input_ids": ids, "labels": ids, "position_ids": pos,
+                                 "cu_seq_lens_q": torch.tensor([0, 3, 5, 10]), "max_length_q": 5})
+    assert got["position_ids"] is pos and got["input_ids"] is ids
+    rows = torch.tensor([[1, 2, 3, 0], [0, 0, 4, 5], [6, 7, 8, 9]])
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 1, 1], [1, 1, 1, 1]])
+    got = micro_batch_documents({"input_ids": rows, "labels": rows.masked_fill(mask == 0, -100),
+                                 "attention_mask": mask})
+    assert [d.tolist() for d in got["documents"]] == [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    assert [x.tolist() for x in got["labels"]] == [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    with pytest.raises(ValueError, match="contiguous"):
+        micro_batch_documents({"input_ids": rows, "labels": rows, "attention_mask": torch.tensor(
+            [[1, 0, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]])})
+    with pytest.raises(ValueError, match="no tokens"):
+        micro_batch_documents({"input_ids": rows, "labels": rows, "attention_mask": mask * 0})
+    with pytest.raises(ValueError, match="token_type_ids"):
+        micro_batch_documents({"input_ids": rows, "labels": rows, "token_type_ids": rows})
+    with pytest.raises(ValueError, match="'labels'"):
+        micro_batch_documents({"input_ids": rows})
+
+
+def _model(**config):
+    import transformers
+
+    import torch_dcp.integrations.hf  # noqa: F401
+
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, **config)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_refusals_name_the_setting():
+    """What torch_dcp cannot run is refused at start-up with the setting named."""
+    from accelerate import ParallelismConfig
+
+    from torch_dcp.integrations.hf_trainer import _check_model, _check_parallelism
+
+    _check_model(_model(attn_implementation="torch_dcp"))
+    for config, match in ((dict(attn_implementation="sdpa"), "attn_implementation is 'sdpa'"),
+                          (dict(attn_implementation="torch_dcp", attention_dropout=0.1), "attention_dropout"),
+                          (dict(attn_implementation="torch_dcp", layer_types=["chunked_attention"]),
+                           "chunked_attention")):
+        with pytest.raises(ValueError, match=match):
+            _check_model(_model(**config))
+    model = _model(attn_implementation="torch_dcp")
+    model.config.attn_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="soft-capping"):
+        _check_model(model)
+    with pytest.raises(ValueError, match="tp_size=2"):
+        _check_parallelism(ParallelismConfig(cp_size=2, tp_size=2))
+    os.environ["WORLD_SIZE"] = "4"
+    try:
+        with pytest.raises(ValueError, match="cp_size=3 does not divide the world size 4"):
+            _check_parallelism(ParallelismConfig(cp_size=3))
+    finally:
+        del os.environ["WORLD_SIZE"]
+
+
+def test_trainer_refuses_a_model_without_the_backend(tmp_path):
+    """DCPTrainer with cp_size > 1 and a model on transformers' SDPA: refused, naming the backend."""
+    import transformers
+    from accelerate import ParallelismConfig
+
+    from torch_dcp.integrations.hf import DCPTrainer
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                          parallelism_config=ParallelismConfig(cp_size=3))
+    with pytest.raises(ValueError, match="cp_size=3 does not divide the world size 1"):
+        DCPTrainer(model=_model(attn_implementation="sdpa"), args=args)
+
+
+def test_parallelism_config_keeps_the_cp_dimension_for_torch_dcp():
+    """accelerate's CP backend is off (no hooks, no FSDP demanded) while the mesh keeps ``cp``:
+    its ranks receive the same batch and FSDP shards over ``dp_shard_cp``."""
+    from accelerate import ParallelismConfig
+
+    from torch_dcp.integrations.hf_trainer import DCPParallelismConfig
+
+    pc = DCPParallelismConfig.of(ParallelismConfig(cp_size=2, dp_shard_size=2))
+    assert not pc.cp_enabled and pc.cp_size == 2
+    assert pc.non_dp_dim_names == ["cp"] and pc.dp_shard_cp_dim_names == ["dp_shard", "cp"]
+    assert pc._get_mesh() == (("dp_shard", "cp"), (2, 2))
