@@ -64,6 +64,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cost-model", default="auto", help="auto (default), a100, h100 or a JSON cost model")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
                    help="bf16 mixed precision (default: off, float32 throughout; TRL's own default is on)")
+    p.add_argument("--cross-document", action="store_true",
+                   help="one process only: every packed row as one causal sequence (documents attend across their "
+                        "boundaries), which is what accelerate's own context parallelism computes: its hooks drop "
+                        "the attention mask and pass is_causal=True")
     p.add_argument("--reference", action="store_true",
                    help="under torchrun: also run one process on the same batches and print the differences")
     p.add_argument("--log-json", default=None, help="write the logged rows (one JSON per step) to this file")
@@ -162,6 +166,10 @@ def train(args: argparse.Namespace, distributed: bool) -> list[dict]:
         cls = DCPTrainer if distributed else transformers.Trainer
         targs = transformers.TrainingArguments(**common, remove_unused_columns=False)
         trainer = cls(model=model, args=targs, train_dataset=dataset(args), data_collator=pad_collate)
+    if args.cross_document:  # an all-ones mask: transformers then builds no document mask from the positions
+        collate = trainer.data_collator
+        trainer.data_collator = lambda rows: (lambda b: {**b, "attention_mask": torch.ones_like(b["input_ids"])})(
+            collate(rows))
     if distributed:
         trainer.dcp.planner = args.planner
         trainer.dcp.block_size = args.block_size
@@ -189,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if args.reference and not distributed:
         raise SystemExit("--reference runs under torchrun (without it the recipe is the one-process reference)")
+    if args.cross_document and (distributed or args.trainer != "sft"):
+        raise SystemExit("--cross-document is a one-process run of --trainer sft (no torchrun)")
     rows = train(args, distributed)
     if rank == 0:
         for row in rows:

@@ -47,8 +47,8 @@ MIN_SINGLE, MIN_RANKS = 5, 3
 #: step that runs it: ``tests/FILE.py::TEST`` (the test must exist) or ``.ci/run: TEXT`` (TEXT
 #: must appear in .ci/run). Comments after ``#`` are not part of a command.
 README_COMMANDS = {
-    "pip install torch==2.13.0 && pip install -e '.[dev,torchtitan,hf]'":
-        [".ci/run: pip install --quiet torch==2.13.0", ".ci/run: pip install --quiet -e '.[dev,torchtitan,hf]'"],
+    "pip install torch==2.13.0 && pip install -e '.[dev,torchtitan,hf,trl]'":
+        [".ci/run: pip install --quiet torch==2.13.0", ".ci/run: pip install --quiet -e '.[dev,torchtitan,hf,trl]'"],
     "torchrun --standalone --nproc-per-node 4 recipes/train_llama.py":
         ["tests/test_train.py::test_dcp_fsdp_matches_single_process"],
     "torchrun --standalone --nproc-per-node 4 recipes/train_llama.py --tp 2":

@@ -136,8 +136,12 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
                                "compute_imbalance": st["compute_imbalance"],
                                "memory_imbalance": st["memory_imbalance"], "plan_seconds": plan_s,
                                "head_parallel": st.get("head_parallel", 1)}
-                        if pname == "ring":  # ring attention's own step formula, same cost model
-                            row["formula_ms"] = ring_step_seconds(plan, cm) * 1e3
+                        if pname == "ring":  # ring attention's own step formula, the same kernel model: the
+                            # executor's per-launch costs group a rank's tiles by instruction, the formula by step
+                            kern = cm.with_executor(None)
+                            row["formula_ms"] = ring_step_seconds(plan, kern) * 1e3
+                            row["formula_sim_ms"] = (simulate(plan, kern).makespan_s * 1e3 if cm.executor is not None
+                                                     else row["total_ms"])
                         if pname not in best or row["total_ms"] < best[pname]["total_ms"]:
                             best[pname] = row
                 ring = best.get("ring", {}).get("total_ms")
@@ -176,8 +180,9 @@ def _paper_table(rows: list[dict], planners: list[str], masks: list[str], out) -
         print(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(cells) + f" | {extra} |", file=out)
     ring = [r for r in rows if "formula_ms" in r]
     if ring:
-        ratio = [r["total_ms"] / r["formula_ms"] for r in ring]
-        print(f"\nring simulated / ring attention's step formula: {min(ratio):.3f}-{max(ratio):.3f}", file=out)
+        ratio = [r.get("formula_sim_ms", r["total_ms"]) / r["formula_ms"] for r in ring]
+        print(f"\nring simulated / ring attention's step formula (the kernel model): {min(ratio):.3f}-{max(ratio):.3f}",
+              file=out)
     dcp = [r for r in rows if r["planner"] == "dcp" and "speedup_vs_best_baseline" in r]
     if dcp:
         wins = sum(r["speedup_vs_best_baseline"] >= 1.0 for r in dcp)

@@ -37,10 +37,13 @@ Refused at construction, naming the setting: a model whose ``attn_implementation
 ``"torch_dcp"``, attention dropout, logit soft-capping, layer types other than full and sliding
 attention, accelerate's ``sp_size`` or ``tp_size`` beside ``cp_size``, a ``cp_size`` that does not
 divide the world size. ``cp_size`` 1 (or no parallelism config) leaves the stock Trainer.
+Evaluation runs every batch whole on every rank (the backend is transformers' SDPA outside a
+context), so its losses are one process's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -251,8 +254,8 @@ class DCPTrainerMixin:
         if self._dcp_size == 1:
             return super()._prepare_context_parallel_inputs(model, inputs)
         prepared = inputs.pop(_KEY, None)
-        if prepared is None:  # evaluation: batches that did not pass through get_batch_samples
-            prepared = self._dcp_prepare(inputs)[_KEY]
+        if prepared is None:  # evaluation: every rank runs the whole batch (transformers' SDPA outside a context)
+            return contextlib.nullcontext, inputs
         packed = prepared.packed
         self._dcp_stats.append(_plan_figures(prepared.header))
         ctx = functools.partial(torch_dcp.context_parallel, self.dcp_mesh, buffers=packed.buffers,
