@@ -62,6 +62,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--planner", default="dcp", help="dcp, greedy, fcp, megatron, ring or allgather")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--cost-model", default="auto", help="auto (default), a100, h100 or a JSON cost model")
+    p.add_argument("--plan-workers", type=int, default=0,
+                   help="planning processes per rank (0: plans made in line when Trainer fetches a step's batches)")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
                    help="bf16 mixed precision (default: off, float32 throughout; TRL's own default is on)")
     p.add_argument("--cross-document", action="store_true",
@@ -174,6 +176,7 @@ def train(args: argparse.Namespace, distributed: bool) -> list[dict]:
         trainer.dcp.planner = args.planner
         trainer.dcp.block_size = args.block_size
         trainer.dcp.cost_model = args.cost_model
+        trainer.dcp.workers = args.plan_workers
     trainer.train()
     return [{k: v for k, v in row.items() if k != "epoch"} for row in trainer.state.log_history if "loss" in row]
 

@@ -43,6 +43,7 @@ context), so its losses are one process's.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import functools
@@ -55,7 +56,9 @@ import transformers
 from accelerate import ParallelismConfig
 
 import torch_dcp
-from torch_dcp.data.plan_worker import PlanningConfig, plan_batch
+from torch_dcp.data.plan_store import decode_record
+from torch_dcp.data.plan_worker import PlanningConfig, _worker_job, plan_batch, planning_pool
+from torch_dcp.plan import load_plan
 
 from . import hf
 
@@ -81,7 +84,12 @@ class TrainerDCPConfig:
         cost_model: the model dcp times its candidates with (``"auto"``: this device's).
         compare: planners whose plans of the same batch are made for the logs (bytes against
             ring attention's); ``()`` for none.
-        timeout: seconds any wait inside the context may block.
+        workers: planning processes per rank. 0 (default): every micro-batch of an optimizer
+            step is planned in line when Trainer fetches them, before the first forward. N >= 1:
+            they are submitted to N "spawn" processes there (:func:`torch_dcp.data.planning_pool`),
+            so the later micro-batches are planned while the earlier ones train; a step waits
+            only for a plan not made yet (at most ``timeout``).
+        timeout: seconds any wait may block: inside the context, and for a plan.
     """
 
     planner: str = "dcp"
@@ -89,6 +97,7 @@ class TrainerDCPConfig:
     divisions: int | None = None
     cost_model: str = "auto"
     compare: tuple[str, ...] = ("ring",)
+    workers: int = 0
     timeout: float = 600.0
 
 
@@ -193,9 +202,34 @@ def micro_batch_documents(inputs: dict[str, Any]) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class _Prepared:
+    """A micro-batch packed, with its plan and the planner's header, or the planning worker's
+    future of them."""
+
     packed: hf.PackedBatch
-    plan: Any
-    header: dict[str, Any]
+    plan: Any = None
+    header: dict[str, Any] = dataclasses.field(default_factory=dict)
+    future: cf.Future | None = None
+
+    def resolve(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) for a worker's plan.
+
+        Raises:
+            RuntimeError: the planner raised in the worker (its cause named).
+            TimeoutError: no plan within ``timeout``.
+        """
+        if self.future is None:
+            return
+        try:
+            kind, payload = self.future.result(timeout=timeout)
+        except cf.TimeoutError:
+            raise TimeoutError(f"torch_dcp Trainer: no plan of the micro-batch from this rank's planning worker "
+                               f"within {timeout:g} s (TrainerDCPConfig.timeout)") from None
+        self.future = None
+        if kind == "error":
+            raise RuntimeError(f"torch_dcp Trainer: planning the micro-batch failed in the worker: {payload}")
+        record = decode_record(payload)
+        self.plan, self.header = load_plan(record.plan_bytes), record.header
+        self.plan.plan_seconds = float(record.header.get("plan_seconds", 0.0))
 
 
 # ------------------------------------------------------------------ the trainers
@@ -213,6 +247,7 @@ class DCPTrainerMixin:
         if pc is None and int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1")) > 1:
             pc = ParallelismConfig()  # accelerate launch's settings, read from the environment
         self._dcp_size = 1
+        self._dcp_pool = None
         self.dcp = dataclasses.replace(self.dcp)  # this trainer's own copy of the class's settings
         if pc is not None and pc.cp_size > 1:
             _check_parallelism(pc)
@@ -220,6 +255,7 @@ class DCPTrainerMixin:
             self._dcp_size = pc.cp_size
         super().__init__(*args, **kwargs)
         self._dcp_stats: list[dict[str, float]] = []
+        self._dcp_pool: cf.ProcessPoolExecutor | None = None
         if self._dcp_size > 1:
             _check_model(self.model)
 
@@ -234,10 +270,24 @@ class DCPTrainerMixin:
         packed = hf.pack(config=self.model.config, dtype=_attention_dtype(self), device=self.args.device,
                          **micro_batch_documents(inputs))
         options = {"cost_model": conf.cost_model} if conf.planner == "dcp" else {}
-        plan, header = plan_batch(packed.batch, PlanningConfig(self._dcp_size, conf.planner, conf.block_size,
-                                                               conf.divisions, options, compare=conf.compare))
+        planning = PlanningConfig(self._dcp_size, conf.planner, conf.block_size, conf.divisions, options,
+                                  compare=conf.compare)
+        if conf.workers > 0:
+            if self._dcp_pool is None:
+                self._dcp_pool = planning_pool(conf.workers, planning)
+            prepared = _Prepared(packed, future=self._dcp_pool.submit(_worker_job, packed.batch.to_dict(), planning))
+        else:
+            prepared = _Prepared(packed, *plan_batch(packed.batch, planning))
         return {"input_ids": packed.input_ids, "labels": packed.labels, "shift_labels": packed.labels,
-                "position_ids": packed.position_ids, _KEY: _Prepared(packed, plan, header)}
+                "position_ids": packed.position_ids, _KEY: prepared}
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self._dcp_pool is not None:
+                self._dcp_pool.shutdown(wait=False, cancel_futures=True)
+                self._dcp_pool = None
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
         if self._dcp_size == 1:
@@ -256,6 +306,7 @@ class DCPTrainerMixin:
         prepared = inputs.pop(_KEY, None)
         if prepared is None:  # evaluation: every rank runs the whole batch (transformers' SDPA outside a context)
             return contextlib.nullcontext, inputs
+        prepared.resolve(self.dcp.timeout)
         packed = prepared.packed
         self._dcp_stats.append(_plan_figures(prepared.header))
         ctx = functools.partial(torch_dcp.context_parallel, self.dcp_mesh, buffers=packed.buffers,
