@@ -3,7 +3,8 @@
     python -m torch_dcp.benchmarks scale [--cases 131k,1m,4m] [--mask causal] [--rivals ring,allgather,bytes]
     python -m torch_dcp.benchmarks scale --calibrate
 
-For every case (tokens, nodes of 8 ranks, ``--preset`` links and cost model (H100 by default),
+For every case (tokens, nodes of 8 ranks, ``--preset`` links and cost model (H100 by default; its
+kernel table with the executor's fixed costs, what ``"auto"`` plans with on that card),
 document lengths of the embedded real corpus in shuffled order, as the ``paper`` benchmark's
 ``corpus`` batch, GQA 8/2, head_dim 128, bf16, block size 1024), in a fresh process of its own
 (bounded by ``--timeout`` seconds and ``--max-memory-gb``), it prints one JSON line: the default
@@ -93,7 +94,7 @@ def _measure(case: str, mask: str, planner: str, heads: tuple[int, int], max_mem
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     tokens, nodes = parse_case(case)
     topo = Topology.preset(preset, n_nodes=nodes)
-    cm = CostModel.load(preset)
+    cm = CostModel.load(f"{preset}-executor")  # what "auto" plans with on that card
     options: dict[str, Any] = {"planner": planner}
     if planner == "bytes":
         options = {"planner": "dcp", "objective": "bytes"}
