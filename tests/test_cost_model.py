@@ -114,6 +114,11 @@ def test_auto_resolves_variable_cache_device_and_fallback(tmp_path, monkeypatch)
     monkeypatch.setattr(auto, "_device", lambda device=None: torch.device("cuda"))
     gpu = auto.resolve()
     assert gpu.kernel == CostModel.h100().kernel and gpu.executor.fast.name == "varlen" and "h100 preset" in gpu.source
+    assert gpu == CostModel.load("h100-executor")  # the name the benchmarks simulate an H100 cluster with
+    monkeypatch.setattr(auto, "device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    assert auto.resolve() == CostModel.load("a100-executor") != CostModel.load("a100")
+    with pytest.raises(ValueError, match="'h100-executor'"):
+        CostModel.load("b200-executor")
     # a round trip keeps everything, links too
     linked = CostModel(gpu.kernel, executor=gpu.executor, links=torch_dcp.cost.Links(1e-5, 2e9, 4, "gloo"), source="x")
     assert CostModel.from_json(linked.to_json()) == linked

@@ -26,7 +26,8 @@ def write_pictures(out: str, batch_name: str, mask: str, planner: str, block_siz
 
     Path(out).mkdir(parents=True, exist_ok=True)
     batch = BatchSpec(planner_batches()[batch_name], MASKS[mask], n_heads=8, n_kv_heads=2, head_dim=128)
-    plan = make_plan(batch, topology or Topology(), planner=planner, block_size=block_size)
+    plan = make_plan(batch, topology or Topology(), planner=planner, block_size=block_size,
+                     cost_model="a100")  # the table the timeline is drawn with
     paths = [viz.placement_map(plan, Path(out) / "placement.png"), viz.traffic_matrix(plan, Path(out) / "traffic.png"),
              viz.timeline(simulate(plan), Path(out) / "timeline.png",
                           title=f"{planner}, {batch_name} batch, {mask} mask: simulated attention (A100 table)")]

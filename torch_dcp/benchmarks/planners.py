@@ -50,7 +50,8 @@ def bench_planners(planners: list[str], masks: list[str], batches: list[str], bl
             for pname in planners:
                 t0 = time.perf_counter()
                 try:
-                    plan = make_plan(batch, topology, planner=pname, block_size=block_size, divisions=divisions)
+                    plan = make_plan(batch, topology, planner=pname, block_size=block_size, divisions=divisions,
+                                     cost_model="a100")  # the A100 cluster this table simulates
                 except ValueError as err:
                     print(json.dumps({"batch": bname, "mask": mname, "planner": pname, "refused": str(err)}),
                           file=out, flush=True)

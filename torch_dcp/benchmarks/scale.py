@@ -98,7 +98,7 @@ def _measure(case: str, mask: str, planner: str, heads: tuple[int, int], max_mem
     options: dict[str, Any] = {"planner": planner}
     if planner == "bytes":
         options = {"planner": "dcp", "objective": "bytes"}
-    elif planner == "dcp":
+    if options["planner"] == "dcp":
         options["cost_model"] = cm
     seconds, sims, first = [], [], None
     for i in range(batches):

@@ -65,6 +65,7 @@ def bench_sweep(sweep: str, topology: Topology, masks: list[str], block_sizes: l
         opts = dict(opts)
         pname = opts.pop("planner")
         bar.set_postfix_str(f"{label} {pname}")
+        opts.setdefault("cost_model", "a100")  # the paper's cluster, as the sweeps' simulations
         plan = make_plan(batch, topology, planner=pname, divisions=divisions, **opts)
         st = plan.stats()
         row = {"sweep": sweep, "batch": batch_name, "scale": scale, "mask": mask if isinstance(mask, str) else label,
