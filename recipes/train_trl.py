@@ -70,6 +70,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="one process only: every packed row as one causal sequence (documents attend across their "
                         "boundaries), which is what accelerate's own context parallelism computes: its hooks drop "
                         "the attention mask and pass is_causal=True")
+    p.add_argument("--eval", action="store_true",
+                   help="after training, evaluate on the same documents (every rank runs each batch whole) and "
+                        "log eval_loss")
     p.add_argument("--reference", action="store_true",
                    help="under torchrun: also run one process on the same batches and print the differences")
     p.add_argument("--log-json", default=None, help="write the logged rows (one JSON per step) to this file")
@@ -161,13 +164,15 @@ def train(args: argparse.Namespace, distributed: bool) -> list[dict]:
 
         cls = DCPSFTTrainer if distributed else SFTTrainer
         targs = SFTConfig(**common, packing=True, packing_strategy="bfd", max_length=args.max_length)
-        trainer = cls(model=model, args=targs, train_dataset=dataset(args), processing_class=tokenizer())
+        trainer = cls(model=model, args=targs, train_dataset=dataset(args), processing_class=tokenizer(),
+                      eval_dataset=dataset(args) if args.eval else None)
     else:
         from torch_dcp.integrations.hf import DCPTrainer
 
         cls = DCPTrainer if distributed else transformers.Trainer
         targs = transformers.TrainingArguments(**common, remove_unused_columns=False)
-        trainer = cls(model=model, args=targs, train_dataset=dataset(args), data_collator=pad_collate)
+        trainer = cls(model=model, args=targs, train_dataset=dataset(args), data_collator=pad_collate,
+                      eval_dataset=dataset(args) if args.eval else None)
     if args.cross_document:  # an all-ones mask: transformers then builds no document mask from the positions
         collate = trainer.data_collator
         trainer.data_collator = lambda rows: (lambda b: {**b, "attention_mask": torch.ones_like(b["input_ids"])})(
@@ -178,7 +183,10 @@ def train(args: argparse.Namespace, distributed: bool) -> list[dict]:
         trainer.dcp.cost_model = args.cost_model
         trainer.dcp.workers = args.plan_workers
     trainer.train()
-    return [{k: v for k, v in row.items() if k != "epoch"} for row in trainer.state.log_history if "loss" in row]
+    rows = [{k: v for k, v in row.items() if k != "epoch"} for row in trainer.state.log_history if "loss" in row]
+    if args.eval:
+        rows.append({"step": "eval", "eval_loss": trainer.evaluate()["eval_loss"]})
+    return rows
 
 
 def reference_rows(argv: list[str]) -> list[dict]:
@@ -214,13 +222,17 @@ def main(argv: list[str] | None = None) -> None:
         if len(ref) != len(rows):
             raise SystemExit(f"the reference logged {len(ref)} steps, torch_dcp {len(rows)}")
         worst = {"loss": 0.0, "grad_norm": 0.0}
+        if args.eval:
+            mine, theirs = rows.pop()["eval_loss"], ref.pop()["eval_loss"]
+            print(json.dumps({"eval_loss": mine, "ref_eval_loss": theirs}), flush=True)
+            worst["eval_loss"] = abs(mine - theirs) / abs(theirs)
         for mine, theirs in zip(rows, ref):
-            for k in worst:
+            for k in ("loss", "grad_norm"):
                 worst[k] = max(worst[k], abs(mine[k] - theirs[k]) / abs(theirs[k]))
             print(json.dumps({"step": mine["step"], "loss": mine["loss"], "ref_loss": theirs["loss"],
                               "grad_norm": mine["grad_norm"], "ref_grad_norm": theirs["grad_norm"]}), flush=True)
-        print(f"summary: {len(rows)} steps; against one process: loss rel <= {worst['loss']:.1e}, "
-              f"grad_norm rel <= {worst['grad_norm']:.1e}", flush=True)
+        print(f"summary: {len(rows)} steps; against one process: "
+              + ", ".join(f"{k} rel <= {v:.1e}" for k, v in worst.items()), flush=True)
     if distributed:
         import torch_dcp
 

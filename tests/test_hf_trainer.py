@@ -42,11 +42,18 @@ def test_trainer_matches_one_process(world, shards, trainer, model, workers, tmp
     documents) on W gloo ranks, as W DCP ranks or 2 DCP ranks x 2 data shards, plans made in line
     or in a planning process: the logged losses
     and gradient norms of every step within 1e-5 relative of one process (the stock trainer,
-    transformers' SDPA masking every document on its own) on the same batches; the plans'
-    figures are in the logs."""
+    transformers' SDPA masking every document on its own) on the same batches, and so is the
+    evaluation loss after training; the plans' figures are in the logs."""
+    # evaluation too where the data shards see the one-process batches (padding-free rows with 2
+    # shards: Trainer's own padding of the last evaluation step weighs it otherwise, DCP or not)
     args = ["--trainer", trainer, "--model", model, "--dp-shards", str(shards)]
+    evaluate = shards == 1 or trainer == "hf"
+    args += ["--eval"] if evaluate else []
     dcp, ref = _runs((args + ["--plan-workers", str(workers)], tmp_path / "dcp.jsonl", world),
                      (args, tmp_path / "ref.jsonl", None), recipe=RECIPE)
+    if evaluate:  # every rank evaluates each batch whole; one copy per DCP group is gathered
+        mine, theirs = dcp.pop()["eval_loss"], ref.pop()["eval_loss"]
+        assert abs(mine - theirs) <= REL * abs(theirs), (mine, theirs)
     _close(dcp, ref)
     for row in dcp:
         assert row["dcp_plan_seconds"] > 0 and row["dcp_compute_imbalance"] >= 1.0

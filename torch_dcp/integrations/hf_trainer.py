@@ -38,7 +38,8 @@ Refused at construction, naming the setting: a model whose ``attn_implementation
 attention, accelerate's ``sp_size`` or ``tp_size`` beside ``cp_size``, a ``cp_size`` that does not
 divide the world size. ``cp_size`` 1 (or no parallelism config) leaves the stock Trainer.
 Evaluation runs every batch whole on every rank (the backend is transformers' SDPA outside a
-context), so its losses are one process's.
+context) and keeps one copy of each batch's figures per DCP group, so its losses are one
+process's.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -256,8 +258,14 @@ class DCPTrainerMixin:
         super().__init__(*args, **kwargs)
         self._dcp_stats: list[dict[str, float]] = []
         self._dcp_pool: cf.ProcessPoolExecutor | None = None
+        self._dcp_evaluating = False
         if self._dcp_size > 1:
             _check_model(self.model)
+            self.gather_function = self._dcp_gather_for_metrics
+            if self.args.fsdp and not self.is_fsdp_enabled:
+                warnings.warn("torch_dcp Trainer: FSDP was asked for, but accelerate runs none on these ranks "
+                              f"({self.accelerator.distributed_type}: e.g. CPU ranks); parameters are replicated "
+                              "(DDP) over the data and DCP ranks", RuntimeWarning, stacklevel=2)
 
     # -- planning ahead: the optimizer step's micro-batches, before the first forward
     @property
@@ -314,6 +322,35 @@ class DCPTrainerMixin:
                                 plan=prepared.plan, timeout=self.dcp.timeout)
         return ctx, {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "labels": packed.labels,
                      "shift_labels": packed.labels}
+
+    # -- evaluation: every rank of a DCP group runs each batch whole; one copy per group is kept
+    def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._dcp_evaluating = True
+        try:
+            return super().prediction_step(*args, **kwargs)
+        finally:
+            self._dcp_evaluating = False
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: Any) -> Any:
+        if self._dcp_size > 1 and self._dcp_evaluating:
+            return None  # a whole batch's loss is its own mean (not a share of a global count)
+        return super()._get_num_items_in_batch(batch_samples, device)
+
+    def _dcp_gather_for_metrics(self, data: Any) -> Any:
+        """accelerate's ``gather_for_metrics`` with one copy per DCP group: the ranks of a group
+        evaluate the same batch, so the gathered list keeps rank ``dcp_rank == 0``'s entries
+        (mesh order: data shards outer, ``cp`` inner), then drops the last batch's padding as
+        accelerate does (its ``remainder`` counts the data shards only)."""
+        from accelerate.utils import gather, recursively_apply
+
+        world, cp = self.accelerator.num_processes, self._dcp_size
+        state = self.accelerator.gradient_state
+
+        def one_per_group(t: torch.Tensor) -> torch.Tensor:
+            t = t.reshape(world, -1, *t.shape[1:])[::cp].reshape(-1, *t.shape[1:])
+            return t[: state.remainder] if state.end_of_dataloader and state.remainder > 0 else t
+
+        return recursively_apply(one_per_group, gather(data))
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self._dcp_stats:
