@@ -249,16 +249,15 @@ class DCPTrainerMixin:
         if pc is None and int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1")) > 1:
             pc = ParallelismConfig()  # accelerate launch's settings, read from the environment
         self._dcp_size = 1
-        self._dcp_pool = None
+        self._dcp_pool: cf.ProcessPoolExecutor | None = None
+        self._dcp_stats: list[dict[str, float]] = []
+        self._dcp_evaluating = False
         self.dcp = dataclasses.replace(self.dcp)  # this trainer's own copy of the class's settings
         if pc is not None and pc.cp_size > 1:
             _check_parallelism(pc)
             targs.parallelism_config = DCPParallelismConfig.of(pc)
             self._dcp_size = pc.cp_size
         super().__init__(*args, **kwargs)
-        self._dcp_stats: list[dict[str, float]] = []
-        self._dcp_pool: cf.ProcessPoolExecutor | None = None
-        self._dcp_evaluating = False
         if self._dcp_size > 1:
             _check_model(self.model)
             self.gather_function = self._dcp_gather_for_metrics
