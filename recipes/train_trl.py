@@ -1,7 +1,7 @@
 """Fine-tune a transformers model with TRL's SFTTrainer (or Trainer) under torch_dcp, on real documents.
 
     torchrun --standalone --nproc-per-node 2 recipes/train_trl.py --reference     # DCP, then one process, compared
-    torchrun --standalone --nproc-per-node 4 recipes/train_trl.py --dp-shards 2   # 2 DCP ranks x 2 data shards
+    torchrun --standalone --nproc-per-node 4 recipes/train_trl.py --dp-shards 2 --fsdp   # 2 DCP x 2 FSDP2 shards
     python recipes/train_trl.py                                                   # one process, transformers' SDPA
 
 The model is a small transformers Llama or Qwen2 (``--model``; random init, no download; byte
@@ -53,6 +53,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="optimizer steps")
     p.add_argument("--dp-shards", type=int, default=1, help="data shards beside the DCP group (torchrun)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: FSDP2 over the data and DCP ranks (default: DDP)")
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
@@ -156,6 +158,8 @@ def train(args: argparse.Namespace, distributed: bool) -> list[dict]:
             raise SystemExit(f"--dp-shards {args.dp_shards} does not divide the {world} ranks")
         common["parallelism_config"] = ParallelismConfig(cp_size=world // args.dp_shards,
                                                          dp_shard_size=args.dp_shards)
+        if args.fsdp:
+            common.update(fsdp=True, fsdp_config={"version": 2})
     model = build_model(args, "torch_dcp" if distributed else "sdpa")
     if args.trainer == "sft":
         from trl import SFTConfig, SFTTrainer

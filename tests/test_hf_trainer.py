@@ -29,27 +29,28 @@ def _close(dcp: list[dict], ref: list[dict]) -> None:
 # ranks, data shards, trainer, model: Llama (full causal) and Qwen2 (every layer a 96-token window,
 # documents up to 320 tokens), GQA 4/2, 3 optimizer steps of 2 accumulated micro-batches
 # (the 2-rank SFT case is test_recipe_reference_flag's; 4 ranks as 2 x 2 with Trainer is -m slow: the
-# SFT case covers the data shards, the 2-rank Trainer case the padded batches)
-# (the 3-rank case plans in a worker process per rank, the others in line)
-CASES = [(3, 1, "sft", "qwen2", 1), (4, 2, "sft", "qwen2", 0), (2, 1, "hf", "llama", 0),
-         pytest.param(4, 2, "hf", "qwen2", 0, marks=pytest.mark.slow)]
+# SFT case covers the data shards, the 2-rank Trainer case the padded batches); the 3-rank case
+# plans in a worker process per rank, the others in line; the 2 x 2 SFT case shards the
+# parameters with FSDP2 over the 4 ranks, the others replicate them (DDP)
+CASES = [(3, 1, "sft", "qwen2", ["--plan-workers", "1"]), (4, 2, "sft", "qwen2", ["--fsdp"]),
+         (2, 1, "hf", "llama", []), pytest.param(4, 2, "hf", "qwen2", [], marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("world,shards,trainer,model,workers", CASES,
-                         ids=["sft-qwen2-3x1-worker", "sft-qwen2-2x2", "hf-llama-2x1", "hf-qwen2-2x2"])
-def test_trainer_matches_one_process(world, shards, trainer, model, workers, tmp_path):
+@pytest.mark.parametrize("world,shards,trainer,model,extra", CASES,
+                         ids=["sft-qwen2-3x1-worker", "sft-qwen2-2x2-fsdp", "hf-llama-2x1", "hf-qwen2-2x2"])
+def test_trainer_matches_one_process(world, shards, trainer, model, extra, tmp_path):
     """DCPSFTTrainer (bfd packing, padding-free rows) and DCPTrainer (padded batches of 4
-    documents) on W gloo ranks, as W DCP ranks or 2 DCP ranks x 2 data shards, plans made in line
-    or in a planning process: the logged losses
-    and gradient norms of every step within 1e-5 relative of one process (the stock trainer,
-    transformers' SDPA masking every document on its own) on the same batches, and so is the
-    evaluation loss after training; the plans' figures are in the logs."""
+    documents) on W gloo ranks, as W DCP ranks or 2 DCP ranks x 2 data shards (FSDP2 or DDP),
+    plans made in line or in a planning process: the logged losses and gradient norms of every
+    step within 1e-5 relative of one process (the stock trainer, transformers' SDPA masking every
+    document on its own) on the same batches, and so is the evaluation loss after training; the
+    plans' figures are in the logs."""
     # evaluation too where the data shards see the one-process batches (padding-free rows with 2
     # shards: Trainer's own padding of the last evaluation step weighs it otherwise, DCP or not)
     args = ["--trainer", trainer, "--model", model, "--dp-shards", str(shards)]
     evaluate = shards == 1 or trainer == "hf"
     args += ["--eval"] if evaluate else []
-    dcp, ref = _runs((args + ["--plan-workers", str(workers)], tmp_path / "dcp.jsonl", world),
+    dcp, ref = _runs((args + extra, tmp_path / "dcp.jsonl", world),
                      (args, tmp_path / "ref.jsonl", None), recipe=RECIPE)
     if evaluate:  # every rank evaluates each batch whole; one copy per DCP group is gathered
         mine, theirs = dcp.pop()["eval_loss"], ref.pop()["eval_loss"]

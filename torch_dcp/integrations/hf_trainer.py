@@ -12,7 +12,8 @@ The switch a user writes::
 :class:`DCPTrainer` and :class:`DCPSFTTrainer` take exactly their bases' arguments. The DCP group
 is the mesh's ``cp`` dimension: accelerate gives every rank of it the same micro-batch (as for
 its own context parallelism) and shards the model over the data dimensions as it does (FSDP2 on
-``dp_shard_cp`` where the user asks for FSDP, else DDP over every rank). Each micro-batch --
+``dp_shard_cp`` where the user asks for FSDP -- on CPU ranks, where accelerate runs none, this
+module applies FSDP2 itself -- else DDP over every rank). Each micro-batch --
 TRL's padding-free rows (one ``[1, T]`` row, position ids restarting in every document) or a
 padded batch of several sequences (each row's unpadded tokens one document) -- becomes one
 global batch of documents (:func:`torch_dcp.integrations.hf.pack`) and runs inside
@@ -49,7 +50,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import warnings
 from typing import Any
 
 import numpy as np
@@ -261,10 +261,8 @@ class DCPTrainerMixin:
         if self._dcp_size > 1:
             _check_model(self.model)
             self.gather_function = self._dcp_gather_for_metrics
-            if self.args.fsdp and not self.is_fsdp_enabled:
-                warnings.warn("torch_dcp Trainer: FSDP was asked for, but accelerate runs none on these ranks "
-                              f"({self.accelerator.distributed_type}: e.g. CPU ranks); parameters are replicated "
-                              "(DDP) over the data and DCP ranks", RuntimeWarning, stacklevel=2)
+            if self.args.fsdp and not self.is_fsdp_enabled:  # CPU ranks: accelerate has no FSDP there
+                _fully_shard(self.model, self.accelerator.torch_device_mesh["dp_shard_cp"])
 
     # -- planning ahead: the optimizer step's micro-batches, before the first forward
     @property
@@ -357,6 +355,21 @@ class DCPTrainerMixin:
             logs.update({f"dcp_{k}": round(float(np.mean([s[k] for s in self._dcp_stats])), 4) for k in keys})
             self._dcp_stats.clear()
         super().log(logs, *args, **kwargs)
+
+
+def _fully_shard(model: torch.nn.Module, mesh: Any) -> None:
+    """FSDP2 over ``mesh`` (the data and DCP ranks), as accelerate's FSDP2 plugin shards on a
+    device: every module of the model's ``_no_split_modules`` classes (its decoder layers), then
+    the root. The model is marked prepared, so accelerate (which runs no FSDP on CPU ranks) does
+    not wrap it in DDP as well."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if module is not model and type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model._is_accelerate_prepared = True
 
 
 def _plan_figures(header: dict[str, Any]) -> dict[str, float]:
