@@ -445,7 +445,7 @@ class Job:
                 return rows
             tokens, labels, positions, lens = pb.data
             s = pb.stats
-            row = {"step": pb.step, "plan_ms": round(1000 * pb.plan_seconds, 2),
+            row = {"step": pb.step, "planner": s.get("planner"), "plan_ms": round(1000 * pb.plan_seconds, 2),
                    "plan_wait_ms": round(1000 * pb.wait_seconds, 2), "store_ms": round(1000 * pb.store_seconds, 3),
                    "poll_ms": round(1000 * pb.poll_seconds, 3),
                    "comm_bytes": s["comm_bytes"] * self.margs.n_layers,
