@@ -1,7 +1,9 @@
 """The executor's cost model: the fit recovers known costs, ``auto`` resolves the variable, the
 cache, device names and the fallback, the check's arithmetic, and ``calibrate`` at a tiny size."""
 
+import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -163,3 +165,62 @@ def test_torchtitan_cost_model_key_is_checked():
     assert DCPConfig().cost_model == "auto" and DCPConfig(cost_model="h100").planner_options()["cost_model"] == "h100"
     with pytest.raises(ValueError, match="--dcp.cost-model"):
         DCPConfig(cost_model="no-such-model").validate()
+
+
+def test_shared_cores_floor():
+    """Links saying the ranks share fewer cores than there are ranks (gloo ranks on a CPU): each
+    pass takes at least the ranks' busy time plus the transfers' host costs over the cores, for a
+    flat plan and a head-parallel one (whose all-to-alls cost host time too); without shared cores
+    the simulation is unchanged; the fields survive JSON, and a model written before them loads."""
+    from torch_dcp.cost import Links
+    from torch_dcp.simulate import simulate
+
+    batch = BatchSpec([3000, 700, 1200, 64], Causal(), n_heads=4, n_kv_heads=2, head_dim=32)
+    base = CostModel.load(str(auto.PRESET_DIR / "cpu.json"))
+    links = Links(1e-4, 1e9, 4, "gloo")
+    own = dataclasses.replace(base, links=links)
+    shared = dataclasses.replace(base, links=dataclasses.replace(links, cores=2, host_byte_seconds=1e-9,
+                                                                 host_message_seconds=1e-4))
+    plan = torch_dcp.plan(batch, 4, planner="ring", block_size=256)
+    a, b = simulate(plan, own), simulate(plan, shared)
+    _, _, nb, fwd = plan.transfers()
+    for pa, pb, backward in ((a.forward, b.forward, False), (a.backward, b.backward, True)):
+        mine = fwd != backward
+        floor = (pb.busy_s.sum() + 1e-9 * nb[mine].sum() + 1e-4 * mine.sum()) / 2
+        assert np.allclose(pa.busy_s, pb.busy_s) and pb.makespan_s == pytest.approx(max(pa.makespan_s, floor))
+        assert np.allclose(pb.finish_s, pb.makespan_s) or pb.makespan_s == pa.makespan_s
+    assert b.makespan_s > a.makespan_s  # 4 ranks on 2 cores: the floor binds here
+    hp = torch_dcp.plan(batch, 4, planner="dcp", block_size=256, cost_model=base, head_parallel=2)
+    ha, hb = simulate(hp, own), simulate(hp, shared)
+    a2a = sum(float(hp.all_to_all_bytes(False, w).sum()) for w in ("in", "out"))
+    assert a2a > 0 and hb.forward.makespan_s >= (hb.forward.busy_s.sum() + 1e-9 * a2a) / 2 - 1e-12
+    assert hb.makespan_s >= ha.makespan_s
+    assert CostModel.from_json(shared.to_json()) == shared
+    old = json.loads(own.to_json())
+    assert "cores" in old["links"]
+    for key in ("cores", "host_byte_seconds", "host_message_seconds"):
+        del old["links"][key]
+    assert CostModel.from_json(json.dumps(old)).links == links and not links.shares_cores
+    with pytest.raises(ValueError, match="cores and host costs"):
+        Links(1e-4, 1e9, 4, cores=-1)
+
+
+def _shared_rank(rank, world, mesh):
+    import torch.distributed as dist
+
+    from torch_dcp.benchmarks import calibrate
+    from torch_dcp.cost import Links
+
+    model = CostModel.load(str(auto.PRESET_DIR / "cpu.json"))
+    links = calibrate.measure_shared_cores(model, Links(1e-4, 1e9, world, "gloo"), torch.device("cpu"), cores=1,
+                                           tokens=1024, block=128, repeat=1, out=open(os.devnull, "w"))
+    assert links.cores == 1 and links.shares_cores and links.host_byte_seconds >= 0 and links.host_message_seconds >= 0
+    assert links.latency == 1e-4 and links.world_size == world == dist.get_world_size()
+
+
+def test_measure_shared_cores_on_gloo(tmp_path):
+    """calibrate's measurement where ranks share cores runs its plans through the executor on 2
+    gloo ranks (one core said) and fits non-negative host costs of transfers."""
+    from spawn import run_ranks
+
+    run_ranks(_shared_rank, 2, tmp_path, timeout=240)

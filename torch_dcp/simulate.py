@@ -139,24 +139,51 @@ def simulate_within(plan: Plan | HeadParallelPlan, cost_model: CostModel | None 
     if isinstance(plan, HeadParallelPlan):
         a2a = sum(plan.all_to_all_seconds(bw) for bw in (False, True))
         inner = simulate_within(plan.outer, cm, bound - a2a)
-        return None if inner is None else _simulate_heads(plan, inner)
-    fwd = _Pass(plan, cm, backward=False).run()
+        return None if inner is None else _simulate_heads(plan, inner, cm)
+    fwd = _on_shared_cores(plan, cm, _Pass(plan, cm, backward=False).run(), False)
     if bound < float("inf"):
         floor = max(kernel_floor_seconds(plan, cm, True), link_floor_seconds(plan, True))
         if fwd.makespan_s + floor > bound * (1.0 + PRUNE_MARGIN):
             return None
-    bwd = _Pass(plan, cm, backward=True).run()
+    bwd = _on_shared_cores(plan, cm, _Pass(plan, cm, backward=True).run(), True)
     ideal = (fwd.busy_s.sum() + bwd.busy_s.sum()) / plan.world_size
     return SimResult(fwd, bwd, fwd.makespan_s + bwd.makespan_s, float(ideal))
 
 
-def _simulate_heads(plan: HeadParallelPlan, inner: SimResult) -> SimResult:
-    """The head-parallel plan's run from its outer plan's (``inner``)."""
+def _on_shared_cores(plan: Plan, cm: CostModel, res: PassResult, backward: bool) -> PassResult:
+    """``res`` on ranks that share fewer cores than there are ranks (a model whose measured
+    :class:`~torch_dcp.cost.Links` say so, e.g. gloo ranks on a CPU): the pass takes at least
+    the ranks' busy time plus its transfers' host costs, spread over the cores
+    (:meth:`~torch_dcp.cost.Links.shared_seconds`); the ranks then finish together."""
+    links = cm.links
+    if links is None or not links.shares_cores or links.world_size != plan.world_size:
+        return res
+    _, _, nb, fwd = plan.transfers()
+    mine = fwd != backward
+    span = links.shared_seconds(float(res.busy_s.sum()), float(nb[mine].sum()), int(mine.sum()))
+    if span <= res.makespan_s:
+        return res
+    return dataclasses.replace(res, makespan_s=span, idle_s=span - res.finish_s, finish_s=np.full_like(res.finish_s, span))
+
+
+def _simulate_heads(plan: HeadParallelPlan, inner: SimResult, cm: CostModel) -> SimResult:
+    """The head-parallel plan's run from its outer plan's (``inner``); on shared cores (as
+    :func:`_on_shared_cores`) each pass takes at least every rank's busy time plus the host costs
+    of the outer plan's transfers (in every head group) and of the all-to-alls, over the cores."""
     n = plan.head_parallel
+    links = cm.links
+    shared = links is not None and links.shares_cores and links.world_size == plan.world_size
     passes = []
     for res, backward in ((inner.forward, False), (inner.backward, True)):
         a_in, a_out = plan.all_to_all_seconds(backward, "in"), plan.all_to_all_seconds(backward, "out")
         span = a_in + res.makespan_s + a_out
+        if shared:
+            _, _, nb, fwd = plan.outer.transfers()
+            mine = fwd != backward
+            a2a = [plan.all_to_all_bytes(backward, way) for way in ("in", "out")]
+            span = max(span, links.shared_seconds(float(res.busy_s.sum()) * n,
+                                                  float(nb[mine].sum()) * n + sum(float(m.sum()) for m in a2a),
+                                                  int(mine.sum()) * n + sum(int(np.count_nonzero(m)) for m in a2a)))
         events = [[("all-to-all", 0.0, a_in)] + [(k, s + a_in, e + a_in) for k, s, e in ev]
                   + [("all-to-all", a_in + res.makespan_s, span)] for ev in res.events for _ in range(n)]
         passes.append(PassResult(span, np.repeat(res.busy_s, n), np.repeat(res.exposed_comm_s, n) + a_in + a_out,

@@ -16,7 +16,9 @@ by default where ``cost_model="auto"`` finds it (:func:`torch_dcp.cost.auto.cach
 the device's name and the torch version; ``TORCH_DCP_COST_MODEL=FILE`` overrides). Under
 ``torchrun`` with 2 or more ranks it also measures the process group's point-to-point latency and
 bandwidth and its all-to-all bandwidth (:class:`~torch_dcp.cost.Links`), which plans made with the
-model use for the group's links.
+model use for the group's links; where the ranks share fewer cores than there are ranks (CPU
+ranks on one machine), also the host cost of a transfer (:func:`measure_shared_cores`), so that
+the simulator holds each pass to the ranks' total work over the cores.
 
 Check (``--check``): for long-tail and corpus batches, every rank's forward + backward measured
 alone beside the simulator's busy time of that rank under the model in use (``--cost``, default
@@ -47,7 +49,7 @@ from ..cost.executor import KERNEL_WORK, cell_kernels, launch_features, memory_k
 from ..cost.fit import FitReport, LaunchSample, MemorySample, PassSample, fit_executor
 from ..plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan
 from ..simulate import instruction_bytes, pass_local_bytes, pass_row_bytes, send_bytes
-from .common import MASKS, batch_lengths, device_name, pick_device, progress
+from .common import DTYPES, MASKS, batch_lengths, device_name, pick_device, progress
 from .measure import RankTimes, measure_plan
 
 __all__ = ["add_arguments", "run", "main", "calibration_plans", "check_cases", "samples_of", "CHECK_RANGE"]
@@ -255,6 +257,87 @@ def measure_links(device: torch.device, repeat: int = 5) -> "torch_dcp.cost.Link
     return Links(float(stats[0]), float(stats[1]), world, dist.get_backend())
 
 
+# ---------------------------------------------------------------------- ranks sharing cores
+#: (batch, planner) of the plans that fit the host costs of transfers where ranks share cores:
+#: plans of the same batches that move different bytes in different numbers of transfers
+_SHARED_PLANS = [(kind, planner) for kind in ("longtail", "corpus") for planner in ("ring", "allgather", "megatron", "dcp")]
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its CPU affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - platforms without affinity
+        return os.cpu_count() or 1
+
+
+def measure_shared_cores(model: CostModel, links: "torch_dcp.cost.Links", dev: torch.device, cores: int,
+                         tokens: int = 8192, block: int = 256, repeat: int = 3, seed: int = 0,
+                         out: Any = None) -> "torch_dcp.cost.Links":
+    """Where the group's ranks share fewer cores than there are ranks (CPU ranks on one
+    machine), the host costs of its transfers: every rank runs the forward and backward of a
+    few plans (:data:`_SHARED_PLANS`, ``tokens`` per batch) through
+    :func:`torch_dcp.context_parallel` on the default process group; each plan's wall time
+    (the fastest of ``repeat``, between barriers) times ``cores``, less the ranks' busy time that
+    ``model`` predicts, is fitted (non-negative least squares) as host seconds per byte and per
+    transfer. Every rank must call it; returns ``links`` with ``cores`` and the fitted costs.
+    """
+    import dataclasses
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from scipy.optimize import nnls
+
+    from ..simulate import simulate
+
+    world = dist.get_world_size()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(dev.type, (world,))
+    shape = _shape(dev)
+    kernel_model = dataclasses.replace(model, links=None)
+    rows, target = [], []
+    for i, (kind, planner) in enumerate(_SHARED_PLANS):
+        batch = _batch(kind, "causal", tokens, shape, seed + i)
+        plan = torch_dcp.plan(batch, links.world_size, planner=planner, block_size=block, divisions=2,
+                              cost_model=kernel_model, **({"head_parallel": 1} if planner == "dcp" else {}))
+        gen = torch.Generator().manual_seed(seed + i)
+        qkv = [torch.randn(1, h, batch.total_tokens, shape["head_dim"], generator=gen, dtype=DTYPES[batch.dtype])
+               for h in (shape["heads"], shape["kv_heads"], shape["kv_heads"])]
+        walls = []
+        for _ in range(repeat + 1):
+            q, k, v = (x.clone().to(dev) for x in qkv)
+            with torch_dcp.context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2],
+                                            no_restore_buffers={q, k, v}, plan=plan):
+                for x in (q, k, v):
+                    x.requires_grad_()
+                dist.barrier()
+                t0 = time.perf_counter()
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+                dist.barrier()
+                walls.append(time.perf_counter() - t0)
+        sim = simulate(plan, kernel_model)
+        _, _, nb, _ = plan.transfers()
+        busy = float(sim.forward.busy_s.sum() + sim.backward.busy_s.sum())
+        rows.append((plan.planner, kind, float(nb.sum()), len(nb), busy, min(walls[1:])))
+        target.append(min(walls[1:]) * cores - busy)
+    X = np.array([[r[2], r[3]] for r in rows])
+    coef, _ = nnls(X, np.maximum(np.array(target), 0.0))
+    fitted = dataclasses.replace(links, cores=cores, host_byte_seconds=float(coef[0]),
+                                 host_message_seconds=float(coef[1]))
+    if dist.get_rank() == 0:
+        p = (lambda line: print(line, file=out or sys.stdout, flush=True))
+        p(f"{world} ranks share {cores} cores: a transfer's host cost {coef[0] * 1e9:.2f} ns/byte + "
+          f"{coef[1] * 1e6:.1f} µs each")
+        p("| plan | batch | MB moved | transfers | wall ms | predicted ms | ratio |")
+        p("|---|---|---|---|---|---|---|")
+        for planner, kind, nbytes, msgs, busy, wall in rows:
+            pred = fitted.shared_seconds(busy, nbytes, msgs)
+            p(f"| {planner} | {kind} | {nbytes / 1e6:.1f} | {msgs} | {wall * 1e3:.1f} | {pred * 1e3:.1f} | "
+              f"{wall / pred:.2f} |")
+    return fitted
+
+
 # ---------------------------------------------------------------------- the check
 def check_cases(spec: str | None) -> list[tuple[str, str, int, int, int]]:
     """``(batch, mask, tokens, W, block)`` of the check (``spec``: ``B:M:T:W:BS,...``).
@@ -337,14 +420,20 @@ def run(args: argparse.Namespace, out: Any = None) -> dict[str, Any]:
             dev = torch.device("cuda", torch.cuda.current_device())
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=20))
         links = measure_links(dev)
-        if dist.get_rank() != 0:  # rank 0 measures the executor alone; the others wait for it
-            dist.barrier()
-            dist.destroy_process_group()
-            return {"links": links.__dict__}
-    model, report, meta = calibrate(dev, args.kernel, args.size, args.repeat, args.seed)
+    if not distributed or dist.get_rank() == 0:  # rank 0 measures the executor alone; the others wait for it
+        model, report, meta = calibrate(dev, args.kernel, args.size, args.repeat, args.seed)
     if links is not None:
         import dataclasses
 
+        shared = [model.to_json() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(shared, 0)
+        cores = cpu_cores()
+        if dev.type == "cpu" and cores < links.world_size:  # the ranks share the machine's cores
+            links = measure_shared_cores(CostModel.from_json(shared[0]), links, dev, cores, seed=args.seed, out=out)
+        if dist.get_rank() != 0:
+            dist.barrier()
+            dist.destroy_process_group()
+            return {"links": links.__dict__}
         model = dataclasses.replace(model, links=links)
     path = Path(args.out) if args.out else cache_path(dev)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -126,10 +126,32 @@ class Links:
     bandwidth: float
     world_size: int
     backend: str = ""
+    #: cores the group's ranks share when fewer than its ranks (CPU ranks on one machine; 0: a
+    #: device per rank). A pass then takes at least ``(sum of the ranks' busy time + the
+    #: transfers' host costs) / cores`` (:meth:`shared_seconds`).
+    cores: int = 0
+    #: host seconds a transfer costs its sender and receiver together, per byte and per message
+    #: (fitted by ``calibrate`` from the group's own runs where ``cores`` applies)
+    host_byte_seconds: float = 0.0
+    host_message_seconds: float = 0.0
 
     def __post_init__(self):
         if not (self.latency >= 0 and self.bandwidth > 0 and np.isfinite(self.latency + self.bandwidth)):
             raise ValueError(f"Links: latency must be >= 0 s and bandwidth > 0 bytes/s, got {self}")
+        if self.cores < 0 or self.host_byte_seconds < 0 or self.host_message_seconds < 0:
+            raise ValueError(f"Links: cores and host costs must be >= 0, got {self}")
+
+    @property
+    def shares_cores(self) -> bool:
+        """The ranks share fewer cores than there are ranks."""
+        return 0 < self.cores < self.world_size
+
+    def shared_seconds(self, busy_s: float, nbytes: float, messages: int) -> float:
+        """The least time a pass can take on shared cores: ``(busy_s + host costs of nbytes in
+        messages transfers) / cores`` (0 where the ranks do not share cores)."""
+        if not self.shares_cores:
+            return 0.0
+        return (busy_s + self.host_byte_seconds * nbytes + self.host_message_seconds * messages) / self.cores
 
     def apply(self, topology: Any) -> Any:
         """``topology`` with these links inside and between its nodes."""
