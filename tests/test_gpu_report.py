@@ -96,7 +96,7 @@ def test_a_failing_or_hanging_stage_leaves_every_other_figure(tmp_path):
 
     md = (tmp_path / "out" / "gpu_report.md").read_text()
     assert "| figure | target | measured | met? | source |" in md
-    assert "| causal W=1: executor / compiled dense flex | <= 1.15 | 1.1 | yes | issue 12 (H100) |" in md
+    assert "| causal W=1: executor / compiled dense flex | <= 1.15 | 1.1 | yes | H100 executor target |" in md
     assert "| main job: last loss, |torch_dcp - none| / none | <= 0.02 | 1 | **no** |" in md
     assert "n/a (step-lambda: timeout)" in md and "n/a (torchtitan-dcp: skipped; torchtitan-none: not run)" in md
     assert "### train-dcp: failed" in md and "### step-lambda: timeout" in md and "Traceback: boom" in md

@@ -1,4 +1,4 @@
-"""The whole GPU report in one command (GitHub issue 31)::
+"""The whole GPU report in one command::
 
     python -m torch_dcp.benchmarks gpu-report --out gpu_report          # every stage, under 8 minutes on an H100
     python -m torch_dcp.benchmarks gpu-report --out r --quick           # the short variants, under 3 minutes
@@ -224,9 +224,9 @@ class Target:
         return {"<=": value <= self.bound, ">=": value >= self.bound, "==": value == self.bound}[self.op]
 
 
-_I12 = "issue 12 (H100)"
-_FA = "issue 31"
-#: the GPU issues' targets (README, docs, the benchmarks' own TARGETS) and figures reported beside them
+_I12 = "H100 executor target"
+_FA = "flash-attn target"
+#: the GPU targets (README, docs, the benchmarks' own TARGETS) and figures reported beside them
 TARGETS: list[Target] = [
     Target("CUDA tests failing or erroring", (("tests-cuda", "not_passed"),), op="==", bound=0,
            source="the suite, pytest -m cuda"),
@@ -246,7 +246,7 @@ TARGETS: list[Target] = [
     Target("causal W=1: executor vs dense, max abs error of out (bf16)", (("step-causal", "err_out"),), bound=5e-2,
            source="bf16 rounding"),
     Target("causal W=1, kernel flash_attn: executor / varlen flash (aten)", (("step-flash-attn", "exec_over_varlen"),),
-           bound=1.3, source=_FA + " (as varlen, issue 12)"),
+           bound=1.3, source=_FA + " (as varlen)"),
     Target("causal W=1: executor time, kernel flash_attn / kernel varlen (aten)",
            (("step-flash-attn", "exec_s"), ("step-varlen", "exec_s")), "ratio", source=_FA + ": side by side"),
     Target("causal W=1, kernel flash_attn: max abs error of out vs dense", (("step-flash-attn", "err_out"),),

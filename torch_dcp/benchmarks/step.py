@@ -1,5 +1,5 @@
 """One step's attention, forward + backward: the executor against one dense kernel call over the
-same packed batch (GitHub issue 12, item 2).
+same packed batch.
 
 On the GPU (H100 targets: executor <= 1.15 x flex for causal and λ, <= 1.3 x varlen flash for
 causal; busiest rank of 32 <= 1.3 x dense / 32 x the plan's compute imbalance)::
@@ -63,7 +63,7 @@ from .common import (DTYPES, MASKS, DenseAttention, batch_lengths, device_name, 
 
 __all__ = ["add_arguments", "run", "main", "TARGETS"]
 
-#: H100 targets of issue 12: executor / flex (causal and λ), executor / varlen flash (causal),
+#: H100 targets: executor / flex (causal and λ), executor / varlen flash (causal),
 #: busiest rank / (dense / W x compute imbalance)
 TARGETS = {"exec_over_dense": 1.15, "exec_over_varlen": 1.3, "busiest_over_ideal": 1.3}
 
