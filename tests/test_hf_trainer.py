@@ -151,6 +151,17 @@ def test_trainer_refuses_a_model_without_the_backend(tmp_path):
         DCPTrainer(model=_model(attn_implementation="sdpa"), args=args)
 
 
+def test_launcher_cp_size_needs_training_arguments(monkeypatch):
+    """accelerate launch's PARALLELISM_CONFIG_CP_SIZE with no TrainingArguments: refused, named
+    (it would otherwise fall to accelerate's own CP)."""
+    from torch_dcp.integrations.hf import DCPTrainer
+
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="PARALLELISM_CONFIG_CP_SIZE"):
+        DCPTrainer(model=_model(attn_implementation="torch_dcp"))
+
+
 def test_parallelism_config_keeps_the_cp_dimension_for_torch_dcp():
     """accelerate's CP backend is off (no hooks, no FSDP demanded) while the mesh keeps ``cp``:
     its ranks receive the same batch and FSDP shards over ``dp_shard_cp``."""

@@ -255,6 +255,9 @@ class DCPTrainerMixin:
         self.dcp = dataclasses.replace(self.dcp)  # this trainer's own copy of the class's settings
         if pc is not None and pc.cp_size > 1:
             _check_parallelism(pc)
+            if targs is None:
+                raise ValueError("torch_dcp Trainer: PARALLELISM_CONFIG_CP_SIZE asks for context parallelism but no "
+                                 "TrainingArguments were given (args=...): torch_dcp runs the cp dimension through them")
             targs.parallelism_config = DCPParallelismConfig.of(pc)
             self._dcp_size = pc.cp_size
         super().__init__(*args, **kwargs)
