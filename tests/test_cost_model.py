@@ -218,6 +218,26 @@ def _shared_rank(rank, world, mesh):
     assert links.latency == 1e-4 and links.world_size == world == dist.get_world_size()
 
 
+def _group_check_rank(rank, world, mesh):
+    from torch_dcp.benchmarks import calibrate
+
+    model = CostModel.load(str(auto.PRESET_DIR / "cpu.json"))
+    res = calibrate.check_group(model, torch.device("cpu"), repeat=1, out=open(os.devnull, "w"), tokens=1024,
+                                block=128)
+    assert res["world"] == world and len(res["plans"]) == 8
+    for row in res["plans"]:
+        assert row["ratio"] == pytest.approx(row["measured_s"] / row["predicted_s"]) and row["predicted_s"] > 0
+    assert res["inside"] == sum(0.8 <= r["ratio"] <= 1.25 for r in res["plans"])
+
+
+def test_group_check_on_gloo(tmp_path):
+    """``calibrate --check`` under torchrun: dcp's and ring's plans run on the group (2 gloo
+    ranks) beside the simulator's makespan; the ratios are measured / predicted."""
+    from spawn import run_ranks
+
+    run_ranks(_group_check_rank, 2, tmp_path, timeout=240)
+
+
 def test_measure_shared_cores_on_gloo(tmp_path):
     """calibrate's measurement where ranks share cores runs its plans through the executor on 2
     gloo ranks (one core said) and fits non-negative host costs of transfers."""

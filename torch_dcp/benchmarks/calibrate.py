@@ -23,7 +23,10 @@ the simulator holds each pass to the ranks' total work over the cores.
 Check (``--check``): for long-tail and corpus batches, every rank's forward + backward measured
 alone beside the simulator's busy time of that rank under the model in use (``--cost``, default
 ``auto``); per case the ratio measured / predicted of the busiest rank and of the median rank
-(target 0.8-1.25). The last line is JSON.
+(target 0.8-1.25). Under ``torchrun`` (``torchrun --nproc-per-node 4 -m
+torch_dcp.benchmarks.calibrate --check``) the group's own runs instead: dcp's and ring
+attention's plans for the whole group, each run through ``context_parallel`` on it, against the
+simulator's makespan (:func:`check_group`). The last line is JSON.
 """
 
 from __future__ import annotations
@@ -271,6 +274,85 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
+def group_seconds(plan: Plan, mesh: Any, dev: torch.device, repeat: int = 3, seed: int = 0) -> float:
+    """Wall seconds of one attention forward + backward of ``plan`` on the default process group
+    (every rank calls it): ``F.scaled_dot_product_attention`` inside
+    :func:`torch_dcp.context_parallel` on ``mesh``, between barriers, the fastest of ``repeat``
+    after one that builds and uploads the device plan."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    b = plan.batch
+    gen = torch.Generator().manual_seed(seed)
+    qkv = [torch.randn(1, h, b.total_tokens, b.head_dim, generator=gen).to(DTYPES[b.dtype])
+           for h in (b.n_heads, b.n_kv_heads, b.n_kv_heads)]
+    walls = []
+    for _ in range(repeat + 1):
+        q, k, v = (x.clone().to(dev) for x in qkv)
+        with torch_dcp.context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2],
+                                        no_restore_buffers={q, k, v}, plan=plan):
+            for x in (q, k, v):
+                x.requires_grad_()
+            dist.barrier()
+            t0 = time.perf_counter()
+            F.scaled_dot_product_attention(q, k, v, is_causal=b.is_causal, enable_gqa=True).sum().backward()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            dist.barrier()
+            walls.append(time.perf_counter() - t0)
+    return min(walls[1:])
+
+
+def check_group(model: CostModel, dev: torch.device, repeat: int = 2, seed: int = 0, out: Any = None,
+                tokens: int = 8192, block: int = 256) -> dict[str, Any]:
+    """``--check`` under ``torchrun``: dcp's and ring attention's plans of long-tail and corpus
+    batches (``tokens``, causal and λ masks) for the whole group, made with ``model``, each run on the group
+    (:func:`group_seconds`) beside the simulator's makespan under ``model``: measured /
+    predicted per plan. Every rank calls it; rank 0 prints."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..simulate import simulate
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh(dev.type, (world,))
+    shape = _shape(dev)
+    scale = _GPU_SCALE if dev.type == "cuda" else 1
+    rows = []
+    for i, (kind, mask) in enumerate((k, m) for k in ("longtail", "corpus") for m in ("causal", "lambda")):
+        batch = _batch(kind, mask, tokens * scale, shape, seed + i)
+        for planner in ("dcp", "ring"):
+            plan = torch_dcp.plan(batch, world, planner=planner, block_size=block * min(scale, 4), cost_model=model,
+                                  **({"head_parallel": 1} if planner == "dcp" else {}))
+            wall = group_seconds(plan, mesh, dev, repeat, seed + i)
+            pred = simulate(plan, model).makespan_s
+            rows.append({"batch": kind, "mask": mask, "planner": plan.planner, "measured_s": wall,
+                         "predicted_s": pred, "ratio": wall / pred})
+    inside = sum(CHECK_RANGE[0] <= r["ratio"] <= CHECK_RANGE[1] for r in rows)
+    if dist.get_rank() == 0:
+        p = (lambda line: print(line, file=out or sys.stdout, flush=True))
+        p(f"group check of '{model.source or 'the model'}' on {world} ranks ({links_text(model, world)}): one forward + "
+          "backward on the group / the simulator's makespan")
+        p("| batch | mask | plan | measured ms | predicted ms | ratio |")
+        p("|---|---|---|---|---|---|")
+        for r in rows:
+            p(f"| {r['batch']} | {r['mask']} | {r['planner']} | {r['measured_s'] * 1e3:.1f} | "
+              f"{r['predicted_s'] * 1e3:.1f} | {r['ratio']:.2f} |")
+        p(f"{inside} of {len(rows)} plans within {CHECK_RANGE[0]}-{CHECK_RANGE[1]}")
+    return {"model": model.source, "world": world, "plans": rows, "inside": inside, "range": list(CHECK_RANGE)}
+
+
+def links_text(model: CostModel, world: int) -> str:
+    """The model's links in words, as a group of ``world`` ranks plans with them (the checks' headers)."""
+    lk = model.links
+    if lk is None:
+        return "no measured links"
+    if lk.world_size != world:
+        return f"links measured on {lk.world_size} ranks: not used for {world}"
+    text = f"{lk.backend} links {lk.latency * 1e6:.0f} µs, {lk.bandwidth / 1e9:.2f} GB/s"
+    return text + (f", {lk.world_size} ranks on {lk.cores} cores" if lk.shares_cores else "")
+
+
 def measure_shared_cores(model: CostModel, links: "torch_dcp.cost.Links", dev: torch.device, cores: int,
                          tokens: int = 8192, block: int = 256, repeat: int = 3, seed: int = 0,
                          out: Any = None) -> "torch_dcp.cost.Links":
@@ -285,7 +367,6 @@ def measure_shared_cores(model: CostModel, links: "torch_dcp.cost.Links", dev: t
     import dataclasses
 
     import torch.distributed as dist
-    import torch.nn.functional as F
     from scipy.optimize import nnls
 
     from ..simulate import simulate
@@ -301,26 +382,12 @@ def measure_shared_cores(model: CostModel, links: "torch_dcp.cost.Links", dev: t
         batch = _batch(kind, "causal", tokens, shape, seed + i)
         plan = torch_dcp.plan(batch, links.world_size, planner=planner, block_size=block, divisions=2,
                               cost_model=kernel_model, **({"head_parallel": 1} if planner == "dcp" else {}))
-        gen = torch.Generator().manual_seed(seed + i)
-        qkv = [torch.randn(1, h, batch.total_tokens, shape["head_dim"], generator=gen, dtype=DTYPES[batch.dtype])
-               for h in (shape["heads"], shape["kv_heads"], shape["kv_heads"])]
-        walls = []
-        for _ in range(repeat + 1):
-            q, k, v = (x.clone().to(dev) for x in qkv)
-            with torch_dcp.context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2],
-                                            no_restore_buffers={q, k, v}, plan=plan):
-                for x in (q, k, v):
-                    x.requires_grad_()
-                dist.barrier()
-                t0 = time.perf_counter()
-                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
-                dist.barrier()
-                walls.append(time.perf_counter() - t0)
+        wall = group_seconds(plan, mesh, dev, repeat, seed + i)
         sim = simulate(plan, kernel_model)
         _, _, nb, _ = plan.transfers()
         busy = float(sim.forward.busy_s.sum() + sim.backward.busy_s.sum())
-        rows.append((plan.planner, kind, float(nb.sum()), len(nb), busy, min(walls[1:])))
-        target.append(min(walls[1:]) * cores - busy)
+        rows.append((plan.planner, kind, float(nb.sum()), len(nb), busy, wall))
+        target.append(wall * cores - busy)
     X = np.array([[r[2], r[3]] for r in rows])
     coef, _ = nnls(X, np.maximum(np.array(target), 0.0))
     fitted = dataclasses.replace(links, cores=cores, host_byte_seconds=float(coef[0]),
@@ -407,12 +474,23 @@ def run(args: argparse.Namespace, out: Any = None) -> dict[str, Any]:
     dev = pick_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     if args.check:
         model = CostModel.load(args.cost, device=dev)
+        if distributed:  # the group's own runs against the simulator's makespan
+            if dev.type == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+                dev = torch.device("cuda", torch.cuda.current_device())
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=20))
+            res = check_group(model, dev, args.repeat, args.seed, out)
+            if dist.get_rank() == 0:
+                p(json.dumps(res))
+            dist.barrier()
+            dist.destroy_process_group()
+            return res
         res = check(model, dev, check_cases(args.cases), args.kernel, args.repeat, args.seed, out)
         p(json.dumps(res))
         return res
-    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     links = None
     if distributed:
         if dev.type == "cuda":
@@ -465,5 +543,12 @@ def main(argv: list[str] | None = None, out: Any = None) -> dict[str, Any]:
     return run(p.parse_args(argv), out)
 
 
+def check_status(res: dict[str, Any]) -> int:
+    """The exit status of a check's result: 0 when every case (or the group's every plan) held."""
+    rows = res.get("cases", res.get("plans", []))
+    return 0 if res["inside"] == len(rows) else 1
+
+
 if __name__ == "__main__":  # torchrun -m torch_dcp.benchmarks.calibrate
-    main()
+    result = main()
+    sys.exit(check_status(result) if "inside" in result else 0)

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 def _calibrate(args) -> int:
     res = calibrate.run(args)
     if args.check:  # the exit status says whether every case held
-        return 0 if res["inside"] == len(res["cases"]) else 1
+        return calibrate.check_status(res)
     return 0
 
 
