@@ -28,7 +28,7 @@ import heapq
 
 import numpy as np
 
-from .cost import CostModel
+from .cost import CostModel, Links
 from .cost.executor import memory_kind
 from .plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan, dispatch
 from .plan.heads import HeadParallelPlan
@@ -150,20 +150,32 @@ def simulate_within(plan: Plan | HeadParallelPlan, cost_model: CostModel | None 
     return SimResult(fwd, bwd, fwd.makespan_s + bwd.makespan_s, float(ideal))
 
 
+def _shared_links(cm: CostModel, world: int) -> "Links | None":
+    """The model's links where ``world`` ranks share fewer cores than ranks, else None."""
+    links = cm.links
+    return links if links is not None and links.shares_cores and links.world_size == world else None
+
+
+def _pass_traffic(plan: Plan, backward: bool) -> tuple[float, int]:
+    """Bytes and transfers of one pass of ``plan``."""
+    _, _, nb, fwd = plan.transfers()
+    mine = fwd != backward
+    return float(nb[mine].sum()), int(mine.sum())
+
+
 def _on_shared_cores(plan: Plan, cm: CostModel, res: PassResult, backward: bool) -> PassResult:
     """``res`` on ranks that share fewer cores than there are ranks (a model whose measured
     :class:`~torch_dcp.cost.Links` say so, e.g. gloo ranks on a CPU): the pass takes at least
     the ranks' busy time plus its transfers' host costs, spread over the cores
     (:meth:`~torch_dcp.cost.Links.shared_seconds`); the ranks then finish together."""
-    links = cm.links
-    if links is None or not links.shares_cores or links.world_size != plan.world_size:
+    links = _shared_links(cm, plan.world_size)
+    if links is None:
         return res
-    _, _, nb, fwd = plan.transfers()
-    mine = fwd != backward
-    span = links.shared_seconds(float(res.busy_s.sum()), float(nb[mine].sum()), int(mine.sum()))
+    span = links.shared_seconds(float(res.busy_s.sum()), *_pass_traffic(plan, backward))
     if span <= res.makespan_s:
         return res
-    return dataclasses.replace(res, makespan_s=span, idle_s=span - res.finish_s, finish_s=np.full_like(res.finish_s, span))
+    return dataclasses.replace(res, makespan_s=span, idle_s=span - res.finish_s,
+                               finish_s=np.full_like(res.finish_s, span))
 
 
 def _simulate_heads(plan: HeadParallelPlan, inner: SimResult, cm: CostModel) -> SimResult:
@@ -171,19 +183,17 @@ def _simulate_heads(plan: HeadParallelPlan, inner: SimResult, cm: CostModel) -> 
     :func:`_on_shared_cores`) each pass takes at least every rank's busy time plus the host costs
     of the outer plan's transfers (in every head group) and of the all-to-alls, over the cores."""
     n = plan.head_parallel
-    links = cm.links
-    shared = links is not None and links.shares_cores and links.world_size == plan.world_size
+    links = _shared_links(cm, plan.world_size)
     passes = []
     for res, backward in ((inner.forward, False), (inner.backward, True)):
         a_in, a_out = plan.all_to_all_seconds(backward, "in"), plan.all_to_all_seconds(backward, "out")
         span = a_in + res.makespan_s + a_out
-        if shared:
-            _, _, nb, fwd = plan.outer.transfers()
-            mine = fwd != backward
+        if links is not None:
+            nbytes, transfers = _pass_traffic(plan.outer, backward)
             a2a = [plan.all_to_all_bytes(backward, way) for way in ("in", "out")]
             span = max(span, links.shared_seconds(float(res.busy_s.sum()) * n,
-                                                  float(nb[mine].sum()) * n + sum(float(m.sum()) for m in a2a),
-                                                  int(mine.sum()) * n + sum(int(np.count_nonzero(m)) for m in a2a)))
+                                                  nbytes * n + sum(float(m.sum()) for m in a2a),
+                                                  transfers * n + sum(int(np.count_nonzero(m)) for m in a2a)))
         events = [[("all-to-all", 0.0, a_in)] + [(k, s + a_in, e + a_in) for k, s, e in ev]
                   + [("all-to-all", a_in + res.makespan_s, span)] for ev in res.events for _ in range(n)]
         passes.append(PassResult(span, np.repeat(res.busy_s, n), np.repeat(res.exposed_comm_s, n) + a_in + a_out,

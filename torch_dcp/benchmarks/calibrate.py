@@ -84,7 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=2, help="timed steps per plan, median (default 2)")
     p.add_argument("--threads", type=int, default=None, help="torch threads on the CPU (default: as set)")
     p.add_argument("--check", action="store_true", help="check a model against the executor instead of fitting")
-    p.add_argument("--cost", default="auto", help="with --check: the model to check (auto, a100, h100, a100-executor, h100-executor or JSON)")
+    p.add_argument("--cost", default="auto",
+                   help="with --check: the model to check (auto, a100, h100, a100-executor, h100-executor or JSON)")
     p.add_argument("--cases", default=None,
                    help="with --check: BATCH:MASK:TOKENS:W:BLOCK,... (default: long-tail and corpus, 8K-32K "
                         "tokens, W = 4 and 8, blocks 128-512, causal, lambda, shared_question)")
@@ -263,7 +264,8 @@ def measure_links(device: torch.device, repeat: int = 5) -> "torch_dcp.cost.Link
 # ---------------------------------------------------------------------- ranks sharing cores
 #: (batch, planner) of the plans that fit the host costs of transfers where ranks share cores:
 #: plans of the same batches that move different bytes in different numbers of transfers
-_SHARED_PLANS = [(kind, planner) for kind in ("longtail", "corpus") for planner in ("ring", "allgather", "megatron", "dcp")]
+_SHARED_PLANS = [(kind, planner) for kind in ("longtail", "corpus")
+                 for planner in ("ring", "allgather", "megatron", "dcp")]
 
 
 def cpu_cores() -> int:
@@ -272,6 +274,26 @@ def cpu_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - platforms without affinity
         return os.cpu_count() or 1
+
+
+def _start_group(dev: torch.device) -> torch.device:
+    """Under torchrun: this rank's device (its local GPU on CUDA) and the default process group
+    (NCCL on CUDA, gloo on the CPU)."""
+    import torch.distributed as dist
+
+    if dev.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dev = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=20))
+    return dev
+
+
+def _group_mesh(dev: torch.device) -> Any:
+    """A one-dimensional mesh of the default process group (the DCP group the checks plan for)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(dev.type, (dist.get_world_size(),))
 
 
 def group_seconds(plan: Plan, mesh: Any, dev: torch.device, repeat: int = 3, seed: int = 0) -> float:
@@ -310,12 +332,11 @@ def check_group(model: CostModel, dev: torch.device, repeat: int = 2, seed: int 
     (:func:`group_seconds`) beside the simulator's makespan under ``model``: measured /
     predicted per plan. Every rank calls it; rank 0 prints."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from ..simulate import simulate
 
     world = dist.get_world_size()
-    mesh = init_device_mesh(dev.type, (world,))
+    mesh = _group_mesh(dev)
     shape = _shape(dev)
     scale = _GPU_SCALE if dev.type == "cuda" else 1
     rows = []
@@ -372,9 +393,7 @@ def measure_shared_cores(model: CostModel, links: "torch_dcp.cost.Links", dev: t
     from ..simulate import simulate
 
     world = dist.get_world_size()
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(dev.type, (world,))
+    mesh = _group_mesh(dev)
     shape = _shape(dev)
     kernel_model = dataclasses.replace(model, links=None)
     rows, target = [], []
@@ -478,10 +497,7 @@ def run(args: argparse.Namespace, out: Any = None) -> dict[str, Any]:
     if args.check:
         model = CostModel.load(args.cost, device=dev)
         if distributed:  # the group's own runs against the simulator's makespan
-            if dev.type == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-                dev = torch.device("cuda", torch.cuda.current_device())
-            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=20))
+            dev = _start_group(dev)
             res = check_group(model, dev, args.repeat, args.seed, out)
             if dist.get_rank() == 0:
                 p(json.dumps(res))
@@ -493,10 +509,7 @@ def run(args: argparse.Namespace, out: Any = None) -> dict[str, Any]:
         return res
     links = None
     if distributed:
-        if dev.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dev = torch.device("cuda", torch.cuda.current_device())
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=20))
+        dev = _start_group(dev)
         links = measure_links(dev)
     if not distributed or dist.get_rank() == 0:  # rank 0 measures the executor alone; the others wait for it
         model, report, meta = calibrate(dev, args.kernel, args.size, args.repeat, args.seed)

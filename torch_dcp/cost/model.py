@@ -312,8 +312,9 @@ class CostModel:
     def load(cls, spec: "str | CostModel | None" = "auto", device: Any = None) -> "CostModel":
         """``"auto"`` (the model of this device: :func:`torch_dcp.cost.auto.resolve`), ``"a100"``,
         ``"h100"`` (the kernels alone), ``"a100-executor"``, ``"h100-executor"`` (the same with the
-        executor's fixed costs, :data:`GPU_EXECUTOR`: what ``"auto"`` gives on that card), or the paths of JSON cost models, comma-separated (merged, e.g. one table
-        file measured per head_dim); a :class:`CostModel` as is; ``None`` as ``"auto"``.
+        executor's fixed costs, :data:`GPU_EXECUTOR`: what ``"auto"`` gives on that card), or the
+        paths of JSON cost models, comma-separated (merged, e.g. one table file measured per
+        head_dim); a :class:`CostModel` as is; ``None`` as ``"auto"``.
 
         Args:
             device: for ``"auto"``: the device planned for (default: CUDA where available, else

@@ -250,6 +250,7 @@ class DCPTrainerMixin:
             pc = ParallelismConfig()  # accelerate launch's settings, read from the environment
         self._dcp_size = 1
         self._dcp_pool: cf.ProcessPoolExecutor | None = None
+        self._dcp_planning: PlanningConfig | None = None
         self._dcp_stats: list[dict[str, float]] = []
         self._dcp_evaluating = False
         self.dcp = dataclasses.replace(self.dcp)  # this trainer's own copy of the class's settings
@@ -274,15 +275,10 @@ class DCPTrainerMixin:
         return self.accelerator.torch_device_mesh["cp"]
 
     def _dcp_prepare(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        conf = self.dcp
         packed = hf.pack(config=self.model.config, dtype=_attention_dtype(self), device=self.args.device,
                          **micro_batch_documents(inputs))
-        options = {"cost_model": conf.cost_model} if conf.planner == "dcp" else {}
-        planning = PlanningConfig(self._dcp_size, conf.planner, conf.block_size, conf.divisions, options,
-                                  compare=conf.compare)
-        if conf.workers > 0:
-            if self._dcp_pool is None:
-                self._dcp_pool = planning_pool(conf.workers, planning)
+        planning = self._dcp_planning
+        if self._dcp_pool is not None:
             prepared = _Prepared(packed, future=self._dcp_pool.submit(_worker_job, packed.batch.to_dict(), planning))
         else:
             prepared = _Prepared(packed, *plan_batch(packed.batch, planning))
@@ -290,6 +286,13 @@ class DCPTrainerMixin:
                 "position_ids": packed.position_ids, _KEY: prepared}
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
+        if self._dcp_size > 1:  # how this run plans, from `dcp` as it stands now
+            conf = self.dcp
+            options = {"cost_model": conf.cost_model} if conf.planner == "dcp" else {}
+            self._dcp_planning = PlanningConfig(self._dcp_size, conf.planner, conf.block_size, conf.divisions,
+                                                options, compare=conf.compare)
+            if conf.workers > 0:
+                self._dcp_pool = planning_pool(conf.workers, self._dcp_planning)
         try:
             return super().train(*args, **kwargs)
         finally:
