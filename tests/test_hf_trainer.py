@@ -174,8 +174,28 @@ def test_refusals_name_the_setting():
     try:
         with pytest.raises(ValueError, match="cp_size=3 does not divide the world size 4"):
             _check_parallelism(ParallelismConfig(cp_size=3))
+        with pytest.raises(ValueError, match=r"^torch_dcp Trainer: .* = 2 ranks, but 4 processes run; "
+                                             r"set dp_shard_size=2"):
+            _check_parallelism(ParallelismConfig(cp_size=2))
+        _check_parallelism(ParallelismConfig(cp_size=2, dp_shard_size=2))
     finally:
         del os.environ["WORLD_SIZE"]
+
+
+def test_trainer_names_and_fsdp_request(monkeypatch):
+    """The trainers and their configuration are reachable where the docs put them; FSDP is asked
+    for by the training arguments or by accelerate launch's ``distributed_type: FSDP``."""
+    import types
+
+    from torch_dcp.integrations import hf, hf_trainer
+
+    assert hf.TrainerDCPConfig is hf_trainer.TrainerDCPConfig and hf.DCPTrainer is hf_trainer.DCPTrainer
+    assert hf.DCPSFTTrainer.__name__ == "DCPSFTTrainer"
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert not hf_trainer._fsdp_asked(types.SimpleNamespace(fsdp=[]))
+    assert hf_trainer._fsdp_asked(types.SimpleNamespace(fsdp=["full_shard"]))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert hf_trainer._fsdp_asked(types.SimpleNamespace(fsdp=[]))
 
 
 def test_trainer_refuses_a_model_without_the_backend(tmp_path):

@@ -55,7 +55,7 @@ from torch_dcp.executor.device_plan import host_to_device
 from torch_dcp.masks import MaskSpec
 
 __all__ = ["NAME", "attention_forward", "mask_function", "pack", "PackedBatch", "batch_mask", "model_heads",
-           "DCPTrainer", "DCPSFTTrainer"]
+           "DCPTrainer", "DCPSFTTrainer", "TrainerDCPConfig"]
 
 #: the ``attn_implementation`` this module registers
 NAME = "torch_dcp"
@@ -400,10 +400,15 @@ def pack(documents: Sequence[Any] | None = None, config: Any = None, *, input_id
     return PackedBatch(t_ids, t_pos, t_lab, int((shifted != -100).sum()), batch)
 
 
+#: what :mod:`torch_dcp.integrations.hf_trainer` gives this module, imported on first use
+_TRAINER_NAMES = ("DCPTrainer", "DCPSFTTrainer", "TrainerDCPConfig")
+
+
 def __getattr__(name: str) -> Any:
-    """``DCPTrainer`` and ``DCPSFTTrainer`` (:mod:`torch_dcp.integrations.hf_trainer`), imported on
-    first use: they need accelerate (and trl for ``DCPSFTTrainer``)."""
-    if name in ("DCPTrainer", "DCPSFTTrainer"):
+    """``DCPTrainer``, ``DCPSFTTrainer`` and ``TrainerDCPConfig``
+    (:mod:`torch_dcp.integrations.hf_trainer`), imported on first use: they need accelerate (and
+    trl for ``DCPSFTTrainer``, imported only when it is asked for)."""
+    if name in _TRAINER_NAMES:
         from . import hf_trainer
 
         return getattr(hf_trainer, name)

@@ -145,12 +145,10 @@ class DCPParallelismConfig(ParallelismConfig):
     def _validate_accelerator(self, accelerator: Any) -> None:
         from accelerate.utils import DistributedType
 
+        _check_sizes(self, accelerator.num_processes)  # named, with what to set (accelerate's message is not)
         if accelerator.distributed_type == DistributedType.MULTI_CPU:
             # accelerate takes parallelism configs on devices only; on CPU ranks (gloo) the DCP
             # group and the data shards need nothing of it but a mesh of the world's size
-            if self.total_size != accelerator.num_processes:
-                raise ValueError(f"parallelism_config: dp_shard_size x cp_size = {self.total_size}, but "
-                                 f"{accelerator.num_processes} processes run")
             return
         self._accelerate_sees_cp = True
         try:
@@ -487,6 +485,25 @@ def _check_parallelism(pc: ParallelismConfig) -> None:
     if world % pc.cp_size:
         raise ValueError(f"torch_dcp Trainer: parallelism_config.cp_size={pc.cp_size} does not divide the world "
                          f"size {world}")
+    _check_sizes(pc, world)
+
+
+def _check_sizes(pc: ParallelismConfig, world: int) -> None:
+    """Refuse a mesh that is not the world's size, saying which ``dp_shard_size`` would fill it.
+
+    Raises:
+        ValueError: ``dp_replicate_size x dp_shard_size x cp_size`` (and tp, sp) is not ``world``.
+    """
+    if pc.total_size == world:
+        return
+    rest = pc.total_size // pc.dp_shard_size  # every size but dp_shard
+    what = (f"set dp_shard_size={world // rest} (the data shards beside cp_size={pc.cp_size}"
+            + (f" and dp_replicate_size={pc.dp_replicate_size}" if pc.dp_replicate_size > 1 else "") + ")"
+            if world % rest == 0 else f"run a multiple of {rest} processes")
+    sizes = " x ".join(f"{k}={getattr(pc, k)}" for k in ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size",
+                                                          "sp_size") if getattr(pc, k) > 1 or k == "dp_shard_size")
+    raise ValueError(f"torch_dcp Trainer: parallelism_config {sizes} = {pc.total_size} ranks, but {world} processes "
+                     f"run; {what}")
 
 
 def _check_model(model: Any) -> None:
