@@ -17,7 +17,6 @@ import functools
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -124,7 +123,7 @@ def _dcp_step(mesh, model: nn.Module, plan, fsdp: bool, replay: object) -> tuple
     model.zero_grad()
     with torch_dcp.context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1],
                                     no_restore_buffers={tokens, labels, positions}, plan=plan, replay=replay):
-        loss = model(tokens, positions, labels, n)  # both masks here are causal ones
+        loss = model(tokens, positions, labels, n)  # is_causal=True: both masks here are causal ones
         # FSDP2 averages gradients over the mesh: every rank's loss is its share of the sum
         (loss * (mesh.size() if fsdp else 1)).backward()
     total = loss.detach().clone()
