@@ -237,10 +237,13 @@ def _head_parallel(p: "Plan | HeadParallelPlan") -> int:
 def _rival(p: "Plan | HeadParallelPlan", widest: int) -> bool:
     """Whether ``p`` is a rival's plan that :func:`_fastest` always simulates: at ``N = 1``
     every labelled one (``"dcp:ring"``, ``"dcp:allgather"``, ``"dcp:megatron"``,
-    ``"dcp:bytes"``), and ring attention at the widest head parallelism tried (HCP; Ulysses on
-    one node). The rivals' plans at the other ``N`` compete by estimate like dcp's own."""
+    ``"dcp:documents"``, ``"dcp:bytes"``), and at the widest head parallelism tried ring
+    attention (HCP; Ulysses on one node) and whole documents per head group (Ulysses at that CP
+    size with data parallelism across the groups). The rivals' plans at the other ``N`` compete
+    by estimate like dcp's own."""
     n = _head_parallel(p)
-    return ":" in p.planner and (n == 1 or (n == widest and p.planner.startswith("dcp:ring")))
+    widest_rival = p.planner.startswith(("dcp:ring", "dcp:documents"))
+    return ":" in p.planner and (n == 1 or (n == widest and widest_rival))
 
 
 def _head_sizes(batch: BatchSpec, topology: Topology, planner: str, head_parallel: Any,
@@ -290,16 +293,25 @@ def _plans_at(batch: BatchSpec, topology: Topology, planner: str, n: int, block_
         placements = [dataclasses.replace(p, planner=relabel) for p in placements]
     n_tiles = placements[0].workload.n_tiles
     bound = max(1, n_tiles)  # a batch with no tiles still runs as one (empty) division
+    auto = divisions is None
     if divisions is None:
         divisions = min(DEFAULT_DIVISIONS, bound)
     elif not 1 <= divisions <= bound:
         raise ValueError(f"divisions must lie in 1..{bound} (the number of tiles of the {planner} placement of this "
                          f"batch: {n_tiles}), got {divisions}")
-    plans = [divide(p, ot, int(divisions)) for p in placements]
+    # a candidate that moves nothing runs in one division when the caller left them to us (the
+    # divisions only overlap transfers with compute; each costs the executor its fixed costs)
+    plans = [divide(p, ot, 1 if auto and offer and not _moves_blocks(p) else int(divisions)) for p in placements]
     if n == 1:
         return plans
     name = (lambda p: label) if label in HEAD_PLANNERS else (lambda p: f"{p.planner}/hp{n}")
     return [HeadParallelPlan(p, batch, topology, n, name(p)) for p in plans]
+
+
+def _moves_blocks(p: Placement) -> bool:
+    """Whether some tile of ``p`` runs away from its query's or its key/value block's home."""
+    wl, home = p.workload, p.block_rank
+    return bool(np.any(home[wl.tile_q] != p.tile_rank) or np.any(home[wl.tile_kv] != p.tile_rank))
 
 
 def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple[str, Plan | HeadParallelPlan]]":

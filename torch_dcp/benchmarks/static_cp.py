@@ -24,6 +24,7 @@ import numpy as np
 
 from ..batch import BatchSpec
 from ..cost import CostModel
+from ..planners.documents import documents_by_tokens
 from ..topology import Topology
 
 __all__ = ["STATIC_FAMILIES", "cp_sizes", "split_documents", "group_batch", "group_topology", "static_cp_seconds"]
@@ -61,21 +62,15 @@ def cp_sizes(family: str, batch: BatchSpec, topology: Topology) -> list[int]:
 
 def split_documents(doc_lens: Any, groups: int) -> np.ndarray:
     """Which of ``groups`` data-parallel groups each document goes to (module docstring): int64
-    ``[n_docs]``, whole documents balanced by tokens, longest first to the lightest group.
+    ``[n_docs]``, whole documents balanced by tokens, longest first to the lightest group
+    (:func:`torch_dcp.planners.documents.documents_by_tokens`).
 
     Raises:
         ValueError: ``groups`` is not a positive integer.
     """
     if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1:
         raise ValueError(f"groups must be a positive integer, got {groups!r}")
-    lens = np.asarray(doc_lens, np.int64)
-    group = np.zeros(len(lens), np.int64)
-    load = np.zeros(groups, np.int64)
-    for d in np.argsort(-lens, kind="stable"):
-        g = int(np.argmin(load))
-        group[d] = g
-        load[g] += lens[d]
-    return group
+    return documents_by_tokens(doc_lens, groups)
 
 
 def group_batch(batch: BatchSpec, docs: np.ndarray) -> BatchSpec:

@@ -38,9 +38,10 @@ The estimate (:func:`estimate_seconds`: the busiest rank's compute or link time,
 longer) only orders the placements of one call. :func:`dcp_candidates` returns every distinct
 placement it tried (or the ``shortlist`` best by that estimate), best estimate first, and the
 compute-balanced one with the fewest bytes (the ``"bytes"`` objective's choice, labelled
-``"dcp:bytes"``), followed by ring attention's, Megatron's and all-gather CP's own plans
-(``rivals``, labelled ``"dcp:ring"`` etc., when their resident tokens meet the same memory
-bound). :func:`torch_dcp.plan` estimates every candidate's time division by division
+``"dcp:bytes"``), followed by ring attention's, Megatron's and all-gather CP's own plans and
+whole documents per rank (data parallelism; inside head groups, Ulysses at that CP size with
+data parallelism across the groups) (``rivals``, labelled ``"dcp:ring"`` etc., when their
+resident tokens meet the same memory bound), all run by torch_dcp's executor. :func:`torch_dcp.plan` estimates every candidate's time division by division
 (:func:`torch_dcp.estimate.estimate_seconds`, which sees the phases and the links), simulates
 the best few by that estimate and every labelled rival (skipping those whose floor is above the
 fastest so far), and keeps the fastest, so a dcp plan is never slower than the rivals' or the
@@ -64,13 +65,14 @@ from ..batch import BatchSpec
 from ..topology import Topology
 from ..workload import Buf, Workload, item_token_bytes
 from .allgather import plan_allgather
+from .documents import plan_documents
 from .base import Placement, Routing, Runtime
 from .megatron import plan_megatron
 from .partition import _partition_csr
 from .ring import plan_ring
 
 #: planners whose placements dcp's time objective also offers (:func:`dcp_candidates`)
-_RIVALS = {"ring": plan_ring, "megatron": plan_megatron, "allgather": plan_allgather}
+_RIVALS = {"ring": plan_ring, "megatron": plan_megatron, "allgather": plan_allgather, "documents": plan_documents}
 
 __all__ = ["plan_dcp", "dcp_candidates", "DCPHypergraph", "estimate_seconds", "zigzag_tiles_bound", "RIVAL_TILE_BUDGET",
            "CONTIGUOUS_NODES"]
@@ -249,7 +251,7 @@ def dcp_candidates(
     flops_per_second: float = 1.6e14,
     node_routes: bool = True,
     shortlist: int | None = None,
-    rivals: tuple[str, ...] = ("ring", "megatron", "allgather"),
+    rivals: tuple[str, ...] = ("ring", "megatron", "allgather", "documents"),
 ) -> list[Placement]:
     """DCP hypergraph placements, best first (see module docstring).
 
@@ -276,7 +278,8 @@ def dcp_candidates(
             to return (default ``None``: all of them), followed by the bytes objective's choice
             (duplicates dropped); ``"bytes"`` returns only its choice.
         rivals: with ``"time"``, the placements of these planners (``"ring"``,
-            ``"megatron"``, ``"allgather"``) follow the shortlist, labelled ``"dcp:<name>"``,
+            ``"megatron"``, ``"allgather"``, ``"documents"``: every document whole on one rank,
+            :func:`~torch_dcp.planners.documents.plan_documents`) follow the shortlist, labelled ``"dcp:<name>"``,
             when their resident bytes are within ``1 + eps_memory`` of the mean as dcp's own
             are (ring and all-gather only while their zig-zag layout holds at most
             :data:`RIVAL_TILE_BUDGET` tiles, :func:`zigzag_tiles_bound`); :func:`torch_dcp.plan` times every candidate with the simulator and keeps the
@@ -401,7 +404,7 @@ def dcp_candidates(
         for name in rivals:
             if name in _ZIGZAG_RIVALS and zigzag_tiles_bound(batch, w) > RIVAL_TILE_BUDGET:
                 continue  # ring / all-gather CP at hundreds of ranks: a plan of minutes and GBs
-            rival = megatron if name == "megatron" else _RIVALS[name](batch, topology)
+            rival = megatron if name == "megatron" else _RIVALS[name](batch, topology, block_size)
             tokens = rival.rank_tokens()
             if tokens.max() <= (1.0 + eps_memory) * tokens.mean():
                 # run by torch_dcp's executor, not by the rival's own implementation
