@@ -70,10 +70,11 @@ def test_plan_simulates_the_shortlist_and_every_rival():
     # reschedules of the winner (node first, local tail) end in a parenthesis
     own = [lab for lab, _ in plan.candidates if ":" not in lab and " (" not in lab]
     assert len(own) > SIMULATED  # there is something to skip
-    # at most the shortlist, the rivals and the winner's two reschedules are simulated
+    # at most the shortlist, the rivals and the winner's reschedules (fewer divisions, node first,
+    # local tail) are simulated
     rivals = [lab for lab in labels if ":" in lab and " (" not in lab]
     reschedules = [lab for lab in labels if " (" in lab]
-    assert 1 <= len(reschedules) <= 2 and labels[-len(reschedules):] == reschedules
+    assert 1 <= len(reschedules) <= 4 and labels[-len(reschedules):] == reschedules
     assert len(simulated) <= SIMULATED + len(rivals) + len(reschedules)
     assert "dcp:bytes" in rivals and "dcp:ring" in rivals
     # the plan returned is the fastest simulated, never slower than a rival (simulated, or its
@@ -82,8 +83,8 @@ def test_plan_simulates_the_shortlist_and_every_rival():
     assert t == pytest.approx(min(s for _, s in simulated), rel=1e-12)
     for lab in rivals:
         assert not times[lab] < t
-    for name in ("ring", "allgather"):
-        other = torch_dcp.plan(batch, topo, planner=name)
+    for name in ("ring", "allgather"):  # their plans as torch_dcp's executor runs them (dcp's candidates)
+        other = on_executor(torch_dcp.plan(batch, topo, planner=name))
         assert t <= simulate(other, CM).makespan_s * (1 + 1e-12)
     bytes_plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=512, objective="bytes")
     assert t <= simulate(bytes_plan, CM).makespan_s * (1 + 1e-12)

@@ -34,6 +34,11 @@ LOCAL_TAIL = 0.25
 #: as well would cost some 5 % more planning time at 131K tokens / 32 ranks, for a few
 #: blockwise batches where T = 4 wins)
 NODE_FIRST_EXTRA_DIVISIONS = 2
+#: fewer divisions the chosen plan is also timed with (when ``divisions`` is left to ``plan``):
+#: on a GPU every division costs the executor its fixed costs per launch
+#: (:data:`~torch_dcp.cost.GPU_EXECUTOR`), more than the overlap buys where the attention is a
+#: fraction of a millisecond (sparse masks on H100s)
+FEWER_DIVISIONS = (1, 2)
 #: dcp's own placements timed at every head parallelism N > 1 (the best by its estimate; the
 #: rivals and the bytes objective's choice follow, as at N = 1, where all are timed): on the
 #: paper's batches (4 x 8 and 1 x 8, A100 and H100, GQA 8/2 and 32/8, causal and lambda) the
@@ -81,7 +86,8 @@ def plan(
             scheduling round, for planners with rounds): an integer in ``1 .. n_tiles`` (the
             placement's number of tiles; 1 when it has none), or ``None`` (default) for
             ``min(4, n_tiles)`` (at least 1), so that tiny batches plan too (a timed plan may
-            then keep a deeper node-first schedule, see ``cost_model``).
+            then keep a deeper node-first schedule or fewer divisions, and a timed candidate that
+            moves no block runs in one, see ``cost_model``).
         cost_model: for planners that offer several candidates (``"dcp"`` with its default
             time objective: its placements, ring attention's and Megatron's plans, see
             :func:`~torch_dcp.planners.dcp.dcp_candidates`, for every head parallelism tried),
@@ -91,7 +97,8 @@ def plan(
             device's calibrated model, else a shipped preset (:mod:`torch_dcp.cost.auto`; it
             warns where the device was never calibrated). A model with measured links
             (``calibrate`` under ``torchrun``) plans with them in place of the topology's. The
-            fastest placement is then also timed with its last division running a local tail (:data:`LOCAL_TAIL` of
+            fastest placement is then also timed with :data:`FEWER_DIVISIONS` (when ``divisions`` is
+            ``None``), with its last division running a local tail (:data:`LOCAL_TAIL` of
             every rank's local compute, the remote tiles in the divisions before:
             :func:`~torch_dcp.schedule.assign_divisions`) and, on several nodes, with its
             intra-node tiles first (``node_first``, at ``T +`` :data:`NODE_FIRST_EXTRA_DIVISIONS`
@@ -315,23 +322,28 @@ def _moves_blocks(p: Placement) -> bool:
 
 
 def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple[str, Plan | HeadParallelPlan]]":
-    """Other schedules of ``chosen``'s placement, ``(label, plan)``: intra-node tiles first (on
-    several nodes, where some rank has both intra- and inter-node tiles; at ``T +``
-    :data:`NODE_FIRST_EXTRA_DIVISIONS` if ``deeper`` and the placement has the tiles, else at its
-    ``T``), then a local tail (:data:`LOCAL_TAIL`). Empty where the placement has no such
-    variant (ring attention's own steps, fewer than 3 divisions per round)."""
+    """Other schedules of ``chosen``'s placement, ``(label, plan)``: if ``deeper`` (the caller
+    left the divisions to :func:`plan`), fewer divisions (:data:`FEWER_DIVISIONS`: each division
+    costs the executor its fixed costs, which can outweigh the overlap it buys); intra-node
+    tiles first (on several nodes, where some rank has both intra- and inter-node tiles; at
+    ``T +`` :data:`NODE_FIRST_EXTRA_DIVISIONS` if ``deeper`` and the placement has the tiles,
+    else at its ``T``), then a local tail (:data:`LOCAL_TAIL`). Empty where the placement has no
+    such variant (ring attention's own steps; node first and local tail need 3 divisions per
+    round)."""
     outer = chosen.outer if isinstance(chosen, HeadParallelPlan) else chosen
     pl, topo = outer.placement, outer.topology
     rounds = pl.tile_round
     per_round = outer.divisions // (1 if rounds is None or rounds.size == 0 else int(rounds.max()) + 1)
-    if per_round < 3 or pl.routing is Routing.RING:
+    if pl.routing is Routing.RING:
         return []
-    variants: list[tuple[str, Plan]] = []
-    if mixes_nodes(pl, topo):
-        t = per_round + NODE_FIRST_EXTRA_DIVISIONS
-        t = t if deeper and t <= pl.workload.n_tiles else per_round
-        variants.append((f"node first, T={t}", divide(pl, topo, t, node_first=True)))
-    variants.append(("local tail", divide(pl, topo, per_round, local_tail=LOCAL_TAIL)))
+    variants: list[tuple[str, Plan]] = [(f"T={t}", divide(pl, topo, t)) for t in FEWER_DIVISIONS
+                                        if deeper and t < per_round]
+    if per_round >= 3:
+        if mixes_nodes(pl, topo):
+            t = per_round + NODE_FIRST_EXTRA_DIVISIONS
+            t = t if deeper and t <= pl.workload.n_tiles else per_round
+            variants.append((f"node first, T={t}", divide(pl, topo, t, node_first=True)))
+        variants.append(("local tail", divide(pl, topo, per_round, local_tail=LOCAL_TAIL)))
     if isinstance(chosen, HeadParallelPlan):
         return [(name, HeadParallelPlan(p, chosen.batch, chosen.topology, chosen.head_parallel, chosen.label,
                                         chosen.keep_sharded)) for name, p in variants]

@@ -10,14 +10,16 @@ and the receiver's incoming link are free, and takes the link class's latency + 
 bandwidth: concurrent transfers of one rank share its link one after another. A transfer
 takes the earliest time from which all its links are free for its duration, so a link is
 never left idle while a ready transfer could use it, even when a later transfer already holds
-it (gaps are back-filled). Inside a node
-each rank has its own NVLink/NVSwitch port (``Topology.intra_bandwidth`` per direction).
+it (gaps are back-filled). Inside a node each rank has its own NVLink/NVSwitch port
+(``Topology.intra_bandwidth`` per direction).
 Between nodes a transfer uses the sender's rail out of its node and the receiver's rail into
 its node (``Topology.rail_bandwidth`` each; a node's rails together are its
 ``inter_bandwidth``): ranks on different rails send at once, ranks sharing a rail queue on it.
 
 The ideal bound is the total compute time of all ranks spread perfectly evenly with no
-exposed communication.
+exposed communication. A plan is timed as the implementation that runs it (its placement's
+``runtime``; :mod:`torch_dcp.runtimes`): this timeline with torch_dcp's executor's costs, or a
+baseline's own (TransformerEngine's ring, an NCCL all-gather).
 """
 
 from __future__ import annotations
