@@ -187,7 +187,7 @@ def _errors_and_restore(rank, world, mesh):
     with pytest.raises(ValueError, match="sequence length"):
         with torch_dcp.context_parallel(mesh, buffers=[tokens[:, :-1]], buffer_seq_dims=[1], batch=batch):
             pass
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ValueError, match="give batch=, plan= or buffers="):
         with torch_dcp.context_parallel(mesh):
             pass
     # PyTorch's own context parallel active -> refuse
@@ -346,7 +346,7 @@ def _frozen_rank(rank, world, mesh):
         # the waiting rank times out; the late one then finds its peer gone (gloo closes a pair
         # that timed out) or times out in turn: a TransferError naming the phase either way
         expected = TransferTimeoutError if rank == 0 else TransferError
-        with pytest.raises(expected, match=r"forward pass, CommWait\(phase=\d+\)|phase \d+: posting") as err:
+        with pytest.raises(expected, match=r"forward pass, (CommWait|head all-to-all to heads)\(phase=\d+\)|phase \d+: posting") as err:
             F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
         waited = time.monotonic() - t0
         assert waited < TIMEOUT + 5, f"rank {rank} waited {waited:.1f} s"
@@ -420,7 +420,9 @@ def _killed_mid_step(rank, world, mesh):
 
     batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
     q, k, v, go = random_qkv(batch, torch.float32)
-    with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, divisions=2, timeout=TIMEOUT) as ctx:
+    # greedy's plan of this batch has transfers in the backward (dcp's may keep every document whole)
+    with torch_dcp.context_parallel(mesh, batch=batch, planner="greedy", block_size=8, divisions=2,
+                                    timeout=TIMEOUT) as ctx:
         idx = torch.from_numpy(ctx.plan.token_indices(rank))
         ql, kl, vl = (t[idx].transpose(0, 1).unsqueeze(0).clone().requires_grad_(True) for t in (q, k, v))
         out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)

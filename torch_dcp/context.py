@@ -504,10 +504,11 @@ def _sdpa_wrapper(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
             any communication.
     """
     query, key, value = _autocast(query, key, value)
-    n_rows = call_rows(query, key, value, _active)
+    tracing = torch.compiler.is_compiling()
+    n_rows = call_rows(query, key, value, None if tracing else _active)  # nothing plan-specific read while tracing
     if n_rows > 1:
         query, key, value = (fold_rows(t) for t in (query, key, value))
-    if torch.compiler.is_compiling():
+    if tracing:
         _check_call(None, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         out, _, _ = torch.ops.torch_dcp.attention(query, key, value, scale, bool(is_causal), bool(enable_gqa))
         return unfold_rows(out, n_rows)
