@@ -111,16 +111,17 @@ class Attention(nn.Module):
     def forward(self, x, positions, attn_mask=None):
         b, s, _ = x.shape
         a = self.a
-        # -1 heads: all of them, or this rank's under tensor parallelism (wq, wk, wv sharded by heads)
-        q = self.wq(x).view(b, s, -1, a.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, a.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, -1, a.head_dim).transpose(1, 2)
+        # heads from the projection's width: all of them, or this rank's under tensor parallelism
+        # (wq, wk, wv sharded by heads); never -1, which a rank holding no tokens this step (s = 0)
+        # cannot resolve
+        q, k, v = (w(x) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (t.view(b, s, t.shape[-1] // a.head_dim, a.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = rope(q, positions, a.rope_theta), rope(k, positions, a.rope_theta)
         if attn_mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:  # no context parallelism: an explicit packed-document mask
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
-        return self.wo(o.transpose(1, 2).reshape(b, s, -1))
+        return self.wo(o.transpose(1, 2).reshape(b, s, o.shape[1] * o.shape[3]))
 
 
 class FeedForward(nn.Module):
@@ -450,7 +451,8 @@ class Job:
                    "poll_ms": round(1000 * pb.poll_seconds, 3),
                    "comm_bytes": s["comm_bytes"] * self.margs.n_layers,
                    "compute_imbalance": round(s["compute_imbalance"], 3), "head_parallel": s.get("head_parallel", 1),
-                   "plan_heads": [pb.plan.batch.n_heads, pb.plan.batch.n_kv_heads]}
+                   "plan_heads": [pb.plan.batch.n_heads, pb.plan.batch.n_kv_heads],
+                   "empty_ranks": sum(pb.plan.local_tokens(r) == 0 for r in range(pb.plan.world_size))}
             ring = pb.compare.get("ring")
             if ring and "comm_bytes" in ring:
                 row.update(ring_comm_bytes=ring["comm_bytes"] * self.margs.n_layers,

@@ -20,6 +20,11 @@ transformers' ``"sdpa"`` (which masks every packed document on its own from the 
 on the same batches (``--batch-size`` x ``--dp-shards`` per micro-batch). ``--reference``
 under torchrun runs that one process afterwards (rank 0, a subprocess) and prints, step by step,
 the relative differences of the logged losses and gradient norms.
+
+Saving: ``--output-dir DIR`` saves the trained model to ``DIR/final`` (``trainer.save_model()``:
+with ``--fsdp`` the full parameters gathered from the shards), ``--save-steps N`` writes
+checkpoints during training, and ``--resume-check`` then trains a fresh model resumed from the
+first checkpoint to the end (its rows logged with ``"resumed": true``).
 """
 
 from __future__ import annotations
@@ -77,12 +82,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                         "log eval_loss")
     p.add_argument("--reference", action="store_true",
                    help="under torchrun: also run one process on the same batches and print the differences")
+    p.add_argument("--output-dir", default=None,
+                   help="Trainer's output folder (default: a temporary one); the trained model is saved to "
+                        "OUTPUT_DIR/final with trainer.save_model() (reloads with from_pretrained)")
+    p.add_argument("--save-steps", type=int, default=0, help="a checkpoint every N optimizer steps (0: none)")
+    p.add_argument("--resume-check", action="store_true",
+                   help="after training, a fresh model and trainer resume from the first checkpoint "
+                        "(resume_from_checkpoint) and train to the end; their rows are logged with resumed: true")
     p.add_argument("--log-json", default=None, help="write the logged rows (one JSON per step) to this file")
     args = p.parse_args(argv)
     if args.batch_size is None:
         args.batch_size = 1 if args.trainer == "sft" else 4
     if min(args.steps, args.grad_accum, args.dp_shards, args.batch_size, args.docs) < 1:
         p.error("--steps, --grad-accum, --dp-shards, --batch-size and --docs must be positive")
+    if args.resume_check and not 0 < args.save_steps < args.steps:
+        p.error("--resume-check needs a checkpoint before the last step: 0 < --save-steps < --steps")
     return args
 
 
@@ -142,14 +156,34 @@ def pad_collate(rows: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def train(args: argparse.Namespace, distributed: bool) -> list[dict]:
-    """Train ``args.steps`` optimizer steps; returns the logged rows (loss, grad_norm, DCP's plan figures)."""
+    """Train ``args.steps`` optimizer steps; returns the logged rows (loss, grad_norm, DCP's plan
+    figures), then, with ``--resume-check``, the rows of the run resumed from the first checkpoint."""
+    out = args.output_dir or tempfile.mkdtemp(prefix="train_trl-")
+    trainer = make_trainer(args, distributed, out)
+    trainer.train()
+    rows = [{k: v for k, v in row.items() if k != "epoch"} for row in trainer.state.log_history if "loss" in row]
+    if args.eval:
+        rows.append({"step": "eval", "eval_loss": trainer.evaluate()["eval_loss"]})
+    if args.output_dir:
+        trainer.save_model(os.path.join(out, "final"))
+    if args.resume_check:
+        resumed = make_trainer(args, distributed, out)
+        resumed.train(resume_from_checkpoint=os.path.join(out, f"checkpoint-{args.save_steps}"))
+        rows += [{**{k: v for k, v in row.items() if k != "epoch"}, "resumed": True}
+                 for row in resumed.state.log_history if "loss" in row and row["step"] > args.save_steps]
+    return rows
+
+
+def make_trainer(args: argparse.Namespace, distributed: bool, out: str):
+    """The run's trainer (a fresh model), writing to ``out``."""
     import transformers
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    out = tempfile.mkdtemp(prefix="train_trl-")
+    save = dict(save_strategy="steps", save_steps=args.save_steps) if args.save_steps else dict(save_strategy="no")
     common = dict(output_dir=out, max_steps=args.steps, gradient_accumulation_steps=args.grad_accum,
-                  learning_rate=args.lr, logging_steps=1, report_to="none", save_strategy="no", seed=args.seed,
-                  use_cpu=not torch.cuda.is_available(), disable_tqdm=True, bf16=args.bf16, train_sampling_strategy="sequential",
+                  learning_rate=args.lr, logging_steps=1, report_to="none", **save, seed=args.seed,
+                  use_cpu=not torch.cuda.is_available(), disable_tqdm=True, bf16=args.bf16,
+                  train_sampling_strategy="sequential",
                   per_device_train_batch_size=args.batch_size * (1 if distributed else args.dp_shards))
     if distributed:
         from accelerate import ParallelismConfig
@@ -186,11 +220,7 @@ def train(args: argparse.Namespace, distributed: bool) -> list[dict]:
         trainer.dcp.block_size = args.block_size
         trainer.dcp.cost_model = args.cost_model
         trainer.dcp.workers = args.plan_workers
-    trainer.train()
-    rows = [{k: v for k, v in row.items() if k != "epoch"} for row in trainer.state.log_history if "loss" in row]
-    if args.eval:
-        rows.append({"step": "eval", "eval_loss": trainer.evaluate()["eval_loss"]})
-    return rows
+    return trainer
 
 
 def reference_rows(argv: list[str]) -> list[dict]:
@@ -210,6 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     distributed = "RANK" in os.environ
     rank = int(os.environ.get("RANK", "0"))
+    if args.reference and (args.output_dir or args.resume_check):
+        raise SystemExit("--reference compares the training steps only; run it without --output-dir and --resume-check")
     if args.reference and not distributed:
         raise SystemExit("--reference runs under torchrun (without it the recipe is the one-process reference)")
     if args.cross_document and (distributed or args.trainer != "sft"):

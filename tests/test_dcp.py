@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torch_dcp
+from torch_dcp.runtimes import on_executor
 from torch_dcp import BatchSpec, BlockwiseCausal, Causal, Lambda, SharedQuestion, Topology
 from torch_dcp.planners import Routing
 from torch_dcp.planners.dcp import DCPHypergraph, estimate_seconds
@@ -23,7 +24,8 @@ def test_hypergraph_objective_is_the_plans_traffic(mask):
     batch = BatchSpec([900, 40, 2500, 7, 1300], mask, n_heads=8, n_kv_heads=2, head_dim=64)
     topo = Topology(n_nodes=2, ranks_per_node=3)
     for planner, options in (("dcp", {"node_routes": False}), ("greedy", {}), ("allgather", {})):
-        plan = torch_dcp.plan(batch, topo, planner=planner, block_size=128, **options)
+        # all-gather CP's placement as torch_dcp's executor runs it: every block fetched from its home
+        plan = on_executor(torch_dcp.plan(batch, topo, planner=planner, block_size=128, **options))
         hg = DCPHypergraph(plan.workload)
         s = plan.stats()
         assert hg.km1(_part(plan), topo.world_size) == pytest.approx(s["comm_bytes"], rel=1e-12)
@@ -218,7 +220,9 @@ def test_dcp_is_never_slower_than_ring_or_megatron_on_the_simulator(lens, mask, 
         tokens = other.placement.rank_tokens()
         if tokens.max() <= 1.1 * tokens.mean():
             assert f"dcp:{rival}" in labels
-            assert t <= simulate(other, cm).makespan_s * (1 + 1e-12), rival
+            # the rival's plan as torch_dcp's executor runs it (TransformerEngine's own ring is the
+            # benchmark's baseline: benchmarks compare)
+            assert t <= simulate(on_executor(other), cm).makespan_s * (1 + 1e-12), rival
         else:
             assert f"dcp:{rival}" not in labels
 

@@ -229,6 +229,25 @@ def _check_refused(rank, err, took, reason):
         assert reason in err.reason
 
 
+def _empty_rank(rank, world, mesh):
+    """A rank that holds no tokens (greedy keeps each of two short documents whole, on two of the
+    three ranks) runs the forward and the backward with the others (a placeholder token through
+    transformers' layers, every transfer and FSDP2 collective): Qwen2 with every layer a 64-token
+    window, loss and gradients as one process's."""
+    from torch_dcp.integrations import hf
+
+    docs = _docs([100, 20])
+    over = dict(use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    packed = hf.pack(docs, _model("qwen2", **over).config)
+    plan = torch_dcp.plan(packed.batch, world, planner="greedy", block_size=128)
+    assert sorted(plan.local_tokens(r) for r in range(world)) == [0, 20, 100]
+    ref = _reference(docs, "qwen2", **over)
+    loss, grads = _dcp_step(mesh, docs, "greedy", fsdp=True, kind="qwen2", **over)
+    lr, gr = _rel(loss, ref[0]), _grad_rel(grads, ref[1])
+    _report(rank, f"{world} qwen2 window 64, a rank without tokens, fsdp2", lr, gr)
+    assert lr <= TOL and gr <= TOL, (lr, gr)
+
+
 def _ranks(rank, world, mesh):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -238,6 +257,7 @@ def _ranks(rank, world, mesh):
     ref = _reference(_docs(), scaling=SCALING)
     _natural_call_cases(rank, world, mesh, ref)
     _recipe(rank, world, mesh, steps=1)
+    _empty_rank(rank, world, mesh)
     if rank < 2:
         _two_ranks(rank, pair, ref)
     _refusal(rank, mesh, spare)  # last: a refusal leaves transfers pending on its group

@@ -17,6 +17,7 @@ from torch_dcp.executor import InProcessTransport, Mailbox, make_executor
 from torch_dcp.plan.heads import HeadParallelPlan
 from torch_dcp.plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch
 from torch_dcp.planners import Routing
+from torch_dcp.runtimes import on_executor
 from torch_dcp.workload import Buf
 from reference import dense_batch_mask, random_qkv
 
@@ -141,7 +142,8 @@ def test_stats_match_bytes_the_executor_moves(planner, head_parallel, dtype):
     batch = BatchSpec([3, 17, 40, 9], Lambda(sink=2, window=6), n_heads=4, n_kv_heads=2, head_dim=8, dtype=dtype)
     topo = torch_dcp.Topology(n_nodes=4 // head_parallel if head_parallel > 2 else 2,
                               ranks_per_node=max(2, head_parallel))
-    plan = torch_dcp.plan(batch, topo, planner=planner, block_size=4, divisions=3, head_parallel=head_parallel)
+    plan = on_executor(torch_dcp.plan(batch, topo, planner=planner, block_size=4, divisions=3,
+                                      head_parallel=head_parallel))  # ring's plan as torch_dcp's executor runs it
     if not keep:
         plan = HeadParallelPlan(plan.outer, batch, topo, head_parallel, keep_sharded=False)
     q, k, v, go = random_qkv(batch, getattr(torch, dtype))

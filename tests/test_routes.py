@@ -109,15 +109,20 @@ def test_ring_step_formula_on_a_hand_computable_case():
     n, topo, cm = 4096, Topology(n_nodes=1, ranks_per_node=2), CostModel.a100()
     batch = BatchSpec([4 * n], Full(), n_heads=8, n_kv_heads=2, head_dim=128, dtype="bfloat16")
     plan = torch_dcp.plan(batch, topo, planner="ring")
-    itb = item_token_bytes(batch)
+    itb = item_token_bytes(batch, kv_dtype_gradients=True)  # TransformerEngine sends dK/dV in the K/V dtype
+    assert itb[(True, Buf.DKV)] == itb[(True, Buf.KV)]
     pairs = 4.0 * n * n
     c_f = cm.attention_seconds(pairs * 8, pairs * FWD_FLOPS_PER_PAIR * 8 * 128, False, False, 128, "bfloat16")
     c_b = cm.attention_seconds(pairs * 8, pairs * BWD_FLOPS_PER_PAIR * 8 * 128, True, False, 128, "bfloat16")
     kv_f = cm.transfer_seconds(2 * n * itb[(False, Buf.KV)], topo, False)
     kv_b = cm.transfer_seconds(2 * n * itb[(True, Buf.KV)], topo, False)
     dkv = cm.transfer_seconds(2 * n * itb[(True, Buf.DKV)], topo, False)
-    forward = max(c_f, kv_f) + c_f
-    backward = max(c_b, kv_b) + c_b + dkv  # the dK/dV sums of the last step go home after it
+    rows = 2 * n  # each rank's tokens: staged before the first step, merged (summed) after the second
+    stage_f = cm.memory_seconds(2 * rows * (itb[(False, Buf.KV)] + itb[(False, Buf.Q)]))
+    stage_b = cm.memory_seconds(2 * rows * (itb[(True, Buf.KV)] + itb[(True, Buf.Q)]))
+    merge, dkv_sum = cm.memory_seconds(3 * rows * itb[(False, Buf.OPART)]), cm.memory_seconds(3 * rows * itb[(True, Buf.DKV)])
+    forward = max(c_f + stage_f, kv_f) + c_f + merge
+    backward = max(c_b + stage_b, kv_b) + c_b + dkv_sum + dkv  # the dK/dV sums of the last step go home after it
     assert ring_step_seconds(plan, cm) == pytest.approx(forward + backward, rel=1e-12)
     sim = simulate(plan, cm)
     assert sim.makespan_s == pytest.approx(forward + backward, rel=0.10)

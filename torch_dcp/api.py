@@ -166,7 +166,15 @@ def plan(
         else:
             chosen, source = plans[0], ""
     chosen.plan_seconds = time.perf_counter() - t0
+    if cm is None and cost_model not in (None, "auto"):  # named by the caller: simulate() times with it too
+        from .cost import CostModel
+
+        cm = CostModel.load(cost_model)
+        source = cm.source
     chosen.cost_model = source
+    if isinstance(chosen, HeadParallelPlan):  # serialised with the outer plan
+        chosen.outer.cost_model = source
+    chosen.cost_model_object = cm  # what simulate(plan) times with (torch_dcp.simulate.model_of)
     chosen.candidates = timed
     return chosen
 

@@ -32,11 +32,11 @@ from .cost import CostModel, Links
 from .cost.executor import memory_kind
 from .plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan, dispatch
 from .plan.heads import HeadParallelPlan
-from .planners.base import Routing
+from .planners.base import Runtime
 from .batch import BatchSpec
 from .workload import Buf, Workload, item_token_bytes
 
-__all__ = ["simulate", "simulate_within", "SimResult", "PassResult", "ring_step_seconds", "floor_seconds",
+__all__ = ["simulate", "simulate_within", "simulate_programs", "model_of", "SimResult", "PassResult", "ring_step_seconds", "floor_seconds",
            "compute_floor_seconds", "kernel_floor_seconds", "division_launch_seconds", "link_floor_seconds",
            "batch_floor_seconds", "instruction_bytes", "pass_row_bytes", "pass_local_bytes", "send_bytes"]
 
@@ -83,16 +83,22 @@ class SimResult:
         return self.makespan_s / self.ideal_s if self.ideal_s > 0 else 1.0
 
 
-def simulate(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None) -> SimResult:
-    """Simulate ``plan`` on its topology with ``cost_model`` (default: the A100 table).
+def simulate(plan: Plan | HeadParallelPlan, cost_model: CostModel | str | None = None,
+             runtime: Runtime | None = None) -> SimResult:
+    """Simulate ``plan`` on its topology with ``cost_model`` (default: the model the plan was
+    made with, :func:`model_of`), as ``runtime`` runs it (default: the plan's own,
+    :class:`~torch_dcp.planners.base.Runtime`).
 
-    Every rank's forward and backward programs run as a timeline: each attention launch takes
-    ``FLOPs / throughput + launch_overhead`` seconds (throughput interpolated from the cost
-    model's table by the work per launch), reductions and copies bytes / memory bandwidth,
+    torch_dcp's executor (``Runtime.EXECUTOR``): every rank's forward and backward programs run
+    as a timeline: each attention launch takes ``FLOPs / throughput + launch_overhead`` seconds
+    (throughput interpolated from the cost model's table by the work per launch; with the
+    model's executor costs where it has them), reductions and copies bytes / memory bandwidth,
     and every message latency + bytes / bandwidth on its link: the sending and receiving
     rank's NVLink port inside a node, the rank's own network rail between nodes
     (:class:`~torch_dcp.Topology`); a rank's compute in a division starts when its inputs have
-    arrived (the executor's ``CommWait``). A head-parallel plan runs its all-to-all in, the
+    arrived (the executor's ``CommWait``). A baseline's own implementation (ring attention as
+    TransformerEngine runs it, an NCCL all-gather of K/V) is charged its own costs
+    (:mod:`torch_dcp.runtimes`). A head-parallel plan runs its all-to-all in, the
     outer plan (simulated on the groups' topology,
     :meth:`~torch_dcp.plan.heads.HeadLayout.outer_topology`) and its all-to-all out, one after
     the other in each pass; every rank of a group has its group's timeline. Ring attention's
@@ -101,8 +107,11 @@ def simulate(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None)
     Args:
         plan: a :class:`~torch_dcp.Plan` or :class:`~torch_dcp.plan.heads.HeadParallelPlan`
             (its batch gives the FLOPs and bytes: heads, head_dim, dtype).
-        cost_model: a :class:`~torch_dcp.CostModel` (``CostModel.load("h100")``, or a table
-            measured with ``python -m torch_dcp.benchmarks kernels table``); ``None``: A100.
+        cost_model: a :class:`~torch_dcp.CostModel` or a name :meth:`CostModel.load` takes;
+            ``None``: the model that timed the plan's candidates (``plan.cost_model``), else
+            the A100 table (:func:`model_of`).
+        runtime: the implementation whose costs to charge; ``None``: ``plan``'s own
+            (``Runtime.EXECUTOR`` to time a baseline's plan as torch_dcp's executor runs it).
 
     Returns:
         :class:`SimResult`: ``forward`` and ``backward`` :class:`PassResult` (per-rank busy,
@@ -112,10 +121,29 @@ def simulate(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None)
 
     Raises:
         RuntimeError: the programs deadlock (a plan that does not validate).
+        ValueError: a cost model name :meth:`CostModel.load` does not know.
     """
-    result = simulate_within(plan, cost_model)
+    result = simulate_within(plan, cost_model, runtime=runtime)
     assert result is not None  # no bound: always simulated
     return result
+
+
+def model_of(plan: Plan | HeadParallelPlan, cost_model: CostModel | str | None = None) -> CostModel:
+    """The cost model to time ``plan`` with: ``cost_model`` where given (a model or a name
+    :meth:`CostModel.load` takes), else the model :func:`torch_dcp.plan` timed the plan's
+    candidates with (``plan.cost_model``, its ``source``: :meth:`CostModel.from_source`), else
+    the A100 table (a plan made without a model).
+
+    Raises:
+        ValueError: a name or source that no model answers to.
+    """
+    if cost_model is not None:
+        return CostModel.load(cost_model)
+    made_with = getattr(plan, "cost_model_object", None)
+    if made_with is not None:
+        return made_with
+    source = getattr(plan, "cost_model", "")
+    return CostModel.from_source(source) if source else CostModel.a100()
 
 
 #: relative margin by which a run's lower bound must exceed the bound before
@@ -123,8 +151,8 @@ def simulate(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None)
 PRUNE_MARGIN = 1e-9
 
 
-def simulate_within(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None,
-                    bound: float = float("inf")) -> SimResult | None:
+def simulate_within(plan: Plan | HeadParallelPlan, cost_model: CostModel | str | None = None,
+                    bound: float = float("inf"), runtime: Runtime | None = None) -> SimResult | None:
     """:func:`simulate`, or None where the run cannot take less than ``bound`` seconds: the
     forward pass runs first, and if it plus the backward's floor (the larger of
     :func:`kernel_floor_seconds` and :func:`link_floor_seconds` of the backward; a
@@ -135,17 +163,28 @@ def simulate_within(plan: Plan | HeadParallelPlan, cost_model: CostModel | None 
     Raises:
         RuntimeError: the programs deadlock (a plan that does not validate).
     """
-    cm = cost_model or CostModel.a100()
+    cm = model_of(plan, cost_model)
     if isinstance(plan, HeadParallelPlan):
         a2a = sum(plan.all_to_all_seconds(bw) for bw in (False, True))
-        inner = simulate_within(plan.outer, cm, bound - a2a)
+        inner = simulate_within(plan.outer, cm, bound - a2a, runtime)
         return None if inner is None else _simulate_heads(plan, inner, cm)
-    fwd = _on_shared_cores(plan, cm, _Pass(plan, cm, backward=False).run(), False)
+    from .runtimes import RUNTIMES
+
+    return RUNTIMES[plan.placement.runtime if runtime is None else runtime](plan, cm, bound)
+
+
+def simulate_programs(plan: Plan, cm: CostModel, bound: float = float("inf"),
+                      pass_type: "type[_Pass] | None" = None, runtime: Runtime = Runtime.EXECUTOR) -> SimResult | None:
+    """:func:`simulate_within` of ``plan``'s programs with ``cm``, each pass run by
+    ``pass_type`` (default: the executor's, :class:`_Pass`), transfers sized as ``runtime``
+    moves them."""
+    pass_type = pass_type or _Pass
+    fwd = _on_shared_cores(plan, cm, pass_type(plan, cm, False, runtime).run(), False)
     if bound < float("inf"):
         floor = max(kernel_floor_seconds(plan, cm, True), link_floor_seconds(plan, True))
         if fwd.makespan_s + floor > bound * (1.0 + PRUNE_MARGIN):
             return None
-    bwd = _on_shared_cores(plan, cm, _Pass(plan, cm, backward=True).run(), True)
+    bwd = _on_shared_cores(plan, cm, pass_type(plan, cm, True, runtime).run(), True)
     ideal = (fwd.busy_s.sum() + bwd.busy_s.sum()) / plan.world_size
     return SimResult(fwd, bwd, fwd.makespan_s + bwd.makespan_s, float(ideal))
 
@@ -306,9 +345,9 @@ class _Pass:
     next, so transfers become ready (both ends launched) in time order and the links serve
     them first come, first served. A consumer of the instruction table (``on_*``)."""
 
-    def __init__(self, plan: Plan, cm: CostModel, backward: bool):
+    def __init__(self, plan: Plan, cm: CostModel, backward: bool, runtime: Runtime = Runtime.EXECUTOR):
         self.plan, self.cm, self.backward = plan, cm, backward
-        self.itb = item_token_bytes(plan.batch)
+        self.itb = plan.placement.token_bytes(runtime)
         self.blen = plan.workload.block_len
         self.blen_l = self.blen.tolist()  # for a transfer's few blocks: exact int sums, no NumPy call per transfer
         self.row_bytes = _row_bytes(self.itb, backward)
@@ -550,39 +589,14 @@ def batch_floor_seconds(batch: BatchSpec, world_size: int, cost_model: CostModel
                for bw, flops in ((False, wl.tile_flops_fwd), (True, wl.tile_flops_bwd)))
 
 
-def ring_step_seconds(plan: Plan, cost_model: CostModel | None = None) -> float:
-    """Ring attention's own step formula for a ring plan, forward + backward (seconds).
-
-    Each pass takes ``sum_s max(compute_s, transfer_{s+1})`` over the ``W`` ring steps: step
-    ``s`` computes while the key/value chunks of step ``s + 1`` travel one hop (Liu et al.,
-    *Ring Attention with Blockwise Transformers*, 2023, §3), with ``compute_s`` the slowest
-    rank's attention in step ``s`` and ``transfer_s`` the slowest hop's transfer into step
-    ``s``; in the backward the dK/dV partials of step ``s`` share the hop with the key/value
-    chunks of step ``s + 2`` (they travel while step ``s + 1`` computes), and the last dK/dV
-    hop home is exposed. Times come from ``cost_model`` (default: the A100
-    table) and the plan's topology, as in :func:`simulate`.
+def ring_step_seconds(plan: Plan, cost_model: CostModel | str | None = None) -> float:
+    """Ring attention's own step formula as TransformerEngine runs it, forward + backward
+    (seconds): :func:`torch_dcp.runtimes.te_ring_step_seconds` (its docstring has the formula
+    and its source); ``cost_model`` as in :func:`simulate`.
 
     Raises:
         ValueError: ``plan`` does not use ring routes.
     """
-    if plan.placement.routing is not Routing.RING:
-        raise ValueError(f"ring_step_seconds needs a ring plan, got routing {plan.placement.routing.value!r}")
-    cm = cost_model or CostModel.a100()
-    wl, pl, topo = plan.workload, plan.placement, plan.topology
-    w, itb, t = plan.world_size, item_token_bytes(plan.batch), plan.tables
-    inter = topo.node_of((np.arange(w) - 1) % w) != topo.node_of(np.arange(w))
-    total = 0.0
-    for backward in (False, True):
-        # the attention of every (rank, step): one launch, as the simulator charges a division
-        cell = pl.tile_rank.astype(np.int64) * w + np.asarray(plan.tile_division, np.int64)
-        compute = cm.launch_seconds(wl, np.arange(wl.n_tiles), cell, w * w, backward).reshape(w, w)
-        # bytes into rank r over the hop that overlaps step s - 1 (s = w + 1: after the last step)
-        nbytes = np.zeros((w, w + 2))
-        np.add.at(nbytes, (t["fetch_rank"], t["fetch_div"]), wl.block_len[t["fetch_block"]] * itb[(backward, Buf.KV)])
-        if backward:
-            np.add.at(nbytes, (t["ret_kv_dst"], t["ret_kv_div"] + 2),
-                      wl.block_len[t["ret_kv_block"]] * itb[(True, Buf.DKV)])
-        hop = np.array([[cm.transfer_seconds(nbytes[r, s], topo, bool(inter[r])) if nbytes[r, s] else 0.0
-                         for s in range(w + 2)] for r in range(w)])
-        total += sum(max(compute[:, s].max(), hop[:, s + 1].max()) for s in range(w)) + hop[:, w + 1].max()
-    return float(total)
+    from .runtimes import te_ring_step_seconds
+
+    return te_ring_step_seconds(plan, model_of(plan, cost_model))

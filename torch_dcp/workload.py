@@ -83,12 +83,14 @@ _TILES_KEEP = 8
 _TILES_MAX = 1 << 23
 
 
-def item_token_bytes(batch: BatchSpec) -> dict[tuple[bool, str], int]:
+def item_token_bytes(batch: BatchSpec, kv_dtype_gradients: bool = False) -> dict[tuple[bool, str], int]:
     """Bytes per token of every transfer kind, keyed ``(backward, kind)`` with ``kind`` a :class:`Buf`.
 
     Forward: ``Q`` (Q), ``KV`` (K, V), ``OPART`` (partial O and its LSE, accumulation dtype).
     Backward: ``Q`` (Q, dO, LSE, delta), ``KV`` (K, V), ``DQ`` and ``DKV`` (gradient
     partials, accumulation dtype). The executor moves exactly these bytes.
+    ``kv_dtype_gradients``: ``DKV`` in the K/V dtype instead, as TransformerEngine's context
+    parallelism sends dK/dV (:class:`~torch_dcp.planners.base.Runtime`).
     """
     e, a = batch.elem_size, batch.acc_size
     hd, kvd, h = batch.n_heads * batch.head_dim, batch.n_kv_heads * batch.head_dim, batch.n_heads
@@ -99,7 +101,7 @@ def item_token_bytes(batch: BatchSpec) -> dict[tuple[bool, str], int]:
         (True, Buf.Q): 2 * hd * e + 2 * h * a,
         (True, Buf.KV): 2 * kvd * e,
         (True, Buf.DQ): hd * a,
-        (True, Buf.DKV): 2 * kvd * a,
+        (True, Buf.DKV): 2 * kvd * (e if kv_dtype_gradients else a),
     }
 
 

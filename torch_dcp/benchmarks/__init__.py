@@ -3,6 +3,8 @@
     python -m torch_dcp.benchmarks planners [--block-size 1024] ...    planners on the same 131,072-token batches
     python -m torch_dcp.benchmarks paper [--sweep block-size|sparsity|eps] ...
                                                                       the DCP paper's microbenchmark, simulated
+    python -m torch_dcp.benchmarks compare [--clusters a100x4,h100x1] [--json] ...
+                                                                      dcp vs every baseline at its best CP size, simulated
     python -m torch_dcp.benchmarks pictures --out docs ...            placement map, traffic, timeline (PNG)
     python -m torch_dcp.benchmarks kernels reduce|table|division|plan ...
                                                                       kernel micro-benchmarks
@@ -16,6 +18,7 @@
 
 Modules: :mod:`.common` (masks by name, batches, length sources, progress bar),
 :mod:`.planners` (``planners``, ``paper``), :mod:`.sweeps` (``paper --sweep``),
+:mod:`.compare` and :mod:`.static_cp` (``compare``: baselines at their best CP size),
 :mod:`.pictures` and :mod:`.viz` (``pictures``; matplotlib), :mod:`.kernels` (``kernels ...``),
 :mod:`.ops` (``ops``), :mod:`.step` (``step``), :mod:`.calibrate` and :mod:`.measure` (``calibrate``), :mod:`.loader` (``loader``), :mod:`.scale` (``scale``),
 :mod:`.gpu_report` (``gpu-report``),

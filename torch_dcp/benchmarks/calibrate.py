@@ -51,6 +51,7 @@ from ..cost.auto import device_name as model_device_name
 from ..cost.executor import KERNEL_WORK, cell_kernels, launch_features, memory_kind
 from ..cost.fit import FitReport, LaunchSample, MemorySample, PassSample, fit_executor
 from ..plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan
+from ..runtimes import on_executor
 from ..simulate import instruction_bytes, pass_local_bytes, pass_row_bytes, send_bytes
 from .common import DTYPES, MASKS, batch_lengths, device_name, pick_device, progress
 from .measure import RankTimes, measure_plan
@@ -105,7 +106,8 @@ def _batch(kind: str, mask: str, tokens: int, shape: dict[str, Any], seed: int) 
 def _plan(batch: torch_dcp.BatchSpec, world: int, block: int, planner: str, cost: Any) -> Plan:
     topo = torch_dcp.Topology(n_nodes=1, ranks_per_node=world)
     opts: dict[str, Any] = {"head_parallel": 1} if planner == "dcp" else {}
-    return torch_dcp.plan(batch, topo, planner=planner, block_size=block, cost_model=cost, **opts)
+    # measured on torch_dcp's executor: a baseline's plan as the executor runs it
+    return on_executor(torch_dcp.plan(batch, topo, planner=planner, block_size=block, cost_model=cost, **opts))
 
 
 def calibration_plans(dev: torch.device, size: str = "full", seed: int = 0) -> list[Plan]:
@@ -345,6 +347,7 @@ def check_group(model: CostModel, dev: torch.device, repeat: int = 2, seed: int 
         for planner in ("dcp", "ring"):
             plan = torch_dcp.plan(batch, world, planner=planner, block_size=block * min(scale, 4), cost_model=model,
                                   **({"head_parallel": 1} if planner == "dcp" else {}))
+            plan = on_executor(plan)  # context_parallel runs it on torch_dcp's executor
             wall = group_seconds(plan, mesh, dev, repeat, seed + i)
             pred = simulate(plan, model).makespan_s
             rows.append({"batch": kind, "mask": mask, "planner": plan.planner, "measured_s": wall,
@@ -401,6 +404,7 @@ def measure_shared_cores(model: CostModel, links: "torch_dcp.cost.Links", dev: t
         batch = _batch(kind, "causal", tokens, shape, seed + i)
         plan = torch_dcp.plan(batch, links.world_size, planner=planner, block_size=block, divisions=2,
                               cost_model=kernel_model, **({"head_parallel": 1} if planner == "dcp" else {}))
+        plan = on_executor(plan)  # context_parallel runs it on torch_dcp's executor
         wall = group_seconds(plan, mesh, dev, repeat, seed + i)
         sim = simulate(plan, kernel_model)
         _, _, nb, _ = plan.transfers()

@@ -1,5 +1,6 @@
 """The benchmarks' command line, ``python -m torch_dcp.benchmarks COMMAND ...``: ``planners``,
-``paper`` (:mod:`~torch_dcp.benchmarks.planners`, :mod:`~torch_dcp.benchmarks.sweeps`), ``balance``
+``paper`` (:mod:`~torch_dcp.benchmarks.planners`, :mod:`~torch_dcp.benchmarks.sweeps`), ``compare``
+(:mod:`~torch_dcp.benchmarks.compare`), ``balance``
 (:mod:`~torch_dcp.benchmarks.balance`), ``readiness`` (:mod:`~torch_dcp.benchmarks.readiness`), ``routes``
 (:mod:`~torch_dcp.benchmarks.routes`), ``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`),
 ``kernels reduce|table|division|plan`` (:mod:`~torch_dcp.benchmarks.kernels`), ``ops``
@@ -14,8 +15,8 @@ import json
 import sys
 
 from ..topology import TOPOLOGY_PRESETS, Topology
-from . import (balance, calibrate, common, gpu_report, kernels, loader, ops, pictures, planners, readiness, routes, scale, step,
-               sweeps)
+from . import (balance, calibrate, common, compare, gpu_report, kernels, loader, ops, pictures, planners, readiness, routes,
+               scale, step, sweeps)
 from .common import MASKS
 
 _DIVISIONS_HELP = ("divisions T per rank (default: each planner's own: T = 4 on these batches, where dcp's time "
@@ -75,6 +76,22 @@ def parser() -> argparse.ArgumentParser:
     pp2.add_argument("--sweep-batch", default="longtail", help="length source of the sweep's batch")
     pp2.add_argument("--sweep-scale", type=float, default=1.0, help="length scale of the sweep's batch")
     pp2.set_defaults(run=_paper, error=pp2.error)
+    cm_ = sub.add_parser("compare", help="dcp against every baseline as its authors run it, each static family at "
+                         "its best CP size: per batch, the best baseline and dcp / best", description=compare.__doc__,
+                         formatter_class=raw)
+    cm_.add_argument("--clusters", default="a100x4,h100x4,h100x1,a100x1",
+                     help="comma-separated PRESETxNODES (default: the paper benchmark's four clusters)")
+    cm_.add_argument("--cost", default="executor",
+                     help="executor (default: each cluster's <preset>-executor model), or any model CostModel.load "
+                          "takes (a100, h100, a100-executor, h100-executor, auto, JSON files)")
+    cm_.add_argument("--json", action="store_true", help="JSON lines (one per batch, one summary per cluster)")
+    cm_.add_argument("--jsonl", default=None, metavar="FILE", help="also write the JSON lines to FILE")
+    cm_.add_argument("--heads", default="8/2", help="query/key-value heads (default: the paper's 8/2)")
+    cm_.add_argument("--masks", default=",".join(MASKS))
+    cm_.add_argument("--scales", default="0.5,1,2,4")
+    cm_.add_argument("--block-sizes", default="1024,2048", help="dcp's block sizes, its best kept (default 1024,2048)")
+    cm_.add_argument("--batches", default=None, help="length sources to run (default: corpus, longtail)")
+    cm_.set_defaults(run=_compare, error=cm_.error)
     bp = sub.add_parser("balance", help="dcp's time objective against its compute-balanced plan, with floors",
                         description=balance.__doc__, formatter_class=raw)
     bp.add_argument("--topology", choices=sorted(TOPOLOGY_PRESETS), default="a100")
@@ -256,6 +273,30 @@ def _paper(args) -> int:
     planners.bench_paper(args.planners.split(","), args.masks.split(","), [float(x) for x in args.scales.split(",")],
                          block_sizes, args.divisions, Topology.preset(args.topology, n_nodes=args.nodes), args.cost,
                          sources=sources, heads=_heads(args))
+    return 0
+
+
+def _compare(args) -> int:
+    for m in args.masks.split(","):
+        if m not in MASKS:
+            args.error(f"unknown mask {m!r}; choose from {sorted(MASKS)}")
+    try:
+        clusters = compare.parse_clusters(args.clusters)
+    except ValueError as err:
+        args.error(str(err))
+    sources = common.paper_sources()
+    if args.batches:
+        unknown = set(args.batches.split(",")) - set(sources)
+        if unknown:
+            args.error(f"unknown length sources {sorted(unknown)}; have {sorted(sources)}")
+        sources = {k: v for k, v in sources.items() if k in args.batches.split(",")}
+    jsonl = open(args.jsonl, "w") if args.jsonl else None
+    try:
+        compare.bench_compare(clusters, args.masks.split(","), [float(x) for x in args.scales.split(",")],
+                              _ints(args.block_sizes), args.cost, _heads(args), args.json, sources=sources, jsonl=jsonl)
+    finally:
+        if jsonl is not None:
+            jsonl.close()
     return 0
 
 

@@ -15,8 +15,9 @@ process's one-time costs), the process's peak memory, the serialized plan's byte
 every rank fetches), its compute and memory imbalance, its simulated forward + backward time,
 its ratio to the ideal (busy time spread evenly) and to the compute floor
 (:func:`torch_dcp.simulate.batch_floor_seconds`), and the simulated times of the rivals
-asked for (``ring``, ``allgather``, ``bytes``: dcp's own fewest-bytes plan), each planned in
-its own process too (on the same batches; ``slower_than`` names a rival faster on any of
+asked for (``ring``, ``allgather``, ``bytes``: dcp's own fewest-bytes plan; all three timed as
+torch_dcp's executor runs them, as dcp's own candidates: the baselines as their authors'
+implementations run them are ``benchmarks compare``'s), each planned in its own process too (on the same batches; ``slower_than`` names a rival faster on any of
 them). A rival that cannot be planned within the bounds is reported as such. The other
 figures are the first batch's.
 
@@ -87,6 +88,7 @@ def _measure(case: str, mask: str, planner: str, heads: tuple[int, int], max_mem
 
     import torch_dcp
     from ..cost import CostModel
+    from ..runtimes import on_executor
     from ..simulate import batch_floor_seconds, simulate
     from ..topology import Topology
 
@@ -106,7 +108,7 @@ def _measure(case: str, mask: str, planner: str, heads: tuple[int, int], max_mem
         t0 = time.process_time()
         plan = torch_dcp.plan(batch, topo, block_size=1024, **options)
         seconds.append(time.process_time() - t0)
-        sim = simulate(plan, cm)
+        sim = simulate(on_executor(plan), cm)  # a rival as dcp's candidate: on torch_dcp's executor
         sims.append(round(sim.makespan_s * 1e3, 4))
         if first is None:
             s = plan.stats()

@@ -12,8 +12,8 @@
 
 Shipped tables (bf16, head_dim 128):
 
-* ``H100``: FlashAttention-3 figures as quoted in ``shared/DESIGN.md`` (Shah et al.,
-  "FlashAttention-3", 2024): forward 660-700 TFLOP/s at >= 4K tokens per launch, 283 causal at
+* ``H100``: FlashAttention-3's published figures (Shah et al., "FlashAttention-3", 2024,
+  §4.1, figures 5-7): forward 660-700 TFLOP/s at >= 4K tokens per launch, 283 causal at
   1K; backward 460-585 at >= 4K, 208 at 1K. Points between are interpolated.
 * ``A100``: approximate readings of the FlashAttention-2 paper's A100-80GB benchmark figures
   (Dao, "FlashAttention-2", 2023, figures 4-6, head_dim 128): forward about 150-225 TFLOP/s
@@ -25,7 +25,9 @@ launch by the work its kernel really performs, plus the executor's costs per div
 pass); ``python -m torch_dcp.benchmarks calibrate`` measures one, and ``CostModel.load("auto")``
 (:mod:`torch_dcp.cost.auto`) finds it. The ``h100`` and ``a100`` presets are the kernels alone
 (the published tables the paper benchmark simulates with); ``"auto"`` on such a card adds the
-executor's fixed costs per division (:data:`GPU_EXECUTOR`, from an H200 run).
+executor's fixed costs per division (:data:`GPU_EXECUTOR`: the CUDA kernels per division counted
+on an H200 before layer replay, each charged an assumed 5 µs; ``calibrate`` on the user's card
+replaces them).
 
 A user loads their own table with :meth:`CostModel.from_json` (same keys as
 :meth:`CostModel.to_json`; ``python -m torch_dcp.benchmarks kernels table`` measures one per
@@ -103,9 +105,10 @@ A100 = KernelTable(
 )
 
 
-#: The executor's fixed costs on a GPU with layer replay (the default on CUDA): per division, the
+#: The executor's fixed costs on a GPU, as assumed until a card is calibrated: per division, the
 #: CUDA kernels it launched on one H200 (docs/gpu/h200-2026-11-26.md, torch 2.11: 15.0 forward,
-#: 42.7 backward per division, counted by the profiler) at the presets' 5 µs per launch. Without
+#: 42.7 backward per division, counted by the profiler before layer replay existed), each charged
+#: an assumed 5 µs (the presets' launch overhead; not measured). Without
 #: replay the host bounds a division instead: the same run's busiest of 32 ranks took 7.5 ms
 #: (causal, varlen) and 10.4 ms (λ, FlexAttention) per layer where the kernel table gave 1.10 and
 #: 0.62 ms, about 0.28 / 0.79 ms (varlen) and 0.63 / 1.82 ms (flex) per division and pass. Both
@@ -336,7 +339,7 @@ class CostModel:
         if spec in ("a100-executor", "h100-executor"):
             name = spec.split("-")[0]
             return getattr(cls, name)().with_executor(
-                GPU_EXECUTOR, f"{name} preset with the executor's H200 fixed costs")
+                GPU_EXECUTOR, f"{name} preset with the executor's kernel counts from an H200 (5 µs each, assumed)")
         paths = [Path(x) for x in str(spec).split(",")]
         for path in paths:
             if not path.is_file():
@@ -344,6 +347,32 @@ class CostModel:
                                  f"JSON cost model files, got {spec!r}")
         models = [cls.from_json(path.read_text()) for path in paths]
         return dataclasses.replace(cls.merge(*models), source=models[0].source or str(paths[0]))
+
+    @classmethod
+    def from_source(cls, source: str) -> "CostModel":
+        """The model whose :attr:`source` is ``source`` (what ``plan.cost_model`` records):
+        a shipped preset's (``"a100 preset"``, ``"h100 preset with the executor's kernel counts
+        from an H200 (5 µs each, assumed)"``, ...) or its name, a JSON file's path, or the model
+        ``"auto"`` resolves to on this machine (:func:`torch_dcp.cost.auto.resolve`).
+
+        Raises:
+            ValueError: no model on this machine has that source (pass the model itself).
+        """
+        names = ("a100", "h100", "a100-executor", "h100-executor")
+        for name in names:
+            if cls.load(name).source == source or source == name:
+                return cls.load(name)
+        from pathlib import Path
+
+        if Path(source).is_file():
+            return cls.load(source)
+        from .auto import resolve
+
+        auto = resolve()
+        if auto.source == source:
+            return auto
+        raise ValueError(f"no cost model with source {source!r} on this machine (presets: {', '.join(names)}; "
+                         f"'auto' gives {auto.source!r}): pass the model the plan was made with")
 
     def to_json(self, **meta: Any) -> str:
         """The model as JSON (:meth:`from_json` reads it back); ``meta`` is stored beside it."""

@@ -55,7 +55,7 @@ from torch_dcp.executor.device_plan import host_to_device
 from torch_dcp.masks import MaskSpec
 
 __all__ = ["NAME", "attention_forward", "mask_function", "pack", "PackedBatch", "batch_mask", "model_heads",
-           "DCPTrainer", "DCPSFTTrainer"]
+           "DCPTrainer", "DCPSFTTrainer", "TrainerDCPConfig"]
 
 #: the ``attn_implementation`` this module registers
 NAME = "torch_dcp"
@@ -110,13 +110,30 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is not None:
         ctx.refuse(f"{where}: the attention got a mask {list(attention_mask.shape)}; under torch_dcp the mask is the "
                    "BatchSpec's (pass no 4-D attention_mask to the model)")
-    reason = _window_mismatch(ctx, module, sliding_window) or _positions_mismatch(ctx, kwargs.get("position_ids"))
+    placeholder = _holds_placeholder(ctx, query)
+    reason = _window_mismatch(ctx, module, sliding_window) or (
+        None if placeholder else _positions_mismatch(ctx, kwargs.get("position_ids")))
     if reason:
         ctx.refuse(f"{where}: {reason}")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if placeholder:  # this rank's attention holds no token: run it empty (its transfers), the placeholder sees 0
+        query, key, value = query[:, :, :0], key[:, :, :0], value[:, :, :0]
     out = F.scaled_dot_product_attention(query, key, value, is_causal=bool(causal), scale=scaling,
                                          enable_gqa=key.shape[1] != query.shape[1])
+    if placeholder:
+        out = torch.cat([out, out.new_zeros(*out.shape[:2], PLACEHOLDER_TOKENS, out.shape[3])], dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+#: tokens a rank that holds none of the batch feeds the model (:meth:`PackedBatch.model_inputs`):
+#: transformers' layers cannot run an empty sequence (e.g. ``view(1, 0, -1, head_dim)``)
+PLACEHOLDER_TOKENS = 1
+
+
+def _holds_placeholder(ctx: DCPContext, query: torch.Tensor) -> bool:
+    """Whether the call carries :meth:`PackedBatch.model_inputs`'s placeholder token of a rank
+    holding none of the batch (rather than this rank's tokens of the plan)."""
+    return ctx.rows == 0 and query.dim() == 4 and query.shape[0] == 1 and query.shape[2] == PLACEHOLDER_TOKENS
 
 
 def _window_mismatch(ctx: DCPContext, module: torch.nn.Module, window: int | None) -> str | None:
@@ -178,7 +195,9 @@ def mask_function(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """transformers' mask function for ``"torch_dcp"`` (called as transformers calls its mask
     interface, with keyword arguments). Inside a context: no mask (``None``); a 2-D
     ``attention_mask`` with a zero (padding) is refused, one of ones is accepted (one read of
-    it per forward). Outside: transformers' ``"sdpa"`` mask function.
+    it per mask), and so is the zero of a rank's placeholder token
+    (:meth:`PackedBatch.model_inputs`) without a read. Outside: transformers' ``"sdpa"`` mask
+    function.
 
     Raises:
         ValueError: inside a context, padding in the 2-D attention mask.
@@ -187,7 +206,8 @@ def mask_function(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     if ctx is None:
         return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
     pad = kwargs.get("attention_mask")
-    if isinstance(pad, torch.Tensor) and pad.dim() == 2 and not bool(pad.all()):
+    placeholder = ctx.rows == 0 and isinstance(pad, torch.Tensor) and pad.shape[-1:] == (PLACEHOLDER_TOKENS,)
+    if isinstance(pad, torch.Tensor) and pad.dim() == 2 and not placeholder and not bool(pad.all()):
         ctx.refuse("torch_dcp (transformers): the attention_mask has padding (zeros); pack documents without padding "
                    "(torch_dcp.integrations.hf.pack) and pass no attention_mask")
     return None
@@ -212,7 +232,9 @@ class PackedBatch:
         batch: the :class:`~torch_dcp.BatchSpec` (documents, mask, heads, dtype).
 
     ``buffers`` (the three tensors, sharded in place by the context) and ``buffer_seq_dims``
-    go to :func:`torch_dcp.context_parallel`; inside it, :meth:`model_inputs` are this rank's.
+    go to :func:`torch_dcp.context_parallel`; inside it, :meth:`model_inputs` are this rank's
+    (a rank may hold no tokens: its buffers are ``[1, 0]``; it still runs the forward and the
+    backward, on a placeholder token, and takes part in every transfer).
     """
 
     input_ids: torch.Tensor
@@ -232,9 +254,32 @@ class PackedBatch:
     def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments of the model call: ids, positions, the shifted labels (as ``labels``
         and ``shift_labels``, so transformers does not shift them again), ``num_items_in_batch``
-        (the loss is the sum over the tokens held divided by it) and ``use_cache=False``."""
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "labels": self.labels,
-                "shift_labels": self.labels, "num_items_in_batch": self.num_items_in_batch, "use_cache": False}
+        (the loss is the sum over the tokens held divided by it) and ``use_cache=False``.
+
+        Inside a context also ``attention_mask``, bool ``[1, S_local]`` ones: transformers
+        then goes straight to the backend's :func:`mask_function` (which builds no mask) instead
+        of first searching the position ids for packed documents (a host read per forward). A
+        rank that holds no tokens gets a placeholder row of :data:`PLACEHOLDER_TOKENS` token
+        (id 0, position 0, no label, attention mask 0 so that token counts such as TRL's
+        ``num_tokens`` leave it out): transformers' layers cannot run an empty sequence, so the
+        model runs that token, its attention runs empty (the rank takes part in every transfer)
+        with output 0 for the placeholder, and it adds nothing to the loss or the gradients.
+        Outside a context no ``attention_mask``: transformers' SDPA masks every document on its
+        own from the position ids (an all-ones mask would let the documents see each other)."""
+        inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "labels": self.labels,
+                  "shift_labels": self.labels, "num_items_in_batch": self.num_items_in_batch, "use_cache": False}
+        ctx = active_context()
+        if ctx is None:
+            return inputs
+        device = self.input_ids.device
+        if ctx.rows == 0:  # this rank holds no tokens
+            row = torch.zeros((1, PLACEHOLDER_TOKENS), dtype=torch.long, device=device)
+            inputs.update(input_ids=row, position_ids=row, labels=row - 100, shift_labels=row - 100)
+            mask = torch.zeros(row.shape, dtype=torch.bool, device=device)  # counted as no token (TRL's num_tokens)
+        else:
+            mask = torch.ones(self.input_ids.shape, dtype=torch.bool, device=device)
+        inputs["attention_mask"] = mask
+        return inputs
 
 
 def model_heads(config: Any) -> tuple[int, int, int]:
@@ -355,10 +400,15 @@ def pack(documents: Sequence[Any] | None = None, config: Any = None, *, input_id
     return PackedBatch(t_ids, t_pos, t_lab, int((shifted != -100).sum()), batch)
 
 
+#: what :mod:`torch_dcp.integrations.hf_trainer` gives this module, imported on first use
+_TRAINER_NAMES = ("DCPTrainer", "DCPSFTTrainer", "TrainerDCPConfig")
+
+
 def __getattr__(name: str) -> Any:
-    """``DCPTrainer`` and ``DCPSFTTrainer`` (:mod:`torch_dcp.integrations.hf_trainer`), imported on
-    first use: they need accelerate (and trl for ``DCPSFTTrainer``)."""
-    if name in ("DCPTrainer", "DCPSFTTrainer"):
+    """``DCPTrainer``, ``DCPSFTTrainer`` and ``TrainerDCPConfig``
+    (:mod:`torch_dcp.integrations.hf_trainer`), imported on first use: they need accelerate (and
+    trl for ``DCPSFTTrainer``, imported only when it is asked for)."""
+    if name in _TRAINER_NAMES:
         from . import hf_trainer
 
         return getattr(hf_trainer, name)

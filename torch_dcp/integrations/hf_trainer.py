@@ -32,7 +32,9 @@ Plans are made before the forward: Trainer fetches an optimizer step's micro-bat
 (``get_batch_samples``), and every one of them is packed and planned there, with
 :attr:`DCPTrainerMixin.dcp` (:class:`TrainerDCPConfig`: planner, block size, the cost model,
 ``"auto"`` by default). The plans' figures (bytes moved, against ring attention's plan of the
-same batch; compute imbalance; planning seconds) go into Trainer's logs.
+same batch; compute imbalance; planning seconds; ranks holding no tokens) go into Trainer's logs.
+A rank the plan gives no tokens still runs the forward and the backward (on a placeholder token:
+:meth:`~torch_dcp.integrations.hf.PackedBatch.model_inputs`) and every collective.
 
 Refused at construction, naming the setting: a model whose ``attn_implementation`` is not
 ``"torch_dcp"``, attention dropout, logit soft-capping, layer types other than full and sliding
@@ -62,7 +64,9 @@ from torch_dcp.data.plan_store import decode_record
 from torch_dcp.data.plan_worker import PlanningConfig, _worker_job, plan_batch, planning_pool
 from torch_dcp.plan import load_plan
 
-from . import hf
+from . import hf, hf_saving
+
+logger = transformers.utils.logging.get_logger(__name__)
 
 __all__ = ["TrainerDCPConfig", "DCPParallelismConfig", "DCPTrainerMixin", "DCPTrainer", "DCPSFTTrainer",
            "micro_batch_documents"]
@@ -73,6 +77,9 @@ _KEY = "_torch_dcp"
 _PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 #: keys the micro-batch may carry that DCP rebuilds from the documents
 _KNOWN_KEYS = {"input_ids", "labels", "shift_labels", "position_ids", "attention_mask", *_PACKING_KEYS}
+#: what the model call gets of :meth:`~torch_dcp.integrations.hf.PackedBatch.model_inputs` (Trainer passes
+#: ``num_items_in_batch`` itself)
+_MODEL_KEYS = ("input_ids", "position_ids", "labels", "shift_labels", "attention_mask")
 
 
 @dataclasses.dataclass
@@ -138,12 +145,10 @@ class DCPParallelismConfig(ParallelismConfig):
     def _validate_accelerator(self, accelerator: Any) -> None:
         from accelerate.utils import DistributedType
 
+        _check_sizes(self, accelerator.num_processes)  # named, with what to set (accelerate's message is not)
         if accelerator.distributed_type == DistributedType.MULTI_CPU:
             # accelerate takes parallelism configs on devices only; on CPU ranks (gloo) the DCP
             # group and the data shards need nothing of it but a mesh of the world's size
-            if self.total_size != accelerator.num_processes:
-                raise ValueError(f"parallelism_config: dp_shard_size x cp_size = {self.total_size}, but "
-                                 f"{accelerator.num_processes} processes run")
             return
         self._accelerate_sees_cp = True
         try:
@@ -253,6 +258,7 @@ class DCPTrainerMixin:
         self._dcp_planning: PlanningConfig | None = None
         self._dcp_stats: list[dict[str, float]] = []
         self._dcp_evaluating = False
+        self._dcp_fsdp = False  # whether this trainer sharded the model with FSDP2 itself (CPU ranks)
         self.dcp = dataclasses.replace(self.dcp)  # this trainer's own copy of the class's settings
         if pc is not None and pc.cp_size > 1:
             _check_parallelism(pc)
@@ -265,8 +271,11 @@ class DCPTrainerMixin:
         if self._dcp_size > 1:
             _check_model(self.model)
             self.gather_function = self._dcp_gather_for_metrics
-            if self.args.fsdp and not self.is_fsdp_enabled:  # CPU ranks: accelerate has no FSDP there
+            if _fsdp_asked(self.args) and not self.is_fsdp_enabled:  # CPU ranks: accelerate has no FSDP there
                 _fully_shard(self.model, self.accelerator.torch_device_mesh["dp_shard_cp"])
+                self._dcp_fsdp = True
+                logger.info("torch_dcp Trainer: FSDP asked for on CPU ranks, where accelerate runs none: the model is "
+                            "sharded with FSDP2 over the dp_shard_cp mesh (decoder layers, then the root)")
 
     # -- planning ahead: the optimizer step's micro-batches, before the first forward
     @property
@@ -318,13 +327,23 @@ class DCPTrainerMixin:
         if prepared is None:  # evaluation: every rank runs the whole batch (transformers' SDPA outside a context)
             return contextlib.nullcontext, inputs
         prepared.resolve(self.dcp.timeout)
+        self._dcp_stats.append(_plan_figures(prepared.header, prepared.plan))
+        inputs.clear()  # filled on entry to the context, with this rank's share (_dcp_context)
+        return functools.partial(self._dcp_context, prepared, inputs), inputs
+
+    @contextlib.contextmanager
+    def _dcp_context(self, prepared: _Prepared, inputs: dict[str, Any]) -> Any:
+        """:func:`torch_dcp.context_parallel` on the micro-batch's plan; on entry ``inputs`` (the
+        dict Trainer passes to the model) becomes this rank's model inputs
+        (:meth:`~torch_dcp.integrations.hf.PackedBatch.model_inputs`: a placeholder token on a rank
+        holding none)."""
         packed = prepared.packed
-        self._dcp_stats.append(_plan_figures(prepared.header))
-        ctx = functools.partial(torch_dcp.context_parallel, self.dcp_mesh, buffers=packed.buffers,
-                                buffer_seq_dims=packed.buffer_seq_dims, no_restore_buffers=set(packed.buffers),
-                                plan=prepared.plan, timeout=self.dcp.timeout)
-        return ctx, {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "labels": packed.labels,
-                     "shift_labels": packed.labels}
+        with torch_dcp.context_parallel(self.dcp_mesh, buffers=packed.buffers, buffer_seq_dims=packed.buffer_seq_dims,
+                                        no_restore_buffers=set(packed.buffers), plan=prepared.plan,
+                                        timeout=self.dcp.timeout) as ctx:
+            mine = packed.model_inputs()
+            inputs.update({k: mine[k] for k in _MODEL_KEYS})
+            yield ctx
 
     # -- evaluation: every rank of a DCP group runs each batch whole; one copy per group is kept
     def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -355,6 +374,47 @@ class DCPTrainerMixin:
 
         return recursively_apply(one_per_group, gather(data))
 
+    # -- saving and loading a model this trainer sharded (full state dicts, as accelerate's FSDP2 path)
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self._dcp_fsdp:
+            return super().save_model(output_dir, _internal_call)
+        # every node's first rank writes with save_on_each_node: then every rank gets the full tensors
+        state = hf_saving.full_model_state(self.model, every_rank=self.args.save_on_each_node)
+        self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._dcp_fsdp:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+        hf_saving.save_optimizer(self.model, self.optimizer, os.path.join(output_dir, OPTIMIZER_NAME),
+                                 write=self.args.should_save and self.args.process_index == 0)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if not self._dcp_fsdp:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        result = hf_saving.load_model(self.model, resume_from_checkpoint)
+        self._issue_warnings_after_load(result)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self._dcp_fsdp or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+        optimizer, scheduler = os.path.join(checkpoint, OPTIMIZER_NAME), os.path.join(checkpoint, SCHEDULER_NAME)
+        if _any_rank(os.path.isfile(optimizer) and os.path.isfile(scheduler)):  # rank 0 wrote them
+            hf_saving.load_optimizer(self.model, self.optimizer, optimizer)
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        if not self._dcp_fsdp:
+            return super()._load_best_model()
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
+
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self._dcp_stats:
             keys = self._dcp_stats[0].keys()
@@ -378,10 +438,28 @@ def _fully_shard(model: torch.nn.Module, mesh: Any) -> None:
     model._is_accelerate_prepared = True
 
 
-def _plan_figures(header: dict[str, Any]) -> dict[str, float]:
+def _fsdp_asked(args: Any) -> bool:
+    """FSDP asked for: ``fsdp`` in the training arguments, or accelerate launch's
+    ``distributed_type: FSDP`` (``ACCELERATE_USE_FSDP``), which accelerate ignores on CPU ranks."""
+    return bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def _any_rank(flag: bool) -> bool:
+    """``flag`` of any rank (a collective on the default group)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _plan_figures(header: dict[str, Any], plan: Any) -> dict[str, float]:
     stats = header["stats"]
     out = {"comm_bytes": float(stats["comm_bytes"]), "compute_imbalance": float(stats["compute_imbalance"]),
-           "plan_seconds": float(header["plan_seconds"])}
+           "plan_seconds": float(header["plan_seconds"]),
+           "empty_ranks": float(sum(plan.local_tokens(r) == 0 for r in range(plan.world_size)))}
     ring = header.get("compare", {}).get("ring", {})
     if ring.get("comm_bytes"):
         out["bytes_vs_ring"] = stats["comm_bytes"] / ring["comm_bytes"]
@@ -407,6 +485,25 @@ def _check_parallelism(pc: ParallelismConfig) -> None:
     if world % pc.cp_size:
         raise ValueError(f"torch_dcp Trainer: parallelism_config.cp_size={pc.cp_size} does not divide the world "
                          f"size {world}")
+    _check_sizes(pc, world)
+
+
+def _check_sizes(pc: ParallelismConfig, world: int) -> None:
+    """Refuse a mesh that is not the world's size, saying which ``dp_shard_size`` would fill it.
+
+    Raises:
+        ValueError: ``dp_replicate_size x dp_shard_size x cp_size`` (and tp, sp) is not ``world``.
+    """
+    if pc.total_size == world:
+        return
+    rest = pc.total_size // pc.dp_shard_size  # every size but dp_shard
+    what = (f"set dp_shard_size={world // rest} (the data shards beside cp_size={pc.cp_size}"
+            + (f" and dp_replicate_size={pc.dp_replicate_size}" if pc.dp_replicate_size > 1 else "") + ")"
+            if world % rest == 0 else f"run a multiple of {rest} processes")
+    sizes = " x ".join(f"{k}={getattr(pc, k)}" for k in ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size",
+                                                          "sp_size") if getattr(pc, k) > 1 or k == "dp_shard_size")
+    raise ValueError(f"torch_dcp Trainer: parallelism_config {sizes} = {pc.total_size} ranks, but {world} processes "
+                     f"run; {what}")
 
 
 def _check_model(model: Any) -> None:

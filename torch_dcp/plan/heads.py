@@ -209,6 +209,8 @@ class HeadParallelPlan:
         self.plan_seconds = outer.plan_seconds
         #: the ``source`` of the cost model that timed the candidates (:func:`torch_dcp.plan`; empty: none)
         self.cost_model = ""
+        #: that cost model itself (None: none), what :func:`torch_dcp.simulate` times the plan with
+        self.cost_model_object = None
         #: ``(planner label, simulated seconds)`` of the candidates :func:`torch_dcp.plan` timed
         self.candidates: list[tuple[str, float]] = []
 
@@ -426,6 +428,7 @@ class HeadParallelPlan:
             plan = cls(outer, batch, Topology.from_dict(head["topology"]), head["head_parallel"], head["label"],
                        head["keep_sharded"])
             plan.candidates = [(str(a), float(t)) for a, t in meta]
+            plan.cost_model = outer.cost_model  # recorded with the outer plan (torch_dcp.plan)
             return plan
         except PlanError:
             raise

@@ -17,7 +17,7 @@ import numpy as np
 from ..batch import BatchSpec
 from ..planners.base import Placement
 from ..topology import Topology
-from ..workload import Buf, Workload, item_token_bytes
+from ..workload import Buf, Workload
 from .compiler import compile_program
 from .ir import Program
 from .routes import route_tables
@@ -61,6 +61,8 @@ class Plan:
         self.plan_seconds = float(plan_seconds)
         #: the ``source`` of the cost model that timed the candidates (:func:`torch_dcp.plan`; empty: none)
         self.cost_model = ""
+        #: that cost model itself (None: none), what :func:`torch_dcp.simulate` times the plan with
+        self.cost_model_object = None
         #: ``(planner label, simulated seconds)`` of the candidates :func:`torch_dcp.plan` timed
         self.candidates: list[tuple[str, float]] = []
         self._programs: dict[tuple[int, bool], Program] = {}
@@ -162,7 +164,7 @@ class Plan:
         forward flag, one entry per (fetched or returned block, rank pair, pass).
         """
         wl, t = self.workload, self.tables
-        itb = item_token_bytes(self.batch)
+        itb = self.placement.token_bytes()
         src, dst, nbytes, fwd = [], [], [], []
         # fetches: from the block's home (or a relay) to the fetching rank, forward and backward
         is_q = t["fetch_kind"] == 0

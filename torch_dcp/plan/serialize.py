@@ -20,7 +20,7 @@ import numpy as np
 
 from ..batch import BatchSpec
 from ..masks import Ranges
-from ..planners.base import Placement, Routing
+from ..planners.base import Placement, Routing, Runtime
 from ..topology import Topology
 from ..workload import Workload, smallest_int
 from .ir import PlanError
@@ -57,6 +57,8 @@ def _content(plan: "Plan") -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         "divisions": plan.divisions,
         "block_size": plan.workload.block_size,
     }
+    if plan.placement.runtime is not Runtime.EXECUTOR:  # a baseline's own implementation runs it
+        header["runtime"] = plan.placement.runtime.value
     return header, arrays
 
 
@@ -73,7 +75,8 @@ def plan_to_bytes(plan: "Plan") -> bytes:
         body.append(raw + b"\0" * pad)
         offset += len(raw) + pad
     doc = {"content": {**header, "arrays": specs}, "meta": {"plan_seconds": plan.plan_seconds,
-                                                           "candidates": [list(c) for c in plan.candidates]}}
+                                                           "candidates": [list(c) for c in plan.candidates],
+                                                           "cost_model": plan.cost_model}}
     text = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     payload = text + b"".join(body)
     lengths = _LENGTHS.pack(FORMAT_VERSION, len(text), len(payload) - len(text))
@@ -120,9 +123,11 @@ def plan_from_bytes(cls: type, data: bytes) -> "Plan":
             raise ValueError(f"{len(arrays['tile_rank'])} tile ranks for {wl.n_tiles} tiles")
         placement = Placement(wl, topology.world_size, arrays["block_rank"], arrays["tile_rank"],
                               planner=content["planner"], routing=Routing(content["routing"]),
-                              ring_groups=arrays.get("ring_groups"))
+                              ring_groups=arrays.get("ring_groups"),
+                              runtime=Runtime(content.get("runtime", Runtime.EXECUTOR.value)))
         plan = cls(placement, topology, arrays["tile_division"], content["divisions"], doc["meta"]["plan_seconds"])
         plan.candidates = [(str(label), float(t)) for label, t in doc["meta"].get("candidates", [])]
+        plan.cost_model = str(doc["meta"].get("cost_model", ""))
         return plan
     except Exception as err:  # noqa: BLE001 - one error type for every unreadable payload
         raise PlanError(f"unreadable plan payload: {type(err).__name__}: {err}") from None

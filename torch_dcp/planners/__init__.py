@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import Callable
 
 from .allgather import plan_allgather
-from .base import Placement, Routing
+from .base import Placement, Routing, Runtime
 from .dcp import dcp_candidates, plan_dcp
 from .fcp import plan_fcp
 from .greedy import plan_greedy
 from .megatron import plan_megatron
 from .ring import plan_ring
 
-__all__ = ["Placement", "Routing", "PLANNERS", "CANDIDATES", "HEAD_PLANNERS", "get_planner", "dcp_candidates", "plan_allgather", "plan_dcp", "plan_fcp", "plan_greedy", "plan_megatron", "plan_ring"]
+__all__ = ["Placement", "Routing", "Runtime", "PLANNERS", "CANDIDATES", "HEAD_PLANNERS", "get_planner", "dcp_candidates", "plan_allgather", "plan_dcp", "plan_fcp", "plan_greedy", "plan_megatron", "plan_ring"]
 
 #: name -> ``fn(batch, topology, block_size, **options) -> Placement``
 PLANNERS: dict[str, Callable[..., Placement]] = {

@@ -7,9 +7,9 @@ import enum
 
 import numpy as np
 
-from ..workload import Workload
+from ..workload import Workload, item_token_bytes
 
-__all__ = ["Placement", "Routing"]
+__all__ = ["Placement", "Routing", "Runtime"]
 
 
 class Routing(enum.Enum):
@@ -39,6 +39,33 @@ class Routing(enum.Enum):
     DIRECT = "direct"
     RING = "ring"
     NODE = "node"
+
+
+class Runtime(enum.Enum):
+    """Which implementation runs a plan, so which costs the simulator charges it
+    (:func:`torch_dcp.simulate.simulate`; the models are in :mod:`torch_dcp.runtimes`).
+
+    * ``EXECUTOR``: torch_dcp's own executor (:mod:`torch_dcp.executor`): the plan's programs,
+      division by division, charged the cost model's executor costs where it has them; partial
+      results travel in the accumulation dtype (float32).
+    * ``TE_RING``: TransformerEngine's P2P ring (``AttnFuncWithCPAndKVP2P``) on the zig-zag
+      layout: per ring step one attention call and one output merge (forward) or gradient sum
+      (backward), the kernels alone; dK/dV partials travel in the K/V dtype.
+    * ``ALLGATHER``: an NCCL all-gather of K/V (PyTorch's ``context_parallel``,
+      TransformerEngine's ``AttnFuncWithCPAndKVAllGather``) before the attention and, in the
+      backward, TransformerEngine's reduce-scatter of dK/dV in the K/V dtype, costed as NCCL's
+      collectives on the topology, compute not overlapped with them.
+    """
+
+    EXECUTOR = "executor"
+    TE_RING = "te-ring"
+    ALLGATHER = "nccl-allgather"
+
+    @property
+    def kv_dtype_gradients(self) -> bool:
+        """Whether dK/dV partials travel in the K/V dtype (TransformerEngine) rather than the
+        accumulation dtype (torch_dcp's executor)."""
+        return self is not Runtime.EXECUTOR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +99,7 @@ class Placement:
     tile_round: np.ndarray | None = None
     routing: Routing = Routing.DIRECT
     ring_groups: np.ndarray | None = None
+    runtime: Runtime = Runtime.EXECUTOR
 
     def __post_init__(self):
         w = self.workload
@@ -96,6 +124,8 @@ class Placement:
             object.__setattr__(self, "tile_round", rd)
         if not isinstance(self.routing, Routing):
             raise ValueError(f"Placement.routing must be a Routing, got {self.routing!r}")
+        if not isinstance(self.runtime, Runtime):
+            raise ValueError(f"Placement.runtime must be a Runtime, got {self.runtime!r}")
         if self.ring_groups is not None:
             g = np.ascontiguousarray(self.ring_groups, dtype=np.int64)
             n_docs = w.batch.n_docs
@@ -125,6 +155,12 @@ class Placement:
         step = tg[:, 2] + (self.tile_rank - self.block_rank[wl.tile_kv]) % tg[:, 1]
         n = int((g[:, 1] + g[:, 2]).max()) if len(g) else 1
         return step.astype(np.int64), max(n, 1)
+
+    def token_bytes(self, runtime: Runtime | None = None) -> dict[tuple[bool, int], int]:
+        """:func:`~torch_dcp.workload.item_token_bytes` of the batch as ``runtime`` (default: the
+        placement's own) moves them: dK/dV partials in the K/V dtype for a baseline's runtime."""
+        runtime = self.runtime if runtime is None else runtime
+        return item_token_bytes(self.workload.batch, kv_dtype_gradients=runtime.kv_dtype_gradients)
 
     def rank_flops(self, backward: bool = False) -> np.ndarray:
         """Attention FLOPs per rank, float64 ``[world_size]``."""

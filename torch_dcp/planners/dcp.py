@@ -64,7 +64,7 @@ from ..batch import BatchSpec
 from ..topology import Topology
 from ..workload import Buf, Workload, item_token_bytes
 from .allgather import plan_allgather
-from .base import Placement, Routing
+from .base import Placement, Routing, Runtime
 from .megatron import plan_megatron
 from .partition import _partition_csr
 from .ring import plan_ring
@@ -404,7 +404,8 @@ def dcp_candidates(
             rival = megatron if name == "megatron" else _RIVALS[name](batch, topology)
             tokens = rival.rank_tokens()
             if tokens.max() <= (1.0 + eps_memory) * tokens.mean():
-                out.append(dataclasses.replace(rival, planner=f"dcp:{name}"))
+                # run by torch_dcp's executor, not by the rival's own implementation
+                out.append(dataclasses.replace(rival, planner=f"dcp:{name}", runtime=Runtime.EXECUTOR))
     return out
 
 

@@ -11,9 +11,14 @@ with Blockwise Transformers*, 2023, §3): in step ``s`` rank ``r`` attends to th
 of rank ``r - s`` while it passes them on to ``r + 1`` and receives those of ``r - s - 1`` from
 ``r - 1``, ``W - 1`` steps in all, each transfer overlapped with the previous step's compute; in
 the backward the dK/dV partials travel the same way, each rank adding its own
-(:attr:`~torch_dcp.planners.base.Routing.RING`). PyTorch's ``context_parallel`` with its
-all-gather rotation, where every rank fetches every chunk from its owner, is
-:func:`~torch_dcp.planners.allgather.plan_allgather`.
+(:attr:`~torch_dcp.planners.base.Routing.RING`).
+
+The plan is run as TransformerEngine runs it (``Runtime.TE_RING``; TransformerEngine's
+``AttnFuncWithCPAndKVP2P``): one attention call and one output merge per step, dK/dV partials in
+the K/V dtype, no torch_dcp executor costs; :mod:`torch_dcp.runtimes` has the model and
+:func:`torch_dcp.simulate.ring_step_seconds` its step formula. dcp keeps the same placement
+among its candidates as run by torch_dcp's executor (``"dcp:ring"``). All-gather CP on the same
+layout is :func:`~torch_dcp.planners.allgather.plan_allgather`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import numpy as np
 from ..batch import BatchSpec
 from ..topology import Topology
 from ..workload import Workload, check_block_size
-from .base import Placement, Routing
+from .base import Placement, Routing, Runtime
 
 __all__ = ["plan_ring", "zigzag_placement", "zigzag_spans"]
 
@@ -52,9 +57,9 @@ def zigzag_spans(doc_lens: np.ndarray, group_size: np.ndarray) -> tuple[np.ndarr
 
 
 def zigzag_placement(batch: BatchSpec, topology: Topology, block_size: int | None, planner: str,
-                     routing: Routing) -> Placement:
+                     routing: Routing, runtime: Runtime = Runtime.EXECUTOR) -> Placement:
     """The zig-zag layout over all ranks (:func:`zigzag_spans`), tiles on their query's rank,
-    with ``routing``. ``block_size`` is not used (chunks are ``L / 2W``), but it must be
+    with ``routing``, run by ``runtime``. ``block_size`` is not used (chunks are ``L / 2W``), but it must be
     ``None`` or a valid block size, as for every planner.
 
     Raises:
@@ -66,15 +71,15 @@ def zigzag_placement(batch: BatchSpec, topology: Topology, block_size: int | Non
     doc, start, end, member = zigzag_spans(batch.doc_lens, w)
     workload = Workload.from_spans(batch, doc, start, end)
     # blocks are sorted by (doc, start): the order of the spans
-    return Placement(workload, w, member, member[workload.tile_q], planner=planner, routing=routing)
+    return Placement(workload, w, member, member[workload.tile_q], planner=planner, routing=routing, runtime=runtime)
 
 
 def plan_ring(batch: BatchSpec, topology: Topology, block_size: int | None = None) -> Placement:
     """Ring attention on the zig-zag layout (:func:`zigzag_placement`): tiles in ring step
     ``(rank - key/value home) mod W``; the plan has ``W`` divisions (the ring steps) whatever
-    ``divisions`` asks.
+    ``divisions`` asks; run as TransformerEngine runs it (``Runtime.TE_RING``, module docstring).
 
     Raises:
         ValueError: ``block_size`` is not ``None`` or an integer in ``1 .. MAX_TOKENS``.
     """
-    return zigzag_placement(batch, topology, block_size, "ring", Routing.RING)
+    return zigzag_placement(batch, topology, block_size, "ring", Routing.RING, Runtime.TE_RING)

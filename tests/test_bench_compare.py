@@ -1,0 +1,102 @@
+"""benchmarks compare: static families at the CP size a user would choose, and dcp against the best
+baseline per batch."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+import torch_dcp
+from torch_dcp import BatchSpec, Causal, CostModel, Lambda, Topology
+from torch_dcp.benchmarks import cli
+from torch_dcp.benchmarks.compare import TARGET, bench_compare, compare_batch, parse_clusters
+from torch_dcp.benchmarks.static_cp import (cp_sizes, group_batch, group_topology, split_documents,
+                                            static_cp_seconds)
+from torch_dcp.simulate import simulate
+
+
+def _batch(lens, mask=Causal(), heads=(8, 2)):
+    return BatchSpec(lens, mask, n_heads=heads[0], n_kv_heads=heads[1], head_dim=128, dtype="bfloat16")
+
+
+def test_cp_sizes_from_one_node_to_the_world():
+    a100 = Topology.preset("a100")
+    b = _batch([1000, 2000])
+    assert cp_sizes("ring", b, a100) == [8, 16, 32] == cp_sizes("allgather", b, a100)
+    assert cp_sizes("ulysses", b, a100) == [8]  # c must divide the 8 query heads
+    assert cp_sizes("hcp", b, a100) == [16, 32]  # on one node HCP is Ulysses
+    one = Topology.preset("h100", n_nodes=1)
+    assert cp_sizes("ring", b, one) == [8] and cp_sizes("hcp", b, one) == []
+    assert cp_sizes("ring", b, Topology(n_nodes=3, ranks_per_node=4)) == [4, 12]
+    with pytest.raises(ValueError, match="unknown static family"):
+        cp_sizes("megatron", b, a100)
+
+
+def test_documents_split_whole_and_balanced_by_tokens():
+    lens = [9000, 100, 4000, 4000, 300, 2500, 50, 1000]
+    split = split_documents(lens, 3)
+    assert split.shape == (8,) and set(split.tolist()) == {0, 1, 2}
+    load = np.bincount(split, weights=lens, minlength=3)
+    assert load.sum() == sum(lens) and load.max() == 9000  # the longest document alone; the rest balanced
+    assert sorted(load[load < 9000].tolist()) == [5450, 6500]  # longest first, each to the lightest group
+    assert np.array_equal(split_documents(lens, 1), np.zeros(8, np.int64))
+    with pytest.raises(ValueError, match="positive integer"):
+        split_documents(lens, 0)
+    sub = group_batch(_batch(lens, [Causal(), Lambda(sink=4, window=64)] * 4), np.array([3, 1]))
+    assert sub.doc_lens.tolist() == [100, 4000] and isinstance(sub.masks[int(sub.doc_mask[0])], Lambda)
+    g = group_topology(Topology.preset("a100"), 16)
+    assert (g.n_nodes, g.ranks_per_node, g.nics_per_node) == (2, 8, 4)
+    assert group_topology(Topology.preset("a100"), 4).world_size == 4
+
+
+def test_static_cp_times_the_slowest_group():
+    topo = Topology(n_nodes=2, ranks_per_node=2)
+    cm = CostModel.load("h100")
+    batch = _batch([6000, 500, 3000, 2500, 200])
+    times = static_cp_seconds("ring", batch, topo, cm)
+    assert set(times) == {2, 4}
+    whole = simulate(torch_dcp.plan(batch, topo, planner="ring"), cm).makespan_s
+    assert times[4] == pytest.approx(whole, rel=1e-12)  # one group of the whole world
+    split = split_documents(batch.doc_lens, 2)
+    groups = [simulate(torch_dcp.plan(group_batch(batch, np.flatnonzero(split == g)), group_topology(topo, 2),
+                                      planner="ring"), cm).makespan_s for g in range(2)]
+    assert times[2] == pytest.approx(max(groups), rel=1e-12)
+    # whole documents per node: no ring over the nodes, so faster than the 4-way ring here
+    assert times[2] < times[4]
+    with pytest.raises(ValueError, match="does not divide"):
+        static_cp_seconds("ring", batch, topo, cm, sizes=[3])
+
+
+def test_compare_row_names_the_best_baseline_and_the_exceptions():
+    batch = _batch([3000, 700, 1800, 250, 1200, 1100])
+    topo = Topology(n_nodes=2, ranks_per_node=4)
+    cm = CostModel.load("h100-executor")
+    row = compare_batch(batch, topo, cm, [512])
+    baselines = {f: row[f"{f}_ms"] for f in ("ring", "allgather", "ulysses", "hcp", "megatron") if row.get(f"{f}_ms")}
+    best = min(baselines, key=baselines.get)
+    assert row["best_baseline"].split("@")[0] == best and row["best_baseline_ms"] == baselines[best]
+    assert row["dcp_over_best"] == pytest.approx(row["dcp_ms"] / baselines[best])
+    assert row["dcp_kernels_ms"] <= row["dcp_ms"]
+    assert ("exception" in row) == (row["dcp_over_best"] > TARGET)
+    assert row["ring_cp"] in (4, 8) and set(row["ring_by_cp_ms"]) == {"4", "8"}
+
+
+def test_compare_command_json_lines():
+    out = io.StringIO()
+    rows = bench_compare([("h100", 1)], ["causal"], [1.0], [1024], cost="h100", as_json=True, out=out, total=8192)
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert len(lines) == len(rows) + 1 == 3  # two batches (corpus, longtail), one summary
+    summary = lines[-1]["summary"]
+    assert summary["batches"] == 2 and lines[-1]["cost_model"] == "h100 preset"
+    lo, mid, hi = summary["dcp_over_best"]
+    assert lo <= mid <= hi and hi == pytest.approx(max(r["dcp_over_best"] for r in rows), abs=1e-4)
+    assert len(summary["exceptions"]) == sum(r["dcp_over_best"] > TARGET for r in rows)
+    assert parse_clusters("a100x4, h100x1") == [("a100", 4), ("h100", 1)]
+    for bad in ("a100", "tpux4", "a100x0", ""):
+        with pytest.raises(ValueError):
+            parse_clusters(bad)
+    with pytest.raises(SystemExit):
+        cli.main(["compare", "--clusters", "nowhere"])

@@ -1,0 +1,124 @@
+"""The baselines as their own implementations run them (torch_dcp.runtimes): TransformerEngine's
+ring against its step formula, all-gather CP against NCCL's collectives, and simulate() timing a
+plan with the model it was made with."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import torch_dcp
+from torch_dcp import BatchSpec, Causal, CostModel, Full, Lambda, Topology
+from torch_dcp.benchmarks.common import bench_batch, paper_batches
+from torch_dcp.cost.collectives import allgather_seconds, reduce_scatter_seconds
+from torch_dcp.planners import Runtime
+from torch_dcp.plan import load_plan
+from torch_dcp.runtimes import allgather_pass_seconds, on_executor
+from torch_dcp.simulate import ring_step_seconds, simulate
+from torch_dcp.workload import Buf, item_token_bytes
+
+
+@pytest.fixture(scope="module")
+def longtail():
+    return paper_batches(0.5, 65536)["longtail"]
+
+
+@pytest.mark.parametrize("preset,nodes,cost", [("a100", 4, "a100-executor"), ("h100", 1, "h100-executor")],
+                         ids=["a100-4x8", "h100-1x8"])
+@pytest.mark.parametrize("mask", [Causal(), Lambda(sink=64, window=4096)], ids=["causal", "lambda"])
+def test_ring_is_transformer_engines_step_formula(preset, nodes, cost, mask, longtail):
+    """Simulated ring attention within 0.9-1.1x of TransformerEngine's step formula (per step one
+    attention call and one merge, the transfer overlapped with the previous step's compute, dK/dV
+    in the K/V dtype), under the executor presets: TE's ring does not pay torch_dcp's executor."""
+    batch = bench_batch(longtail, mask)
+    plan = torch_dcp.plan(batch, Topology.preset(preset, n_nodes=nodes), planner="ring", cost_model=cost)
+    assert plan.placement.runtime is Runtime.TE_RING
+    sim, formula = simulate(plan).makespan_s, ring_step_seconds(plan)
+    assert 0.9 <= sim / formula <= 1.1, (sim, formula)
+    # the executor's fixed costs are not charged: the kernels-alone preset times it the same
+    assert sim == pytest.approx(simulate(plan, cost.split("-")[0]).makespan_s, rel=1e-12)
+    # torch_dcp's executor running the same plan pays its per-division costs (and float32 dK/dV)
+    assert simulate(on_executor(plan)).makespan_s > 1.05 * sim
+
+
+def test_ring_sends_dkv_in_the_kv_dtype():
+    batch = BatchSpec([3000, 900, 5000], Causal(), n_heads=8, n_kv_heads=2, head_dim=128, dtype="bfloat16")
+    plan = torch_dcp.plan(batch, Topology(n_nodes=2, ranks_per_node=2), planner="ring")
+    te, ours = plan.stats(), on_executor(plan).stats()
+    assert te["fwd_comm_bytes"] == ours["fwd_comm_bytes"]
+    itb, exe = item_token_bytes(batch, kv_dtype_gradients=True), item_token_bytes(batch)
+    assert itb[(True, Buf.DKV)] == itb[(True, Buf.KV)] == exe[(True, Buf.DKV)] // 2
+    # backward: K/V and dK/dV move the same tokens; dK/dV at half the executor's bytes
+    kv_bytes = ours["bwd_comm_bytes"] - te["bwd_comm_bytes"]
+    assert kv_bytes > 0 and te["bwd_comm_bytes"] == pytest.approx(ours["bwd_comm_bytes"] - kv_bytes)
+    assert load_plan(plan.to_bytes()).placement.runtime is Runtime.TE_RING  # serialised with the plan
+
+
+def test_nccl_collectives_by_hand():
+    topo = Topology(n_nodes=4, ranks_per_node=8, intra_bandwidth=300e9, intra_latency=3e-6, inter_bandwidth=50e9,
+                    inter_latency=15e-6, nics_per_node=4)
+    shard = 4 * 2**20
+    # every remote shard enters each node once over its 4 rails; NVLink carries 7 x 4 shards per rank
+    inter, intra = 3 * 8 * shard / 50e9, 7 * 4 * shard / 300e9
+    assert allgather_seconds(shard, topo) == pytest.approx(7 * 3e-6 + 3 * 15e-6 + max(inter, intra))
+    assert reduce_scatter_seconds(shard, topo) == allgather_seconds(shard, topo)
+    one = Topology(n_nodes=1, ranks_per_node=8)
+    assert allgather_seconds(shard, one) == pytest.approx(7 * one.intra_latency + 7 * shard / one.intra_bandwidth)
+    assert allgather_seconds(0, topo) == 0 and allgather_seconds(shard, Topology(n_nodes=1, ranks_per_node=1)) == 0
+    with pytest.raises(ValueError, match="shard_bytes"):
+        allgather_seconds(-1, topo)
+
+
+@pytest.mark.parametrize("preset,nodes", [("a100", 4), ("h100", 1)])
+def test_allgather_is_nccl_collectives_plus_compute(preset, nodes, longtail):
+    """All-gather CP: one NCCL all-gather of K/V per pass, TE's reduce-scatter of dK/dV in the K/V
+    dtype, the compute after them: at most 1.25x a hierarchical all-gather / reduce-scatter (the
+    inter-node and NVLink stages one after the other) plus the slowest rank's compute."""
+    topo = Topology.preset(preset, n_nodes=nodes)
+    batch = bench_batch(longtail, Causal())
+    plan = torch_dcp.plan(batch, topo, planner="allgather", cost_model=f"{preset}-executor")
+    assert plan.placement.runtime is Runtime.ALLGATHER
+    sim = simulate(plan).makespan_s
+    itb = item_token_bytes(batch)
+    shard = float(plan.placement.rank_tokens().max())
+    n, r = topo.n_nodes, topo.ranks_per_node
+
+    def hierarchical(nbytes):
+        return ((r - 1) * topo.intra_latency + (n - 1) * topo.inter_latency
+                + (n - 1) * r * nbytes / topo.inter_bandwidth + (r - 1) * n * nbytes / topo.intra_bandwidth)
+
+    kern = CostModel.load(preset)
+    compute = sum(allgather_pass_seconds(plan, kern, bw)[2].max() for bw in (False, True))
+    reference = 2 * hierarchical(shard * itb[(False, Buf.KV)]) + hierarchical(shard * itb[(True, Buf.KV)]) + compute
+    assert sim <= 1.25 * reference
+    assert sim >= compute  # never faster than its own compute
+    # the point-to-point all-gather the executor would run moves each block once per fetching rank
+    assert simulate(on_executor(plan)).makespan_s > sim
+
+
+def test_simulate_uses_the_model_the_plan_was_made_with():
+    batch = BatchSpec([4000, 900, 3000, 200], Causal(), n_heads=8, n_kv_heads=2, head_dim=128, dtype="bfloat16")
+    topo = Topology(n_nodes=1, ranks_per_node=4)
+    plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=512, cost_model="h100-executor")
+    h100 = simulate(plan, "h100-executor").makespan_s
+    assert simulate(plan).makespan_s == h100
+    assert simulate(plan, CostModel.a100()).makespan_s != h100  # another model when given
+    loaded = load_plan(plan.to_bytes())  # the source's name alone
+    assert loaded.cost_model == plan.cost_model and simulate(loaded).makespan_s == pytest.approx(h100, rel=1e-12)
+    assert CostModel.from_source("h100").source == CostModel.load("h100").source
+    with pytest.raises(ValueError, match="no cost model with source"):
+        CostModel.from_source("a model of nowhere")
+    ring = torch_dcp.plan(batch, topo, planner="ring", cost_model="h100")  # a named model is recorded too
+    assert simulate(ring).makespan_s == simulate(ring, "h100").makespan_s != simulate(ring, "a100").makespan_s
+
+
+def test_full_mask_allgather_computes_each_half_once():
+    batch = BatchSpec([4096], Full(), n_heads=8, n_kv_heads=2, head_dim=128, dtype="bfloat16")
+    plan = torch_dcp.plan(batch, Topology(n_nodes=1, ranks_per_node=2), planner="allgather")
+    cm = CostModel.a100()
+    _, scatter, compute = allgather_pass_seconds(plan, cm, False)
+    assert scatter == 0
+    # each rank: two query halves of 1024 rows against all 4096 keys, one call each
+    pairs = 1024.0 * 4096
+    one = cm.attention_seconds(pairs * 8, pairs * 4 * 8 * 128, False, False, 128, "bfloat16")
+    assert np.allclose(compute, 2 * one)

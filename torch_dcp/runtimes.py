@@ -1,0 +1,179 @@
+"""What a plan costs as each implementation runs it: torch_dcp's executor, and the static
+baselines' own implementations (:class:`~torch_dcp.planners.base.Runtime`).
+
+:func:`torch_dcp.simulate.simulate` looks the plan's runtime up in :data:`RUNTIMES`.
+
+**torch_dcp's executor** (``Runtime.EXECUTOR``): the plan's programs on the simulator's
+timeline (:func:`torch_dcp.simulate.simulate_programs`), every instruction charged the cost
+model's executor costs where it has them (:mod:`torch_dcp.cost.executor`).
+
+**TransformerEngine's ring** (``Runtime.TE_RING``; TransformerEngine,
+``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``,
+``AttnFuncWithCPAndKVP2P``, THD inputs on the zig-zag layout of ``get_batch_on_this_cp_rank``):
+``W`` steps per pass; in step ``s`` a rank runs one attention call over its queries and the K/V
+chunks it holds while it sends them to ``r + 1`` and receives the next ones from ``r - 1``
+(``batch_isend_irecv`` on its own stream: the transfer of step ``s + 1`` overlaps the compute of
+step ``s``), then corrects its running output with the step's (one LSE merge per step). In the
+backward each step runs one attention-backward call, and the dK/dV partials travel with the K/V
+in the K/V dtype (``dkv`` buffers of ``k.dtype``), each rank adding its own before passing them
+on. The timeline is the ring plan's programs on the simulator with the kernels alone (the cost
+model without its executor costs: FLOPs over the kernel table's throughput plus one launch
+overhead per call), transfers sized with dK/dV in the K/V dtype and the output merges charged
+one per step. Its closed form, ``sum_s max(compute_s, transfer_{s+1})`` per pass, is
+:func:`te_ring_step_seconds`.
+
+**All-gather CP** (``Runtime.ALLGATHER``; PyTorch's ``context_parallel`` with its all-gather
+rotation, ``torch/distributed/tensor/experimental/_attention.py``, and TransformerEngine's
+``AttnFuncWithCPAndKVAllGather``): K/V are gathered from every rank by one NCCL all-gather
+before the attention, which then runs as one call per local zig-zag half over the gathered keys;
+the backward gathers K/V again, runs one attention-backward call per half and returns dK/dV by
+an NCCL reduce-scatter in the K/V dtype (TransformerEngine's backward: PyTorch's passes dK/dV
+around the ring in float32, the slower of the two). The collectives are costed as NCCL runs them
+on the topology (:mod:`torch_dcp.cost.collectives`); compute does not overlap them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from .cost import CostModel
+from .cost.collectives import allgather_seconds, reduce_scatter_seconds
+from .plan import BlockwiseReduction, Plan, ReduceOp
+from .plan.heads import HeadParallelPlan
+from .planners.base import Routing, Runtime
+from .simulate import PassResult, SimResult, _Pass, simulate_programs
+from .workload import Buf
+
+__all__ = ["RUNTIMES", "te_ring_step_seconds", "simulate_allgather", "allgather_pass_seconds", "on_executor"]
+
+
+def on_executor(plan: "Plan | HeadParallelPlan") -> "Plan | HeadParallelPlan":
+    """``plan`` as torch_dcp's executor runs it (``Runtime.EXECUTOR``: its stats, transfers and
+    simulated time are the executor's): a baseline's plan that ``context_parallel`` runs; ``plan``
+    itself where the executor already runs it."""
+    if isinstance(plan, HeadParallelPlan):
+        outer = on_executor(plan.outer)
+        return plan if outer is plan.outer else HeadParallelPlan(outer, plan.batch, plan.topology, plan.head_parallel,
+                                                                 plan.label, plan.keep_sharded)
+    if plan.placement.runtime is Runtime.EXECUTOR:
+        return plan
+    placement = dataclasses.replace(plan.placement, runtime=Runtime.EXECUTOR)
+    return Plan(placement, plan.topology, plan.tile_division, plan.divisions, plan.plan_seconds)
+
+
+class _TERingPass(_Pass):
+    """A pass of TransformerEngine's ring: the plan's programs (one attention call per ring
+    step), each LSE merge charged as one merge per step (read the running output and the
+    step's, write the running one) at the memory bandwidth."""
+
+    def on_reduction(self, ins: BlockwiseReduction, r: int, t: float) -> None:
+        if ins.op is not ReduceOp.LSE_MERGE:
+            return super().on_reduction(ins, r, t)
+        merges = np.maximum(np.diff(ins.src_ptr) - 1, 0)
+        nbytes = 3.0 * float((merges * self.blen[ins.dst_block]).sum()) * self.row_bytes[ins.src]
+        steps = int(merges.max(initial=0))
+        self._compute(r, t, "reduction", nbytes / self.cm.memory_bandwidth + steps * self.cm.launch_overhead)
+
+
+def _simulate_te_ring(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult | None:
+    """TransformerEngine's ring (module docstring): the programs with the kernels alone."""
+    return simulate_programs(plan, cm.with_executor(None), bound, _TERingPass, Runtime.TE_RING)
+
+
+def _simulate_executor(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult | None:
+    return simulate_programs(plan, cm, bound)
+
+
+def te_ring_step_seconds(plan: Plan, cost_model: CostModel | None = None) -> float:
+    """TransformerEngine's ring step formula for a ring plan, forward + backward (seconds).
+
+    Each pass takes ``sum_s max(compute_s, transfer_{s+1})`` over the ``W`` ring steps: step
+    ``s`` computes while the K/V chunks of step ``s + 1`` travel one hop (Liu et al., *Ring
+    Attention with Blockwise Transformers*, 2023, §3; TransformerEngine's
+    ``AttnFuncWithCPAndKVP2P``). ``compute_s`` is the slowest rank's step: its attention call
+    (the kernels alone: the cost model's table and launch overhead, no executor costs), from
+    the second step on one memory-bound merge of its output rows (forward) or sum of its dK/dV
+    rows (backward), two slots read and one written, and in the first step the staging copy of
+    its own rows. ``transfer_s`` is the slowest hop's transfer into step ``s``; in the backward
+    the dK/dV partials of step ``s`` (in the dtype the plan's runtime sends them: the K/V dtype
+    for ``ring``) share the hop with the K/V chunks of step ``s + 2`` (they travel while step
+    ``s + 1`` computes), and the last dK/dV hop home is exposed. Times come from
+    ``cost_model`` (default: the A100 table) and the plan's topology.
+
+    Raises:
+        ValueError: ``plan`` does not use ring routes.
+    """
+    if plan.placement.routing is not Routing.RING:
+        raise ValueError(f"ring_step_seconds needs a ring plan, got routing {plan.placement.routing.value!r}")
+    cm = (cost_model or CostModel.a100()).with_executor(None)
+    wl, pl, topo = plan.workload, plan.placement, plan.topology
+    w, itb, t = plan.world_size, pl.token_bytes(), plan.tables
+    inter = topo.node_of((np.arange(w) - 1) % w) != topo.node_of(np.arange(w))
+    rows = pl.rank_tokens().astype(np.float64)
+    total = 0.0
+    for backward in (False, True):
+        # the attention of every (rank, step): one call; from the second step on, the output's
+        # merge (forward) or the dK/dV partials' sum (backward): read two slots, write one
+        cell = pl.tile_rank.astype(np.int64) * w + np.asarray(plan.tile_division, np.int64)
+        compute = cm.launch_seconds(wl, np.arange(wl.n_tiles), cell, w * w, backward).reshape(w, w)
+        row = itb[(True, Buf.DKV)] if backward else itb[(False, Buf.OPART)]
+        compute[:, 1:] += cm.memory_seconds_array(3.0 * rows * row)[:, None]
+        # staging the rank's own K/V (and Q side) rows for the first step: read + write
+        compute[:, 0] += cm.memory_seconds_array(2.0 * rows * (itb[(backward, Buf.KV)] + itb[(backward, Buf.Q)]))
+        # bytes into rank r over the hop that overlaps step s - 1 (s = w + 1: after the last step)
+        nbytes = np.zeros((w, w + 2))
+        np.add.at(nbytes, (t["fetch_rank"], t["fetch_div"]), wl.block_len[t["fetch_block"]] * itb[(backward, Buf.KV)])
+        if backward:
+            np.add.at(nbytes, (t["ret_kv_dst"], t["ret_kv_div"] + 2),
+                      wl.block_len[t["ret_kv_block"]] * itb[(True, Buf.DKV)])
+        hop = np.array([[cm.transfer_seconds(nbytes[r, s], topo, bool(inter[r])) if nbytes[r, s] else 0.0
+                         for s in range(w + 2)] for r in range(w)])
+        total += sum(max(compute[:, s].max(), hop[:, s + 1].max()) for s in range(w)) + hop[:, w + 1].max()
+    return float(total)
+
+
+def allgather_pass_seconds(plan: Plan, cm: CostModel, backward: bool) -> tuple[float, float, np.ndarray]:
+    """One pass of all-gather CP (module docstring): ``(gather seconds, reduce-scatter seconds
+    (0 forward), compute seconds per rank float64 [W])``. The shards are the ranks' K/V rows
+    (the largest rank's, as NCCL pads them); each rank's compute is one call per zig-zag half
+    of its queries, the kernels alone."""
+    kern = cm.with_executor(None)
+    wl, pl, topo, w = plan.workload, plan.placement, plan.topology, plan.world_size
+    itb = pl.token_bytes()
+    rows = float(pl.rank_tokens().max(initial=0))
+    gather = allgather_seconds(rows * itb[(backward, Buf.KV)], topo)
+    scatter = reduce_scatter_seconds(rows * itb[(True, Buf.DKV)], topo) if backward else 0.0
+    q = wl.tile_q
+    second_half = 2 * wl.block_start[q] >= wl.batch.doc_lens[wl.block_doc[q]]
+    cell = pl.tile_rank.astype(np.int64) * 2 + second_half
+    compute = kern.launch_seconds(wl, np.arange(wl.n_tiles), cell, 2 * w, backward).reshape(w, 2).sum(axis=1)
+    return gather, scatter, compute
+
+
+def simulate_allgather(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult:
+    """All-gather CP's forward and backward (module docstring): each pass takes the all-gather,
+    then the slowest rank's compute, then (backward) the reduce-scatter. ``bound`` is not used
+    (the passes are closed forms)."""
+    passes = []
+    for backward in (False, True):
+        gather, scatter, compute = allgather_pass_seconds(plan, cm, backward)
+        finish = gather + compute
+        span = float(finish.max(initial=0.0)) + scatter
+        events = [[("all-gather", 0.0, gather), ("attention", gather, float(f))]
+                  + ([("reduce-scatter", span - scatter, span)] if scatter else []) for f in finish]
+        exposed = np.full(plan.world_size, gather + scatter)
+        passes.append(PassResult(span, compute.copy(), exposed, span - finish - scatter, np.full(plan.world_size, span),
+                                 events))
+    ideal = float(sum(p.busy_s.sum() for p in passes)) / plan.world_size
+    return SimResult(passes[0], passes[1], passes[0].makespan_s + passes[1].makespan_s, ideal)
+
+
+#: runtime -> ``fn(plan, cost model, bound) -> SimResult | None`` (None: not faster than ``bound``)
+RUNTIMES: dict[Runtime, Callable[..., SimResult | None]] = {
+    Runtime.EXECUTOR: _simulate_executor,
+    Runtime.TE_RING: _simulate_te_ring,
+    Runtime.ALLGATHER: simulate_allgather,
+}
