@@ -48,7 +48,7 @@ from .executor import RankExecutor, TorchDistributedTransport, make_executor
 from .executor.groups import host_group, transfer_group
 from .executor.transport import RefusalChannel, TransferError, TransferTimeoutError, as_timedelta, is_timeout
 from .executor.device_plan import DevicePlan, host_to_device
-from .executor.padding import PaddedRows, check_capacity
+from .executor.padding import PaddedRows, PlaceholderRows, check_capacity
 from .executor.replay import LayerReplay, Recorder, recorder_for
 from .executor.kernels import DivisionKernel, get_kernel
 from .masks import Causal, MaskSpec
@@ -111,6 +111,9 @@ class DCPContext:
         self.refusals = refusals
         self.replay = replay
         self.rows = plan.local_tokens(self.rank) if rows is None else rows
+        #: whether this rank holds no tokens and its calls may carry a placeholder token instead
+        #: (:class:`~torch_dcp.executor.padding.PlaceholderRows`)
+        self.placeholder = rows is None and self.rows == 0
         self._rebuild = rebuild
 
     def bind(self, query: torch.Tensor, key: torch.Tensor) -> None:
@@ -268,8 +271,10 @@ def context_parallel(
     Inside, the model calls ``F.scaled_dot_product_attention(q, k, v, is_causal=...)`` with
     ``q: [1, H, S_local, D]`` and ``k, v: [1, H_kv, S_local, D]`` (``enable_gqa=True``) or
     ``[1, H, S_local, D]`` (repeated heads), or with ``B > 1`` rows ``[B, H, S_local / B, D]``
-    that split this rank's tokens row after row (the output has the input's shape; a rank may
-    hold no tokens: ``S_local = 0``), in the BatchSpec's dtype (any of float32,
+    that split this rank's tokens row after row (the output has the input's shape), in the
+    BatchSpec's dtype. A rank may hold no tokens (``S_local = 0``); its model may run one
+    placeholder token instead (``ctx.placeholder``; calls of one row, whose output and gradients
+    are zero: :class:`~torch_dcp.executor.padding.PlaceholderRows`), (any of float32,
     bfloat16, float16, float64). The mask applied is the batch's mask spec inside every
     document. Whatever SDPA backend PyTorch would pick does not matter: the call goes to the
     ``torch_dcp::attention`` op.
@@ -388,6 +393,8 @@ def context_parallel(
         runner = layers if layers is not None else executor
         if padded_tokens is not None:
             runner = PaddedRows(runner, p.local_tokens(rank), padded_tokens)
+        elif p.local_tokens(rank) == 0:  # its model may run a placeholder token
+            runner = PlaceholderRows(runner)
         return runner, layers
 
     runner, layers = build(plan)

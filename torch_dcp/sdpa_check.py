@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from .executor.padding import PLACEHOLDER_ROWS
+
 __all__ = ["check_sdpa_call", "call_rows", "fold_rows", "unfold_rows"]
 
 
@@ -54,7 +56,7 @@ def check_sdpa_call(ctx: Any, query, key, value, attn_mask, dropout_p, is_causal
                              "torch.autocast, the autocast dtype)")
         if t.device != query.device:
             raise ValueError(f"torch_dcp: SDPA {name} is on {t.device}, query on {query.device}")
-        if t.shape[2] != s_local:
+        if t.shape[2] != s_local and not (ctx.placeholder and t.shape[2] == PLACEHOLDER_ROWS):
             raise ValueError(f"torch_dcp: SDPA {name} has sequence length {t.shape[2]}, but rank {ctx.rank} holds "
                              f"{s_local} tokens of the plan (shard the inputs with buffers=...)")
         if t.shape[3] != b.head_dim:
@@ -99,7 +101,7 @@ def call_rows(query: Any, key: Any, value: Any, ctx: Any) -> int:
     if key.shape[0] != b or value.shape[0] != b:
         reason = (f"torch_dcp: SDPA query/key/value have batch sizes {b}/{key.shape[0]}/{value.shape[0]}; "
                   "they must agree")
-    elif ctx is not None and b * query.shape[2] != ctx.rows:
+    elif ctx is not None and b * query.shape[2] not in (ctx.rows, PLACEHOLDER_ROWS if ctx.placeholder else ctx.rows):
         reason = (f"torch_dcp: SDPA query [{b}, {query.shape[1]}, {query.shape[2]}, {query.shape[3]}] holds "
                   f"{b * query.shape[2]} tokens, but rank {ctx.rank} holds {ctx.rows} tokens of the plan (inside the "
                   "context a rank's tokens are one row [1, S_local] of every sharded buffer; B > 1 rows must split "
