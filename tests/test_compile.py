@@ -93,7 +93,7 @@ def _compiled_matches_eager(rank, world, mesh):
 
         # a call that contradicts the plan raises the eager wrapper's error, on every rank, also compiled
         model.is_causal = False
-        with pytest.raises(ValueError, match="is_causal=False, but the batch's mask is causal"):
+        with pytest.raises(ValueError, match="is_causal=False, but the context's mask is causal"):
             compiled(x, target)
         model.is_causal = True
         # one that contradicts any plan is found while tracing: with fullgraph, Dynamo's error names it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 
 import pytest
@@ -187,7 +188,7 @@ def _errors_and_restore(rank, world, mesh):
     with pytest.raises(ValueError, match="sequence length"):
         with torch_dcp.context_parallel(mesh, buffers=[tokens[:, :-1]], buffer_seq_dims=[1], batch=batch):
             pass
-    with pytest.raises(ValueError, match="exactly one"):
+    with pytest.raises(ValueError, match="give batch=, plan= or buffers="):
         with torch_dcp.context_parallel(mesh):
             pass
     # PyTorch's own context parallel active -> refuse
@@ -328,16 +329,18 @@ def test_attention_op_opcheck_and_plain_tensors():
 TIMEOUT, STALL = 5, 7
 
 
-def _frozen_rank(rank, world, mesh):
+def _frozen_rank(rank, world, mesh, planner="greedy", where=r"CommWait"):
     """Rank 1 stalls inside the body for longer than the timeout before its SDPA call; every rank
-    must raise TransferTimeoutError within the timeout (+ 5 s) of starting to wait."""
+    must raise TransferTimeoutError within the timeout (+ 5 s) of starting to wait, naming where
+    (a step of the plan, or a head-parallel plan's all-to-all)."""
     import time
 
     from torch_dcp.executor import TransferError, TransferTimeoutError
 
     batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
     q, k, v, _ = random_qkv(batch, torch.float32)
-    with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, divisions=2, timeout=TIMEOUT) as ctx:
+    with torch_dcp.context_parallel(mesh, batch=batch, planner=planner, block_size=8, divisions=2,
+                                    timeout=TIMEOUT) as ctx:  # greedy: transfers on every rank
         idx = torch.from_numpy(ctx.plan.token_indices(rank))
         ql, kl, vl = (t[idx].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         if rank == 1:
@@ -346,7 +349,7 @@ def _frozen_rank(rank, world, mesh):
         # the waiting rank times out; the late one then finds its peer gone (gloo closes a pair
         # that timed out) or times out in turn: a TransferError naming the phase either way
         expected = TransferTimeoutError if rank == 0 else TransferError
-        with pytest.raises(expected, match=r"forward pass, CommWait\(phase=\d+\)|phase \d+: posting") as err:
+        with pytest.raises(expected, match=rf"forward pass, {where}\(phase=\d+\)|phase \d+: posting") as err:
             F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)
         waited = time.monotonic() - t0
         assert waited < TIMEOUT + 5, f"rank {rank} waited {waited:.1f} s"
@@ -357,8 +360,9 @@ def _frozen_rank(rank, world, mesh):
 _SDPA = F.scaled_dot_product_attention
 
 
-def test_a_frozen_rank_gives_every_rank_a_timeout(tmp_path):
-    run_ranks(_frozen_rank, 2, tmp_path, timeout=90, barrier=False)
+@pytest.mark.parametrize("planner, where", [("greedy", "CommWait"), ("ulysses", "head all-to-all to heads")])
+def test_a_frozen_rank_gives_every_rank_a_timeout(planner, where, tmp_path):
+    run_ranks(functools.partial(_frozen_rank, planner=planner, where=where), 2, tmp_path, timeout=90, barrier=False)
 
 
 def _tiny_batches(rank, world, mesh):
@@ -394,7 +398,9 @@ def _exception_before_sdpa(rank, world, mesh):
     # closed its connection (TransferError): either names the phase and the peers
     expected = RuntimeError if rank == world - 1 else TransferError
     with pytest.raises(expected) as err:
-        with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, divisions=2, timeout=TIMEOUT) as ctx:
+        # greedy's plan of this batch has transfers on every rank (dcp's may keep documents whole)
+        with torch_dcp.context_parallel(mesh, batch=batch, planner="greedy", block_size=8, divisions=2,
+                                        timeout=TIMEOUT) as ctx:
             idx = torch.from_numpy(ctx.plan.token_indices(rank))
             ql, kl, vl = (t[idx].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             if rank == world - 1:
@@ -420,7 +426,9 @@ def _killed_mid_step(rank, world, mesh):
 
     batch = BatchSpec(LENS, Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype=torch.float32)
     q, k, v, go = random_qkv(batch, torch.float32)
-    with torch_dcp.context_parallel(mesh, batch=batch, block_size=8, divisions=2, timeout=TIMEOUT) as ctx:
+    # greedy's plan of this batch has transfers in the backward (dcp's may keep every document whole)
+    with torch_dcp.context_parallel(mesh, batch=batch, planner="greedy", block_size=8, divisions=2,
+                                    timeout=TIMEOUT) as ctx:
         idx = torch.from_numpy(ctx.plan.token_indices(rank))
         ql, kl, vl = (t[idx].transpose(0, 1).unsqueeze(0).clone().requires_grad_(True) for t in (q, k, v))
         out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)

@@ -116,13 +116,17 @@ def _reference(model: nn.Module, batch: BatchSpec) -> tuple[float, dict[str, tor
     return loss.item(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-def _dcp_step(mesh, model: nn.Module, plan, fsdp: bool, replay: object) -> tuple[float, dict]:
+def _dcp_step(mesh, model: nn.Module, plan, fsdp: bool, replay: object, placeholder: bool = False
+              ) -> tuple[float, dict]:
     """The step of ``plan`` under ``torch_dcp.context_parallel`` on this rank: the global loss
-    (summed over the ranks) and the full gradients."""
+    (summed over the ranks) and the full gradients. ``placeholder``: a rank without tokens runs
+    the model on one placeholder token (id 0, position 0, ignored label) instead of none."""
     tokens, labels, positions, n = _data(list(map(int, plan.batch.doc_lens)))
     model.zero_grad()
     with torch_dcp.context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 1],
-                                    no_restore_buffers={tokens, labels, positions}, plan=plan, replay=replay):
+                                    no_restore_buffers={tokens, labels, positions}, plan=plan, replay=replay) as ctx:
+        if placeholder and ctx.placeholder:
+            tokens, positions, labels = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1), torch.full((1, 1), -100)
         loss = model(tokens, positions, labels, n)  # is_causal=True: both masks here are causal ones
         # FSDP2 averages gradients over the mesh: every rank's loss is its share of the sum
         (loss * (mesh.size() if fsdp else 1)).backward()
@@ -143,7 +147,8 @@ def _dcp_step(mesh, model: nn.Module, plan, fsdp: bool, replay: object) -> tuple
 def _cases(world: int):
     """(label, mask, heads, kv heads, planning arguments, FSDP2, replay): every planner, head
     parallelism over all ranks (Ulysses; dcp's outer plan over the head groups), layer replay,
-    FSDP2 beside DCP, a window mask."""
+    FSDP2 beside DCP, a window mask, and (replay ``"placeholder"``) FSDP2 with the empty rank's
+    model run on a placeholder token."""
     yield from ((p, Causal(), 4, 2, {"planner": p}, False, False)
                 for p in ("dcp", "greedy", "ring", "allgather", "megatron", "fcp"))
     h = 2 * world
@@ -152,6 +157,7 @@ def _cases(world: int):
     yield "replay", Causal(), 4, 2, {"planner": "greedy"}, False, EagerRecorder()
     yield "lambda", Lambda(sink=1, window=2), 4, 2, {"planner": "greedy"}, False, False
     yield "fsdp2", Causal(), 4, 2, {"planner": "dcp"}, True, False
+    yield "placeholder", Causal(), 4, 2, {"planner": "dcp"}, True, "placeholder"
 
 
 def _plan_with_empty_rank(world: int, label: str, mask, h: int, hkv: int, options: dict):
@@ -183,7 +189,8 @@ def _context_model_steps(rank: int, world: int, mesh, out: str) -> None:
             for layer in model.layers:
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
-        loss, grads = _dcp_step(mesh, model, plan, fsdp, replay)
+        placeholder = replay == "placeholder"  # the empty rank's model runs one placeholder token
+        loss, grads = _dcp_step(mesh, model, plan, fsdp, None if placeholder else replay, placeholder)
         loss_err = abs(loss - want_loss) / abs(want_loss)
         # relative to the model's largest gradient (a parameter's own gradient may be 0 here)
         scale = max(float(g.abs().max()) for g in want.values())

@@ -13,7 +13,7 @@ runs every rank's part of the attention, forward and backward, exactly.
 from . import masks
 from .api import plan
 from .batch import BatchSpec
-from .context import DCPContext, context_parallel, unshard
+from .context import DCPContext, context_parallel, context_parallel_unshard, unshard
 from .cost import CostModel
 from .executor import RankExecutor, dcp_attention, emulate
 from .masks import BlockwiseCausal, Causal, Full, Lambda, Ranges, SharedQuestion
@@ -34,6 +34,7 @@ __all__ = [
     "SimResult",
     "CostModel",
     "context_parallel",
+    "context_parallel_unshard",
     "unshard",
     "DCPContext",
     "BatchSpec",

@@ -21,7 +21,11 @@ from .workload import check_block_size
 if TYPE_CHECKING:  # pragma: no cover
     from .cost import CostModel
 
-__all__ = ["plan", "divide", "DEFAULT_DIVISIONS"]
+__all__ = ["plan", "divide", "DEFAULT_DIVISIONS", "DEFAULT_PLANNER"]
+
+#: the planner of :func:`plan` and :func:`torch_dcp.context_parallel` when none is named, as every
+#: integration's (the planning loader, torchtitan, the Hugging Face trainers, the main job)
+DEFAULT_PLANNER = "dcp"
 
 #: divisions per rank when ``divisions=None`` (the DCP paper's T = 4), fewer for batches with fewer tiles
 DEFAULT_DIVISIONS = 4
@@ -64,7 +68,7 @@ FULL_SEARCH_PARTS = 32
 def plan(
     batch: BatchSpec,
     topology: Topology | int,
-    planner: str = "greedy",
+    planner: str = DEFAULT_PLANNER,
     block_size: int = 1024,
     divisions: int | None = None,
     cost_model: "CostModel | str | None" = "auto",
@@ -76,7 +80,7 @@ def plan(
     Args:
         batch: documents, masks, heads, dtype of the global batch.
         topology: a :class:`Topology`, or a world size (all ranks on one node).
-        planner: ``"greedy"``, ``"dcp"``, ``"ring"``, ``"allgather"``, ``"megatron"``,
+        planner: ``"dcp"`` (default, :data:`DEFAULT_PLANNER`), ``"greedy"``, ``"ring"``, ``"allgather"``, ``"megatron"``,
             ``"fcp"`` (see :mod:`torch_dcp.planners`), or a head-parallel baseline,
             ``"ulysses"`` or ``"hcp"`` (:data:`~torch_dcp.planners.HEAD_PLANNERS`).
         block_size: tokens per block ``B``, an integer in ``1 ..`` :data:`~torch_dcp.batch.MAX_TOKENS`

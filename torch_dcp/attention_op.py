@@ -83,6 +83,18 @@ def use_executor(executor: RankExecutor, check: Callable[..., None] | None = Non
         _executor, _check = None, None
 
 
+def rebind(executor: RankExecutor) -> None:
+    """Replace the bound executor (a context that learnt its attention's heads from the first
+    SDPA call, :func:`torch_dcp.context_parallel`), keeping the bound check.
+
+    Raises:
+        RuntimeError: none is bound.
+    """
+    global _executor
+    _bound()
+    _executor = executor
+
+
 def _bound() -> RankExecutor:
     if _executor is None:
         raise RuntimeError("torch_dcp::attention runs only inside torch_dcp.context_parallel (no executor is bound)")

@@ -33,28 +33,30 @@ import contextlib
 import datetime
 import functools
 import typing
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from . import attention_op, teardown
-from .api import plan as make_plan
+from .api import DEFAULT_PLANNER, plan as make_plan
 from .attention_op import as_dtensor, bind_args, like, local
-from .batch import BatchSpec
+from .batch import BatchSpec, canonical_dtype
+from .buffers import RowLayout, context_parallel_unshard, remember, rows_batch, unshard
 from .cost import CostModel
 from .executor import RankExecutor, TorchDistributedTransport, make_executor
 from .executor.groups import host_group, transfer_group
 from .executor.transport import RefusalChannel, TransferError, TransferTimeoutError, as_timedelta, is_timeout
 from .executor.device_plan import DevicePlan, host_to_device
-from .executor.padding import PaddedRows, check_capacity
+from .executor.padding import PaddedRows, PlaceholderRows, check_capacity
 from .executor.replay import LayerReplay, Recorder, recorder_for
 from .executor.kernels import DivisionKernel, get_kernel
+from .masks import Causal, MaskSpec
 from .plan import Plan
-from .sdpa_check import check_sdpa_call
+from .sdpa_check import call_rows, check_sdpa_call, fold_rows, unfold_rows
 from .topology import Topology
 
-__all__ = ["context_parallel", "unshard", "DCPContext", "active_context"]
+__all__ = ["context_parallel", "context_parallel_unshard", "unshard", "DCPContext", "active_context"]
 
 aten = torch.ops.aten
 _FWD_OPS = {
@@ -69,6 +71,9 @@ _BWD_OPS = {
     "_scaled_dot_product_efficient_attention_backward": 4,
     "_scaled_dot_product_cudnn_attention_backward": 3,
 }
+
+#: tokens per block of a context that plans its batch, unless told (:func:`torch_dcp.plan`'s default)
+DEFAULT_BLOCK_SIZE = 1024
 
 _active: "DCPContext | None" = None
 #: context entries per group (by its ranks): every rank of a group counts alike, naming each entry's refusal key
@@ -97,7 +102,8 @@ class DCPContext:
     """
 
     def __init__(self, mesh: Any, plan: Plan, executor: RankExecutor, refusals: RefusalChannel | None = None,
-                 replay: LayerReplay | None = None, rows: int | None = None):
+                 replay: LayerReplay | None = None, rows: int | None = None,
+                 rebuild: "Callable[[Plan], tuple[Any, LayerReplay | None]] | None" = None):
         self.mesh = mesh
         self.plan = plan
         self.rank = executor.rank
@@ -105,6 +111,32 @@ class DCPContext:
         self.refusals = refusals
         self.replay = replay
         self.rows = plan.local_tokens(self.rank) if rows is None else rows
+        #: whether this rank holds no tokens and its calls may carry a placeholder token instead
+        #: (:class:`~torch_dcp.executor.padding.PlaceholderRows`)
+        self.placeholder = rows is None and self.rows == 0
+        self._rebuild = rebuild
+
+    def bind(self, query: torch.Tensor, key: torch.Tensor) -> None:
+        """A context without ``batch=`` planned with nominal heads unless its buffers held the
+        attention's inputs: its first SDPA call (``query: [1, H, S_local, D]``, ``key: [1, H_kv,
+        S_local, D]``) gives the plan its heads, head_dim and dtype
+        (:meth:`~torch_dcp.Plan.with_heads`: the same placement, so the sharded buffers stay
+        valid) and the executor is built for it. Later calls are checked against it as usual.
+
+        Raises:
+            ValueError: heads the :class:`~torch_dcp.BatchSpec` refuses.
+        """
+        if self._rebuild is None or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key)):
+            return
+        rebuild, self._rebuild = self._rebuild, None
+        plan = self.plan.with_heads(query.shape[1], key.shape[1], query.shape[3], canonical_dtype(query.dtype))
+        if plan is self.plan:
+            return
+        if self.replay is not None:
+            self.replay.close()
+        self.executor, self.replay = rebuild(plan)
+        self.plan = plan
+        attention_op.rebind(self.executor)
 
     def refuse(self, reason: str) -> "typing.NoReturn":
         """Refuse the next SDPA call of this step before making it (an integration's own
@@ -159,8 +191,8 @@ def context_parallel(
     no_restore_buffers: set[torch.Tensor] | None = None,
     batch: BatchSpec | None = None,
     plan: Plan | None = None,
-    planner: str = "greedy",
-    block_size: int = 1024,
+    planner: str = DEFAULT_PLANNER,
+    block_size: int | None = None,
     divisions: int | None = None,
     topology: Topology | None = None,
     kernel: str | DivisionKernel | None = None,
@@ -170,6 +202,7 @@ def context_parallel(
     replay: "bool | Recorder | None" = None,
     padded_tokens: int | None = None,
     cost_model: "CostModel | str | None" = "auto",
+    mask: MaskSpec | None = None,
 ) -> Iterator[DCPContext]:
     """Run the body's ``F.scaled_dot_product_attention`` calls with dynamic context parallelism.
 
@@ -177,16 +210,31 @@ def context_parallel(
         mesh: one-dimensional ``DeviceMesh`` of the DCP group (all ranks that share the
             global batch; DCP unifies data and context parallelism in this one dimension).
         buffers: tensors of the global batch, identical on every rank (token ids, labels,
-            position ids, ...), each with a sequence dimension of ``batch.total_tokens``.
-            On entry each is resized in place to this rank's tokens, in
-            ``plan.token_indices(rank)`` order.
+            position ids, RoPE tables, the attention's inputs, ...): ``B`` rows of ``S``
+            tokens, ``[B, ..., S, ...]`` (dim 0 the rows), or per-position tables ``[S, ...]``
+            (seq dim 0) shared by the rows (:mod:`torch_dcp.buffers`). On entry each is resized
+            in place to this rank's tokens, in ``plan.token_indices(rank)`` order, as one row:
+            ``[1, ..., S_local, ...]`` (``[S_local, ...]`` for a per-position table). The
+            plan's global token order is row after row.
         buffer_seq_dims: the sequence dimension of every buffer.
         no_restore_buffers: buffers (by identity) left sharded on exit; the others are restored.
-        batch: the step's :class:`BatchSpec` (planned on entry with ``planner``,
-            ``block_size``, ``divisions``, ``topology``, as :func:`torch_dcp.plan` does;
+        batch: the step's :class:`BatchSpec`, its documents laid out row after row over the
+            buffers' ``B x S`` tokens (planned on entry with ``planner``, ``block_size``,
+            ``divisions``, ``topology``, as :func:`torch_dcp.plan` does;
             ``divisions=None``: ``min(4, tiles)``), or
-        plan: a precomputed :class:`Plan` (give exactly one of ``batch`` and ``plan``; a
-            ``device_plan`` alone gives its plan).
+        plan: a precomputed :class:`Plan` (give at most one of ``batch`` and ``plan``; a
+            ``device_plan`` alone gives its plan). Give neither, as code written for PyTorch's
+            ``context_parallel`` does, and every row of the buffers is one document of ``S``
+            tokens under ``mask``; the plan is made for the heads, head_dim and dtype of
+            buffers shaped ``[B, H, S, D]`` (seq dim 2) if there are any, else for nominal ones
+            that the first SDPA call replaces (:meth:`DCPContext.bind`; no head parallelism).
+        mask: without ``batch=``/``plan=``: the mask of every row (a :mod:`torch_dcp.masks`
+            spec; default :class:`~torch_dcp.masks.Causal`; ``Full()`` for SDPA calls with
+            ``is_causal=False``).
+        planner: the planner (default ``"dcp"``, :data:`~torch_dcp.api.DEFAULT_PLANNER`, as
+            every integration's).
+        block_size: tokens per block (default 1024; without ``batch=``, at most ``B * S / (2 W)``
+            rounded up, so that every rank can hold two blocks).
         topology: ranks per node and links, for planning (default: all ranks on one node).
         cost_model: the model that times a planner's candidates when planning here
             (:func:`torch_dcp.plan`; default ``"auto"``: this device's).
@@ -222,7 +270,11 @@ def context_parallel(
 
     Inside, the model calls ``F.scaled_dot_product_attention(q, k, v, is_causal=...)`` with
     ``q: [1, H, S_local, D]`` and ``k, v: [1, H_kv, S_local, D]`` (``enable_gqa=True``) or
-    ``[1, H, S_local, D]`` (repeated heads), in the BatchSpec's dtype (any of float32,
+    ``[1, H, S_local, D]`` (repeated heads), or with ``B > 1`` rows ``[B, H, S_local / B, D]``
+    that split this rank's tokens row after row (the output has the input's shape), in the
+    BatchSpec's dtype. A rank may hold no tokens (``S_local = 0``); its model may run one
+    placeholder token instead (``ctx.placeholder``; calls of one row, whose output and gradients
+    are zero: :class:`~torch_dcp.executor.padding.PlaceholderRows`), (any of float32,
     bfloat16, float16, float64). The mask applied is the batch's mask spec inside every
     document. Whatever SDPA backend PyTorch would pick does not matter: the call goes to the
     ``torch_dcp::attention`` op.
@@ -231,7 +283,10 @@ def context_parallel(
         A :class:`DCPContext` (plan, executor, ``unshard``).
 
     Raises:
-        ValueError: bad arguments (both or neither of ``batch``/``plan``, a block size or
+        ValueError: bad arguments (both ``batch`` and ``plan``, ``mask`` beside either,
+            ``head_parallel`` without ``batch``, neither of them and no ``buffers``, buffers of
+            different sequence lengths or row counts, rows times sequence length not the
+            batch's tokens, a block size or
             divisions out of bounds (see :func:`torch_dcp.plan`), buffers and seq dims
             of different lengths, a buffer whose sequence length is not the batch's, a
             ``no_restore_buffers`` entry that is not a buffer, a plan for another world size,
@@ -265,10 +320,13 @@ def context_parallel(
     if _pytorch_cp_active():
         raise RuntimeError("torch_dcp.context_parallel: a PyTorch context_parallel context (or other SDPA DTensor "
                            "handlers) is active; exit it first")
+    if mask is not None and (batch is not None or plan is not None or device_plan is not None):
+        raise ValueError("torch_dcp.context_parallel: mask= is for a context without batch= or plan= (a BatchSpec "
+                         "carries its own mask)")
     if device_plan is not None and plan is None and batch is None:
         plan = device_plan.plan
-    if (batch is None) == (plan is None):
-        raise ValueError("torch_dcp.context_parallel: give exactly one of batch= and plan=")
+    if batch is not None and plan is not None:
+        raise ValueError("torch_dcp.context_parallel: give at most one of batch= and plan=")
     if device_plan is not None:
         if device_plan.plan is not plan.attention_part(0)[0]:
             raise ValueError("torch_dcp.context_parallel: device_plan was built for another plan (pass its own plan, "
@@ -288,28 +346,32 @@ def context_parallel(
     if padded_tokens is not None and buffers:
         raise ValueError("torch_dcp.context_parallel: padded_tokens is for callers that pad their own tensors; "
                          "give no buffers with it")
+    rows_are_documents = batch is None and plan is None
+    if rows_are_documents and head_parallel not in (None, 1):
+        raise ValueError("torch_dcp.context_parallel: head_parallel needs batch= (without it the attention's heads "
+                         "are known only at the first SDPA call)")
+    known_total = None if rows_are_documents else (plan.batch if plan is not None else batch).total_tokens
+    layout = RowLayout.of(buffers, seq_dims, known_total)
     group = _group(mesh)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = buffers[0].device if buffers else _mesh_device(mesh)
+    heads_known = True
+    if rows_are_documents:
+        batch, heads_known = rows_batch(layout, mask if mask is not None else Causal(), buffers, seq_dims, device)
+        head_parallel = 1
+        if block_size is None:  # at least two blocks per rank where the rows allow it
+            block_size = min(DEFAULT_BLOCK_SIZE, max(1, -(-layout.total // (2 * world))))
     if plan is None:
         topo = topology if topology is not None else Topology.single_node(world)
-        plan = make_plan(batch, topo, planner=planner, block_size=block_size, divisions=divisions,
-                         head_parallel=head_parallel, cost_model=cost_model)
+        plan = make_plan(batch, topo, planner=planner, divisions=divisions, head_parallel=head_parallel,
+                         cost_model=cost_model, block_size=DEFAULT_BLOCK_SIZE if block_size is None else block_size)
     if plan.world_size != world:
         raise ValueError(f"torch_dcp.context_parallel: the plan is for {plan.world_size} ranks, the mesh has {world}")
     if padded_tokens is not None:  # the same answer on every rank: they hold the same plan
         check_capacity(plan, padded_tokens, "torch_dcp.context_parallel: padded_tokens")
     wait_limit = as_timedelta(timeout, "torch_dcp.context_parallel: timeout")
-    device = buffers[0].device if buffers else _mesh_device(mesh)
     recorder = recorder_for(replay, device, "torch_dcp.context_parallel")
     _check_same_plan(plan, group, rank, world, wait_limit)
-    total = plan.batch.total_tokens
-    for i, (b, d) in enumerate(zip(buffers, seq_dims)):
-        if not -b.dim() <= d < b.dim():
-            raise ValueError(f"torch_dcp.context_parallel: buffer {i} has {b.dim()} dims, seq dim {d} is out of range")
-        if b.shape[d] != total:
-            raise ValueError(f"torch_dcp.context_parallel: buffer {i} has sequence length {b.shape[d]}, "
-                             f"the batch has {total} tokens")
-
     if device_plan is not None and (device_plan.plan, device_plan.rank) != plan.attention_part(rank):
         raise ValueError(f"torch_dcp.context_parallel: device_plan is rank {device_plan.rank}'s, this is rank {rank}")
     # on a device the transfers run on a group of their own whose timeout bounds them (the
@@ -322,13 +384,22 @@ def context_parallel(
     transport = TorchDistributedTransport(group, device=device, timeout=wait_limit, comm_group=comm,
                                           refusals=refusals)
     teardown.track_transport(transport)  # released at interpreter exit (teardown.release_at_exit)
-    executor = make_executor(plan, rank, transport, kernel=kernel, device_plan=device_plan)
-    executor.prepare(device)  # the device plan is built (unless given) and uploaded here, not in the first SDPA call
-    layers = LayerReplay(executor, recorder) if recorder is not None else None
-    runner = layers if layers is not None else executor
-    if padded_tokens is not None:
-        runner = PaddedRows(runner, plan.local_tokens(rank), padded_tokens)
-    ctx = DCPContext(mesh, plan, runner, refusals, layers, padded_tokens)
+
+    def build(p: Plan) -> "tuple[Any, LayerReplay | None]":
+        executor = make_executor(p, rank, transport, kernel=kernel, device_plan=device_plan)
+        if heads_known:  # the device plan is built (unless given) and uploaded here, not in the first SDPA call
+            executor.prepare(device)
+        layers = LayerReplay(executor, recorder) if recorder is not None else None
+        runner = layers if layers is not None else executor
+        if padded_tokens is not None:
+            runner = PaddedRows(runner, p.local_tokens(rank), padded_tokens)
+        elif p.local_tokens(rank) == 0:  # its model may run a placeholder token
+            runner = PlaceholderRows(runner)
+        return runner, layers
+
+    runner, layers = build(plan)
+    ctx = DCPContext(mesh, plan, runner, refusals, layers, padded_tokens, rebuild=build if rows_are_documents else None)
+    remember(mesh, plan, layout)
     idx = host_to_device(torch.from_numpy(plan.token_indices(rank)), device)
     originals = [None if any(b is x for x in no_restore) else b.clone() for b in buffers]
     from torch.distributed.tensor import DTensor
@@ -336,10 +407,11 @@ def context_parallel(
     saved_handlers = DTensor._op_dispatcher._custom_op_handlers
     saved_sdpa = F.scaled_dot_product_attention
     try:
-        for b, d in zip(buffers, seq_dims):
-            shard = b.index_select(d, idx.to(b.device))
-            b.resize_(shard.shape)
-            b.copy_(shard)
+        with torch.no_grad():
+            for b, d in zip(buffers, seq_dims):
+                shard = layout.shard(b, d % b.dim(), idx.to(b.device))
+                b.resize_(shard.shape)
+                b.copy_(shard)
         handlers = dict(saved_handlers)
         for name in (*_FWD_OPS, *_BWD_OPS):
             if hasattr(aten, name):
@@ -355,14 +427,18 @@ def context_parallel(
             yield ctx
     finally:
         _active = None
-        if layers is not None:
-            layers.close()
+        if ctx.replay is not None:
+            ctx.replay.close()
         F.scaled_dot_product_attention = saved_sdpa
         DTensor._op_dispatcher._custom_op_handlers = saved_handlers
-        for b, orig in zip(buffers, originals):
-            if orig is not None:
-                b.resize_(orig.shape)
-                b.copy_(orig)
+        with torch.no_grad():
+            for b, orig in zip(buffers, originals):
+                if orig is not None:  # a leaf made to require grad inside (PyTorch's tests do) is restored too
+                    wants_grad = b.is_leaf and b.requires_grad
+                    b.requires_grad_(False) if wants_grad else None
+                    b.resize_(orig.shape)
+                    b.copy_(orig)
+                    b.requires_grad_(True) if wants_grad else None
 
 
 def _check_same_plan(plan: Plan, group: Any, rank: int, world: int, timeout: datetime.timedelta) -> None:
@@ -402,6 +478,8 @@ def _check_call(ctx: DCPContext | None, query, key, value, attn_mask, dropout_p,
     if ctx is not None and ctx.refusals is not None:
         ctx.refusals.begin_call()
     try:
+        if ctx is not None:
+            ctx.bind(query, key)
         check_sdpa_call(ctx, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     except ValueError as err:
         if ctx is not None and ctx.refusals is not None:
@@ -433,10 +511,14 @@ def _sdpa_wrapper(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
             any communication.
     """
     query, key, value = _autocast(query, key, value)
-    if torch.compiler.is_compiling():
+    tracing = torch.compiler.is_compiling()
+    n_rows = call_rows(query, key, value, None if tracing else _active)  # nothing plan-specific read while tracing
+    if n_rows > 1:
+        query, key, value = (fold_rows(t) for t in (query, key, value))
+    if tracing:
         _check_call(None, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         out, _, _ = torch.ops.torch_dcp.attention(query, key, value, scale, bool(is_causal), bool(enable_gqa))
-        return out
+        return unfold_rows(out, n_rows)
     from torch.distributed.tensor import Shard
 
     ctx = _active
@@ -446,7 +528,7 @@ def _sdpa_wrapper(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fa
     total = ctx.plan.batch.total_tokens
     q, k, v = (as_dtensor(t, ctx.mesh, [Shard(2)], (1, t.shape[1], total, t.shape[3])) for t in (query, key, value))
     out, _, _ = torch.ops.torch_dcp.attention(q, k, v, scale)
-    return out.to_local()
+    return unfold_rows(out.to_local(), n_rows)
 
 
 _sdpa_wrapper.__name__ = _sdpa_wrapper.__qualname__ = "scaled_dot_product_attention"
@@ -503,44 +585,3 @@ def _handler(op_call: Any, args: tuple, kwargs: dict) -> Any:
             results.append(None)
         return tuple(results)
     raise NotImplementedError(f"torch_dcp: no handler for {name}")  # pragma: no cover
-
-
-@torch.no_grad()
-def unshard(tensor: torch.Tensor, plan: Plan, mesh: Any, seq_dim: int = 0) -> torch.Tensor:
-    """Gather every rank's local tensor back to global token order (the inverse of the
-    buffer sharding of :func:`context_parallel`).
-
-    Args:
-        tensor: this rank's tensor, ``plan.local_tokens(rank)`` long in ``seq_dim``.
-        plan: the step's plan.
-        mesh: the DCP mesh (or its process group).
-        seq_dim: the sequence dimension.
-
-    Returns:
-        The global tensor (``plan.batch.total_tokens`` long in ``seq_dim``), on every rank.
-
-    Raises:
-        ValueError: the tensor's sequence length is not this rank's token count.
-    """
-    import torch.distributed as dist
-
-    group = _group(mesh)
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if plan.world_size != world:
-        raise ValueError(f"torch_dcp.unshard: the plan is for {plan.world_size} ranks, the mesh has {world}")
-    n = plan.local_tokens(rank)
-    if tensor.shape[seq_dim] != n:
-        raise ValueError(f"torch_dcp.unshard: rank {rank} holds {n} tokens, the tensor has {tensor.shape[seq_dim]} "
-                         f"in dim {seq_dim}")
-    t = tensor.detach().movedim(seq_dim, 0).contiguous()
-    longest = max(plan.local_tokens(r) for r in range(world))
-    padded = t.new_zeros((longest, *t.shape[1:]))
-    padded[:n] = t
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
-    out = t.new_empty((plan.batch.total_tokens, *t.shape[1:]))
-    for r in range(world):
-        idx = torch.from_numpy(plan.token_indices(r)).to(out.device)
-        out[idx] = parts[r][: len(idx)]
-    return out.movedim(0, seq_dim)
-

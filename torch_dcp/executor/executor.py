@@ -29,7 +29,7 @@ from ..workload import Buf
 from .device_plan import AttentionStep, CopyStep, DevicePlan, LaunchStep, ReductionStep, UploadedPlan, WaitStep
 from .kernels import DivisionKernel, get_kernel
 from .reduce import add_rows, merge_partials, put_rows, take_rows
-from .transport import TransferError, Transport
+from .transport import TransferError, Transport, located
 
 __all__ = ["RankExecutor", "InstructionTime", "dcp_attention"]
 
@@ -460,10 +460,7 @@ class RankExecutor:
     def _located(self, err: TransferError, what: str, phase: int, run: _Run) -> TransferError:
         """``err`` (same type) saying where in the plan this rank was: the pass and the step."""
         where = "backward" if run.backward else "forward"
-        new = type(err)(f"torch_dcp (plan {self.plan.digest()[:12]}): {where} pass, {what}(phase={phase}): {err}",
-                        err.phase, err.peers)
-        vars(new).update(vars(err))  # a subclass's own attributes (PeerRefusedError.reason)
-        return new
+        return located(err, f"torch_dcp (plan {self.plan.digest()[:12]}): {where} pass, {what}(phase={phase})")
 
     def on_attention(self, step: AttentionStep, bound: dict, run: _Run, scale: float) -> None:
         run.division = step.division

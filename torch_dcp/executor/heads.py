@@ -23,13 +23,16 @@ import torch
 
 from ..plan.heads import HeadParallelPlan
 from .executor import RankExecutor, _drain, dcp_attention
-from .transport import Message, Transport
+from .transport import Message, Transport, TransferError, located
 
 __all__ = ["HeadParallelExecutor", "A2A_PHASES"]
 
 #: transport phases of the all-to-alls (far above any plan's own phases)
 A2A_PHASES = {(False, "in"): 1 << 20, (False, "out"): (1 << 20) + 1, (True, "in"): (1 << 20) + 2,
               (True, "out"): (1 << 20) + 3}
+#: what each all-to-all phase is, for the errors of its transfers
+A2A_NAMES = {phase: f"{'backward' if backward else 'forward'} pass, head all-to-all "
+                    f"{'to heads' if way == 'in' else 'back to rows'}" for (backward, way), phase in A2A_PHASES.items()}
 
 
 class _InnerTransport(Transport):
@@ -177,7 +180,11 @@ class HeadParallelExecutor:
             self._a2a_sent += msg.numel()
             self._a2a_received += buf.numel()
         if sends or recvs:
-            yield from self.transport.wait(self.transport.launch(phase, sends, recvs))
+            try:
+                yield from self.transport.wait(self.transport.launch(phase, sends, recvs))
+            except TransferError as err:  # where this rank was, as the outer plan's steps say it
+                raise located(err, f"torch_dcp (plan {self.plan.digest()[:12]}): {A2A_NAMES[phase]}(phase={phase})") \
+                    from None
         return [send[j] if j == self.inner else _unpack(got[j], recv_specs[j]) for j in range(self.n)]
 
     def _rows(self, j: int) -> slice:

@@ -7,6 +7,11 @@ tokens in every microbatch. :class:`PaddedRows` lets every SDPA call carry a fix
 (``plan.local_tokens(rank)``) and go to the wrapped executor; the rest are padding, whose
 outputs and gradients are zero (so a padding row never reaches a real row, and with its label
 ignored it adds nothing to the loss or to any gradient).
+
+A rank that a plan gives no tokens may run its model on :data:`PLACEHOLDER_ROWS` placeholder
+token instead of none (:class:`PlaceholderRows`): a model whose layers cannot run an empty
+sequence (``view(b, 0, -1, head_dim)``) then runs as on every other rank, the placeholder's
+attention output and gradients are zero, and the rank still takes part in every transfer.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["PaddedRows", "check_capacity"]
+__all__ = ["PaddedRows", "PlaceholderRows", "check_capacity", "PLACEHOLDER_ROWS"]
+
+#: rows a rank holding no tokens of the plan may feed its model in their place (:class:`PlaceholderRows`)
+PLACEHOLDER_ROWS = 1
 
 
 def _pad(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -78,3 +86,36 @@ class PaddedRows:
         """``(dq, dk, dv)`` over ``rows`` rows, zero on the padding rows."""
         dq, dk, dv = self.executor.backward(*self._real(q, k, v, out, lse, dout), scale, state)
         return _pad(dq, self.rows), _pad(dk, self.rows), _pad(dv, self.rows)
+
+
+class PlaceholderRows:
+    """The executor interface of a rank that holds no tokens of the plan: a call of no rows runs
+    the wrapped executor as it is; a call of :data:`PLACEHOLDER_ROWS` rows (a placeholder token the
+    model runs because it cannot run an empty sequence) runs it on no rows, the placeholder's
+    output and gradients zero (:class:`PaddedRows`). Either way the rank's transfers run.
+
+    Args:
+        executor: a rank executor (or a :class:`~torch_dcp.executor.replay.LayerReplay`) whose
+            rank holds no tokens.
+    """
+
+    def __init__(self, executor: Any):
+        self.executor, self.padded = executor, PaddedRows(executor, 0, PLACEHOLDER_ROWS)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["executor"], name)
+
+    def _runner(self, q: torch.Tensor) -> Any:
+        return self.executor if q.shape[0] == 0 else self.padded
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
+        """``(out, lse)`` with ``q``'s rows (zero for a placeholder)."""
+        return self._runner(q).forward(q, k, v, scale)
+
+    def forward_keeping(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
+        """``(out, lse, state)``: :meth:`forward` and the wrapped executor's state."""
+        return self._runner(q).forward_keeping(q, k, v, scale)
+
+    def backward(self, q, k, v, out, lse, dout, scale: float | None = None, state: torch.Tensor | None = None):
+        """``(dq, dk, dv)`` with ``q``'s rows (zero for a placeholder)."""
+        return self._runner(q).backward(q, k, v, out, lse, dout, scale, state)

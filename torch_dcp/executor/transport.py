@@ -41,6 +41,14 @@ class TransferError(RuntimeError):
         self.phase, self.peers = phase, peers
 
 
+def located(err: "TransferError", where: str) -> "TransferError":
+    """``err`` (same type, same attributes) with ``where`` this rank was in front of its message
+    (the pass and the step of a plan)."""
+    new = type(err)(f"{where}: {err}", err.phase, err.peers)
+    vars(new).update(vars(err))  # a subclass's own attributes (PeerRefusedError.reason)
+    return new
+
+
 class TransferTimeoutError(TransferError, TimeoutError):
     """A rank waited longer than its timeout for peers' messages (a peer froze, failed before
     sending, or runs another plan); ``peers``: the ranks whose messages had not arrived."""

@@ -52,6 +52,7 @@ from torch_dcp import BatchSpec, Causal, Lambda
 from torch_dcp.context import DCPContext, active_context
 from torch_dcp.data import packed_document_lengths
 from torch_dcp.executor.device_plan import host_to_device
+from torch_dcp.executor.padding import PLACEHOLDER_ROWS
 from torch_dcp.masks import MaskSpec
 
 __all__ = ["NAME", "attention_forward", "mask_function", "pack", "PackedBatch", "batch_mask", "model_heads",
@@ -116,24 +117,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if reason:
         ctx.refuse(f"{where}: {reason}")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if placeholder:  # this rank's attention holds no token: run it empty (its transfers), the placeholder sees 0
-        query, key, value = query[:, :, :0], key[:, :, :0], value[:, :, :0]
+    # a placeholder token (a rank holding none of the batch) runs as the context runs one: output 0
     out = F.scaled_dot_product_attention(query, key, value, is_causal=bool(causal), scale=scaling,
                                          enable_gqa=key.shape[1] != query.shape[1])
-    if placeholder:
-        out = torch.cat([out, out.new_zeros(*out.shape[:2], PLACEHOLDER_TOKENS, out.shape[3])], dim=2)
     return out.transpose(1, 2).contiguous(), None
-
-
-#: tokens a rank that holds none of the batch feeds the model (:meth:`PackedBatch.model_inputs`):
-#: transformers' layers cannot run an empty sequence (e.g. ``view(1, 0, -1, head_dim)``)
-PLACEHOLDER_TOKENS = 1
 
 
 def _holds_placeholder(ctx: DCPContext, query: torch.Tensor) -> bool:
     """Whether the call carries :meth:`PackedBatch.model_inputs`'s placeholder token of a rank
     holding none of the batch (rather than this rank's tokens of the plan)."""
-    return ctx.rows == 0 and query.dim() == 4 and query.shape[0] == 1 and query.shape[2] == PLACEHOLDER_TOKENS
+    return ctx.placeholder and query.dim() == 4 and query.shape[2] == PLACEHOLDER_ROWS
 
 
 def _window_mismatch(ctx: DCPContext, module: torch.nn.Module, window: int | None) -> str | None:
@@ -206,7 +199,7 @@ def mask_function(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     if ctx is None:
         return ALL_MASK_ATTENTION_FUNCTIONS["sdpa"](*args, **kwargs)
     pad = kwargs.get("attention_mask")
-    placeholder = ctx.rows == 0 and isinstance(pad, torch.Tensor) and pad.shape[-1:] == (PLACEHOLDER_TOKENS,)
+    placeholder = ctx.placeholder and isinstance(pad, torch.Tensor) and pad.shape[-1:] == (PLACEHOLDER_ROWS,)
     if isinstance(pad, torch.Tensor) and pad.dim() == 2 and not placeholder and not bool(pad.all()):
         ctx.refuse("torch_dcp (transformers): the attention_mask has padding (zeros); pack documents without padding "
                    "(torch_dcp.integrations.hf.pack) and pass no attention_mask")
@@ -259,11 +252,13 @@ class PackedBatch:
         Inside a context also ``attention_mask``, bool ``[1, S_local]`` ones: transformers
         then goes straight to the backend's :func:`mask_function` (which builds no mask) instead
         of first searching the position ids for packed documents (a host read per forward). A
-        rank that holds no tokens gets a placeholder row of :data:`PLACEHOLDER_TOKENS` token
+        rank that holds no tokens gets a placeholder row of one token
         (id 0, position 0, no label, attention mask 0 so that token counts such as TRL's
         ``num_tokens`` leave it out): transformers' layers cannot run an empty sequence, so the
-        model runs that token, its attention runs empty (the rank takes part in every transfer)
-        with output 0 for the placeholder, and it adds nothing to the loss or the gradients.
+        model runs that token, the context runs its attention on no rows (the rank takes part in
+        every transfer) with output 0 for the placeholder
+        (:class:`~torch_dcp.executor.padding.PlaceholderRows`), and it adds nothing to the loss or
+        the gradients.
         Outside a context no ``attention_mask``: transformers' SDPA masks every document on its
         own from the position ids (an all-ones mask would let the documents see each other)."""
         inputs = {"input_ids": self.input_ids, "position_ids": self.position_ids, "labels": self.labels,
@@ -272,8 +267,8 @@ class PackedBatch:
         if ctx is None:
             return inputs
         device = self.input_ids.device
-        if ctx.rows == 0:  # this rank holds no tokens
-            row = torch.zeros((1, PLACEHOLDER_TOKENS), dtype=torch.long, device=device)
+        if ctx.placeholder:  # this rank holds no tokens
+            row = torch.zeros((1, PLACEHOLDER_ROWS), dtype=torch.long, device=device)
             inputs.update(input_ids=row, position_ids=row, labels=row - 100, shift_labels=row - 100)
             mask = torch.zeros(row.shape, dtype=torch.bool, device=device)  # counted as no token (TRL's num_tokens)
         else:

@@ -86,6 +86,7 @@ from torchtitan.trainer import Trainer
 
 import torch_dcp
 from torch_dcp.data import PlanningConfig, PlanningLoader, packed_document_lengths
+from torch_dcp.executor.padding import PLACEHOLDER_ROWS
 from torch_dcp.pipeline import MicrobatchPlans
 from torch_dcp.tensor_parallel import TensorParallelHeads
 
@@ -229,7 +230,6 @@ class DCPTrainer(Trainer):
         self._dcp_dtype = "bfloat16" if "bfloat16" in (param, config.training.dtype) else "float32"
         self._dcp_plan: torch_dcp.Plan | None = None
         self._dcp_device_plan = None
-        self._dcp_rows: int | None = None  # the step's padded rows per rank (a plan leaving a rank empty)
         self._dcp_loader: PlanningLoader | None = None
         logger.info(f"torch_dcp: {self.dcp_mesh.size()} rank(s) on the data-parallel mesh "
                     f"(x {self._dcp_tp[1]} tensor-parallel, {self._dcp_heads[0]}/{self._dcp_heads[1]} heads each), "
@@ -327,7 +327,6 @@ class DCPTrainer(Trainer):
             self._log_plan(plan, batch, stats, ring)
         tokens = input_dict["input"]
         local = (g_tokens.flatten()[idx], g_positions.flatten()[idx], g_labels.flatten()[idx])
-        self._dcp_rows = None
         if self._dcp_pipeline is not None:  # the stage's fixed shape: padding with ignored labels
             self._dcp_pipeline.add(plan, self._dcp_device_plan)
             self._dcp_device_plan = None
@@ -339,24 +338,17 @@ class DCPTrainer(Trainer):
         return super().post_dataloading_process(sharded, local[2][None].to(labels.dtype))
 
     def _dcp_pad_empty(self, plan: torch_dcp.Plan, local: tuple) -> tuple:
-        """This rank's ``(tokens, positions, labels)`` of ``plan``, each ``[n]``; when the plan
-        leaves some rank without tokens, every rank's padded to the plan's largest count (token
-        0, position 0, ignored label), the rows its SDPA calls then carry
-        (``context_parallel(padded_tokens=)``): torchtitan's attention views its projections as
-        ``view(bs, seqlen, -1, head_dim)``, which a rank with no rows cannot resolve. Padding rows
-        output and receive zeros in the attention and their labels are ignored, so losses and
-        gradients are those of the unpadded step. Sets ``self._dcp_rows`` (``None``: no padding)."""
-        counts = [plan.local_tokens(r) for r in range(plan.world_size)]
-        if min(counts) > 0:
+        """This rank's ``(tokens, positions, labels)`` of ``plan``, each ``[n]``; a rank the plan
+        gives no tokens gets one placeholder token instead (token 0, position 0, ignored label):
+        torchtitan's attention views its projections as ``view(bs, seqlen, -1, head_dim)``,
+        which no rows cannot resolve. The context runs the placeholder's attention on no rows
+        (:class:`~torch_dcp.executor.padding.PlaceholderRows`: output and gradients zero) and
+        its label is ignored, so losses and gradients are those of the step without it."""
+        if len(local[0]):
             return local
-        rows = self._dcp_rows = max(counts)
-
-        def pad(t: torch.Tensor, fill: int) -> torch.Tensor:
-            out = t.new_full((rows,), fill)
-            out[: t.shape[0]] = t
-            return out
-
-        return pad(local[0], 0), pad(local[1], 0), pad(local[2], IGNORE_INDEX)
+        fill = [torch.full((PLACEHOLDER_ROWS,), value, dtype=t.dtype, device=t.device)
+                for t, value in zip(local, (0, 0, IGNORE_INDEX))]
+        return tuple(fill)
 
     def pp_forward_backward_step(self, *, input_dict_mbs: list[dict[str, torch.Tensor]],
                                  label_mbs: list[torch.Tensor], global_valid_tokens: torch.Tensor) -> torch.Tensor:
@@ -387,9 +379,8 @@ class DCPTrainer(Trainer):
             raise RuntimeError("torch_dcp: forward-backward without a plan (post_dataloading_process did not run)")
         cfg = self.config.dcp
         dp, self._dcp_device_plan = self._dcp_device_plan, None
-        rows, self._dcp_rows = self._dcp_rows, None
         with torch_dcp.context_parallel(self.dcp_mesh, plan=plan, kernel=cfg.kernel, timeout=cfg.timeout,
-                                        device_plan=dp, replay=None if cfg.replay else False, padded_tokens=rows):
+                                        device_plan=dp, replay=None if cfg.replay else False):
             return Trainer._forward_backward_body(self, inputs, labels, global_valid_tokens, extra_kwargs)
 
 

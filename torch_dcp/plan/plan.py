@@ -8,6 +8,7 @@ rank's programs are compiled deterministically (:mod:`~torch_dcp.plan.compiler`)
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cached_property
 from typing import Any
 
@@ -92,6 +93,27 @@ class Plan:
         """The plan and rank whose programs ``rank`` runs (for its device plan): itself here;
         a head-parallel plan's outer plan and group (:mod:`torch_dcp.plan.heads`)."""
         return self, self._check_rank(rank)
+
+    def with_heads(self, n_heads: int, n_kv_heads: int, head_dim: int, dtype: str) -> "Plan":
+        """This plan's placement and divisions for the same documents and masks with other
+        heads, head_dim or dtype (a plan depends on the heads only through the bytes and FLOPs
+        per token): what :func:`torch_dcp.context_parallel` runs when it learns the attention's
+        shape from the first SDPA call. Returns ``self`` when nothing differs.
+
+        Raises:
+            ValueError: counts the :class:`~torch_dcp.BatchSpec` refuses (e.g. ``n_kv_heads``
+                not dividing ``n_heads``), or an unknown dtype.
+        """
+        d = self.batch.to_dict()
+        new = dict(d, n_heads=int(n_heads), n_kv_heads=int(n_kv_heads), head_dim=int(head_dim), dtype=str(dtype))
+        if new == d:
+            return self
+        batch = BatchSpec.from_dict(new)
+        workload = Workload.from_arrays(batch, self.workload.arrays(), block_size=self.workload.block_size)
+        placement = dataclasses.replace(self.placement, workload=workload)
+        out = Plan(placement, self.topology, self.tile_division, self.divisions, self.plan_seconds)
+        out.cost_model, out.candidates = self.cost_model, list(self.candidates)
+        return out
 
     def local_blocks(self, rank: int) -> np.ndarray:
         """Block ids homed on ``rank``, in global token order (int64)."""
