@@ -95,9 +95,9 @@ def te_ring_step_seconds(plan: Plan, cost_model: CostModel | None = None) -> flo
     Attention with Blockwise Transformers*, 2023, §3; TransformerEngine's
     ``AttnFuncWithCPAndKVP2P``). ``compute_s`` is the slowest rank's step: its attention call
     (the kernels alone: the cost model's table and launch overhead, no executor costs), from
-    the second step on one memory-bound merge of its output rows (forward) or sum of its dK/dV
-    rows (backward), two slots read and one written, and in the first step the staging copy of
-    its own rows. ``transfer_s`` is the slowest hop's transfer into step ``s``; in the backward
+    the second step on, where it has tiles, one memory-bound merge of its output rows (forward)
+    or sum of its dK/dV rows (backward), two slots read and one written, and in the first step
+    the staging copy of its own rows. ``transfer_s`` is the slowest hop's transfer into step ``s``; in the backward
     the dK/dV partials of step ``s`` (in the dtype the plan's runtime sends them: the K/V dtype
     for ``ring``) share the hop with the K/V chunks of step ``s + 2`` (they travel while step
     ``s + 1`` computes), and the last dK/dV hop home is exposed. Times come from
@@ -120,7 +120,8 @@ def te_ring_step_seconds(plan: Plan, cost_model: CostModel | None = None) -> flo
         cell = pl.tile_rank.astype(np.int64) * w + np.asarray(plan.tile_division, np.int64)
         compute = cm.launch_seconds(wl, np.arange(wl.n_tiles), cell, w * w, backward).reshape(w, w)
         row = itb[(True, Buf.DKV)] if backward else itb[(False, Buf.OPART)]
-        compute[:, 1:] += cm.memory_seconds_array(3.0 * rows * row)[:, None]
+        busy = compute[:, 1:] > 0  # a step without tiles (a sparse mask's) has nothing to merge
+        compute[:, 1:] += np.where(busy, cm.memory_seconds_array(3.0 * rows * row)[:, None], 0.0)
         # staging the rank's own K/V (and Q side) rows for the first step: read + write
         compute[:, 0] += cm.memory_seconds_array(2.0 * rows * (itb[(backward, Buf.KV)] + itb[(backward, Buf.Q)]))
         # bytes into rank r over the hop that overlaps step s - 1 (s = w + 1: after the last step)
