@@ -20,11 +20,12 @@ def _sdpa_rows(rank, world, mesh):
     eager and compiled (``aot_eager``, fullgraph); out and gradients gathered back with
     ``context_parallel_unshard``, against SDPA on the whole rows (float32: 2e-6, upstream's
     tolerance for its exact kernel; bfloat16: upstream's ``1e-3 W`` and ``8e-3 W``)."""
-    for dtype, causal, forward_only, compiled in [
-        (torch.float32, True, False, False), (torch.float32, False, False, False), (torch.float32, True, True, False),
-        (torch.float32, True, False, True), (torch.bfloat16, True, False, False),
+    for dtype, causal, forward_only, compiled, named in [
+        (torch.float32, True, False, False, False), (torch.float32, False, False, False, False),
+        (torch.float32, False, False, False, True), (torch.float32, True, True, False, False),
+        (torch.float32, True, False, True, False), (torch.bfloat16, True, False, False, False),
     ]:
-        label = f"{dtype} causal={causal} forward_only={forward_only} compiled={compiled}"
+        label = f"{dtype} causal={causal} forward_only={forward_only} compiled={compiled} mask named={named}"
         torch.manual_seed(10)
         q, k, v = (torch.rand(8, 8, 64 * world, 32, dtype=dtype, requires_grad=True) for _ in range(3))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -32,7 +33,7 @@ def _sdpa_rows(rank, world, mesh):
             out.sum().backward()
         exact = _float32_reference(q, k, v, causal) if dtype == torch.bfloat16 else None
         cq, ck, cv = (t.detach().clone() for t in (q, k, v))
-        mask = {} if causal else {"mask": Full()}
+        mask = {"mask": Causal() if causal else Full()} if named else {}  # unnamed: as the first call says
         with context_parallel(mesh, buffers=(cq, ck, cv), buffer_seq_dims=(2, 2, 2), **mask) as ctx:
             assert cq.shape[0] == 1 and cq.shape[2] == ctx.plan.local_tokens(rank), label
             assert ctx.plan.planner.startswith("dcp"), ctx.plan.planner
@@ -183,8 +184,12 @@ def _refusals(rank, world, mesh):
         with pytest.raises(ValueError, match=message):
             with context_parallel(mesh, **kwargs):
                 pass
-    with context_parallel(mesh, buffers=[q], buffer_seq_dims=[2]):
+    with context_parallel(mesh, buffers=[q], buffer_seq_dims=[2], mask=Causal()):
         with pytest.raises(ValueError, match=r"mask=torch_dcp.Full\(\)"):
+            F.scaled_dot_product_attention(q, q, q)
+    with context_parallel(mesh, buffers=[q], buffer_seq_dims=[2]):  # the first call sets the mask
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        with pytest.raises(ValueError, match=r"set by the context's first SDPA call"):
             F.scaled_dot_product_attention(q, q, q)
         x = torch.zeros(2, 2, 4, 4)
         with pytest.raises(ValueError, match="batch sizes 1/2/2"):

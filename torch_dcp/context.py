@@ -51,7 +51,7 @@ from .executor.device_plan import DevicePlan, host_to_device
 from .executor.padding import PaddedRows, PlaceholderRows, check_capacity
 from .executor.replay import LayerReplay, Recorder, recorder_for
 from .executor.kernels import DivisionKernel, get_kernel
-from .masks import Causal, MaskSpec
+from .masks import Causal, Full, MaskSpec
 from .plan import Plan
 from .sdpa_check import call_rows, check_sdpa_call, fold_rows, unfold_rows
 from .topology import Topology
@@ -103,7 +103,7 @@ class DCPContext:
 
     def __init__(self, mesh: Any, plan: Plan, executor: RankExecutor, refusals: RefusalChannel | None = None,
                  replay: LayerReplay | None = None, rows: int | None = None,
-                 rebuild: "Callable[[Plan], tuple[Any, LayerReplay | None]] | None" = None):
+                 rebuild: "Callable[[Plan], tuple[Any, LayerReplay | None]] | None" = None, infer_mask: bool = False):
         self.mesh = mesh
         self.plan = plan
         self.rank = executor.rank
@@ -114,14 +114,16 @@ class DCPContext:
         #: whether this rank holds no tokens and its calls may carry a placeholder token instead
         #: (:class:`~torch_dcp.executor.padding.PlaceholderRows`)
         self.placeholder = rows is None and self.rows == 0
-        self._rebuild = rebuild
+        self._rebuild, self._infer_mask = rebuild, infer_mask
 
-    def bind(self, query: torch.Tensor, key: torch.Tensor) -> None:
+    def bind(self, query: torch.Tensor, key: torch.Tensor, is_causal: bool) -> None:
         """A context without ``batch=`` planned with nominal heads unless its buffers held the
         attention's inputs: its first SDPA call (``query: [1, H, S_local, D]``, ``key: [1, H_kv,
         S_local, D]``) gives the plan its heads, head_dim and dtype
         (:meth:`~torch_dcp.Plan.with_heads`: the same placement, so the sharded buffers stay
-        valid) and the executor is built for it. Later calls are checked against it as usual.
+        valid) and, where no mask was named and the call says ``is_causal=False``, the full mask
+        (:meth:`~torch_dcp.Plan.with_mask`: the same token layout); the executor is built for it.
+        Later calls are checked against it as usual.
 
         Raises:
             ValueError: heads the :class:`~torch_dcp.BatchSpec` refuses.
@@ -129,7 +131,8 @@ class DCPContext:
         if self._rebuild is None or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key)):
             return
         rebuild, self._rebuild = self._rebuild, None
-        plan = self.plan.with_heads(query.shape[1], key.shape[1], query.shape[3], canonical_dtype(query.dtype))
+        plan = self.plan.with_mask(Full()) if self._infer_mask and not is_causal else self.plan
+        plan = plan.with_heads(query.shape[1], key.shape[1], query.shape[3], canonical_dtype(query.dtype))
         if plan is self.plan:
             return
         if self.replay is not None:
@@ -229,8 +232,10 @@ def context_parallel(
             buffers shaped ``[B, H, S, D]`` (seq dim 2) if there are any, else for nominal ones
             that the first SDPA call replaces (:meth:`DCPContext.bind`; no head parallelism).
         mask: without ``batch=``/``plan=``: the mask of every row (a :mod:`torch_dcp.masks`
-            spec; default :class:`~torch_dcp.masks.Causal`; ``Full()`` for SDPA calls with
-            ``is_causal=False``).
+            spec; SDPA calls whose ``is_causal`` disagrees with it are refused). ``None``
+            (default): causal, unless the first SDPA call says ``is_causal=False``: then
+            :class:`~torch_dcp.masks.Full` on the same token layout (planned for causal
+            attention: name ``mask=Full()`` to plan for it).
         planner: the planner (default ``"dcp"``, :data:`~torch_dcp.api.DEFAULT_PLANNER`, as
             every integration's).
         block_size: tokens per block (default 1024; without ``batch=``, at most ``B * S / (2 W)``
@@ -398,7 +403,8 @@ def context_parallel(
         return runner, layers
 
     runner, layers = build(plan)
-    ctx = DCPContext(mesh, plan, runner, refusals, layers, padded_tokens, rebuild=build if rows_are_documents else None)
+    ctx = DCPContext(mesh, plan, runner, refusals, layers, padded_tokens, rebuild=build if rows_are_documents else None,
+                     infer_mask=rows_are_documents and mask is None)
     remember(mesh, plan, layout)
     idx = host_to_device(torch.from_numpy(plan.token_indices(rank)), device)
     originals = [None if any(b is x for x in no_restore) else b.clone() for b in buffers]
@@ -479,7 +485,7 @@ def _check_call(ctx: DCPContext | None, query, key, value, attn_mask, dropout_p,
         ctx.refusals.begin_call()
     try:
         if ctx is not None:
-            ctx.bind(query, key)
+            ctx.bind(query, key, bool(is_causal))
         check_sdpa_call(ctx, query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     except ValueError as err:
         if ctx is not None and ctx.refusals is not None:

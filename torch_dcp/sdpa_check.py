@@ -44,10 +44,10 @@ def check_sdpa_call(ctx: Any, query, key, value, attn_mask, dropout_p, is_causal
         if is_causal:
             raise ValueError("torch_dcp: SDPA called with is_causal=True, but the batch's mask lets a query see a later "
                              "key (Full or a forward-looking Ranges mask)")
-        raise ValueError("torch_dcp: SDPA called with is_causal=False, but the context's mask is causal (Causal() is "
-                         "context_parallel's default without batch=); pass is_causal=True (the masks decide the exact "
-                         "pattern), or for bidirectional attention name the mask: context_parallel(..., "
-                         "mask=torch_dcp.Full()), or a BatchSpec with Full()")
+        raise ValueError("torch_dcp: SDPA called with is_causal=False, but the context's mask is causal (a BatchSpec's, "
+                         "named with mask=, or set by the context's first SDPA call); pass is_causal=True (the masks "
+                         "decide the exact pattern), or for bidirectional attention name the mask: "
+                         "context_parallel(..., mask=torch_dcp.Full()), or a BatchSpec with Full()")
     for name, t in (("query", query), ("key", key), ("value", value)):
         _check_tensor(name, t, None, DTensor)
         if t.dtype != getattr(torch, b.dtype):

@@ -115,6 +115,31 @@ class Plan:
         out.cost_model, out.candidates = self.cost_model, list(self.candidates)
         return out
 
+    def with_mask(self, mask: Any) -> "Plan":
+        """This plan's token blocks on the same ranks, for the same documents under ``mask``
+        (a :mod:`torch_dcp.masks` spec): the new mask's tiles each on its query block's rank
+        (owner computes; key/value blocks fetched straight from their home), in as many
+        divisions (:func:`torch_dcp.schedule.assign_divisions`). What
+        :func:`torch_dcp.context_parallel` runs when, without a named mask, the first SDPA call
+        says ``is_causal=False``: its buffers are sharded already, so the token layout stays.
+
+        Raises:
+            ValueError: a mask the batch's documents cannot take.
+        """
+        from ..planners.base import Routing
+        from ..schedule import assign_divisions
+
+        d = self.batch.to_dict()
+        batch = BatchSpec.from_dict(dict(d, masks=[mask.to_dict()], doc_mask=[0] * self.batch.n_docs))
+        workload = Workload.from_arrays(batch, self.workload.arrays(), block_size=self.workload.block_size)
+        placement = Placement(workload, self.world_size, self.placement.block_rank,
+                              self.placement.block_rank[workload.tile_q], planner=self.planner, routing=Routing.DIRECT)
+        divisions = max(1, min(self.divisions, workload.n_tiles))
+        out = Plan(placement, self.topology, assign_divisions(placement, divisions, self.topology), divisions,
+                   self.plan_seconds)
+        out.cost_model = self.cost_model
+        return out
+
     def local_blocks(self, rank: int) -> np.ndarray:
         """Block ids homed on ``rank``, in global token order (int64)."""
         return np.nonzero(self.placement.block_rank == self._check_rank(rank))[0]
