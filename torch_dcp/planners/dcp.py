@@ -41,11 +41,12 @@ compute-balanced one with the fewest bytes (the ``"bytes"`` objective's choice, 
 ``"dcp:bytes"``), followed by ring attention's, Megatron's and all-gather CP's own plans and
 whole documents per rank (data parallelism; inside head groups, Ulysses at that CP size with
 data parallelism across the groups) (``rivals``, labelled ``"dcp:ring"`` etc., when their
-resident tokens meet the same memory bound), all run by torch_dcp's executor. :func:`torch_dcp.plan` estimates every candidate's time division by division
+resident tokens meet the same memory bound), all run by torch_dcp's executor.
+:func:`torch_dcp.plan` estimates every candidate's time division by division
 (:func:`torch_dcp.estimate.estimate_seconds`, which sees the phases and the links), simulates
 the best few by that estimate and every labelled rival (skipping those whose floor is above the
-fastest so far), and keeps the fastest, so a dcp plan is never slower than the rivals' or the
-bytes objective's on the simulator (the fastest placement is then also timed with a local tail,
+fastest so far), and keeps the fastest, so a dcp plan is never slower than the rivals' (as
+torch_dcp's executor runs them) or the bytes objective's on the simulator (the fastest placement is then also timed with a local tail,
 :func:`torch_dcp.schedule.assign_divisions`, kept where faster). Timing the extra greedy
 layouts among the candidates cuts dcp's simulated time by up to 52 % on the paper's
 microbenchmark batches (``python -m torch_dcp.benchmarks paper``; A100 cluster, long-tail
@@ -282,8 +283,10 @@ def dcp_candidates(
             :func:`~torch_dcp.planners.documents.plan_documents`) follow the shortlist, labelled ``"dcp:<name>"``,
             when their resident bytes are within ``1 + eps_memory`` of the mean as dcp's own
             are (ring and all-gather only while their zig-zag layout holds at most
-            :data:`RIVAL_TILE_BUDGET` tiles, :func:`zigzag_tiles_bound`); :func:`torch_dcp.plan` times every candidate with the simulator and keeps the
-            fastest, so dcp's plan is never slower than theirs (on the simulator's cost model).
+            :data:`RIVAL_TILE_BUDGET` tiles, :func:`zigzag_tiles_bound`); :func:`torch_dcp.plan`
+            times every candidate with the simulator and keeps the fastest, so dcp's plan is
+            never slower than theirs as torch_dcp's executor runs them (on the simulator's cost
+            model; their own implementations: ``benchmarks compare``).
 
     Returns:
         Placements (at least one), the planner's own best first.
