@@ -112,7 +112,8 @@ def test_documents_rival_moves_nothing_in_one_division():
     pl = plan_documents(batch, topo, 1024)
     wl = pl.workload
     assert np.array_equal(pl.block_rank, documents_by_tokens(batch.doc_lens, 4)[wl.block_doc])
-    assert np.array_equal(pl.tile_rank, pl.block_rank[wl.tile_q]) and np.array_equal(pl.tile_rank, pl.block_rank[wl.tile_kv])
+    assert np.array_equal(pl.tile_rank, pl.block_rank[wl.tile_q])
+    assert np.array_equal(pl.tile_rank, pl.block_rank[wl.tile_kv])
     assert wl.block_len.max() == DOCUMENT_BLOCK and wl.n_blocks == 3 + 5  # the longest in 16K blocks, the rest whole
     assert np.array_equal(documents_by_tokens([5, 9, 1, 4], 2), [1, 0, 0, 1])  # 9 + 1 | 5 + 4 (ties: lower)
     plan = torch_dcp.plan(_batch([3000, 2900, 3100, 2800, 3050, 2950, 2990, 3010]), topo, planner="dcp",

@@ -15,8 +15,8 @@ import json
 import sys
 
 from ..topology import TOPOLOGY_PRESETS, Topology
-from . import (balance, calibrate, common, compare, gpu_report, kernels, loader, ops, pictures, planners, readiness, routes,
-               scale, step, sweeps)
+from . import (balance, calibrate, common, compare, gpu_report, kernels, loader, ops, pictures, planners, readiness,
+               routes, scale, step, sweeps)
 from .common import MASKS
 
 _DIVISIONS_HELP = ("divisions T per rank (default: each planner's own: T = 4 on these batches, where dcp's time "
