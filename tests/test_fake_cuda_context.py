@@ -163,3 +163,48 @@ def test_main_job_step_forward_on_fake_cuda(world):
     FSDP2's streams, a driver: run on gloo by ``test_train``)."""
     res = subprocess.run([sys.executable, "-c", MAIN_JOB, str(world)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-3000:] + res.stderr[-6000:]
+
+
+DROP_IN = textwrap.dedent(
+    """
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from torch_dcp import context_parallel
+
+    world = 4
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=world)
+    mesh = DeviceMesh("cuda", list(range(world)))
+    B, S, H, H_KV, D, DIM = 4, 2048, 8, 2, 64, 256
+    with FakeTensorMode():
+        with torch.device("cuda"):
+            emb = torch.nn.Embedding(97, DIM, dtype=torch.bfloat16)
+            wqkv = torch.nn.Linear(DIM, (H + 2 * H_KV) * D, dtype=torch.bfloat16)
+            tokens = torch.randint(0, 97, (B, S))
+            freqs = torch.randn(S, D // 2)
+        for causal in (True, False):  # code written for PyTorch's context_parallel, the import changed
+            with context_parallel(mesh, buffers=[tokens, freqs], buffer_seq_dims=[1, 0], cost_model="a100") as ctx:
+                bsz, seqlen = tokens.shape
+                assert bsz == 1 and seqlen == ctx.plan.local_tokens(1) and freqs.shape[0] == seqlen
+                q, k, v = wqkv(emb(tokens)).split([H * D, H_KV * D, H_KV * D], -1)
+                q, k, v = (t.view(bsz, seqlen, -1, D).transpose(1, 2) for t in (q, k, v))
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+                assert out.device.type == "cuda" and out.shape == (1, H, seqlen, D), out.shape
+                assert ctx.plan.batch.n_heads == H and ctx.plan.batch.dtype == "bfloat16"
+                assert ctx.plan.batch.is_causal == causal
+    dist.destroy_process_group()
+    print("OK")
+    """
+)
+
+
+def test_pytorch_cp_code_on_fake_cuda():
+    """Code written for PyTorch's ``context_parallel`` (``[B, S]`` token ids, a RoPE table with
+    seq dim 0, no ``batch=``) on fake CUDA tensors, causal and not: the rows sharded, the heads
+    learnt at the first SDPA call, the executor built for them, no host read."""
+    res = subprocess.run([sys.executable, "-c", DROP_IN], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-3000:] + res.stderr[-6000:]
