@@ -82,8 +82,9 @@ def parser() -> argparse.ArgumentParser:
     cm_.add_argument("--clusters", default="a100x4,h100x4,h100x1,a100x1",
                      help="comma-separated PRESETxNODES (default: the paper benchmark's four clusters)")
     cm_.add_argument("--cost", default="executor",
-                     help="executor (default: each cluster's <preset>-executor model), or any model CostModel.load "
-                          "takes (a100, h100, a100-executor, h100-executor, auto, JSON files)")
+                     help="executor (default: each cluster's <preset>-executor model), kernels (its <preset> model: "
+                          "the kernels alone), or any model CostModel.load takes (a100, h100, a100-executor, "
+                          "h100-executor, auto, JSON files)")
     cm_.add_argument("--json", action="store_true", help="JSON lines (one per batch, one summary per cluster)")
     cm_.add_argument("--jsonl", default=None, metavar="FILE", help="also write the JSON lines to FILE")
     cm_.add_argument("--heads", default="8/2", help="query/key-value heads (default: the paper's 8/2)")

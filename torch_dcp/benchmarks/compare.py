@@ -11,7 +11,8 @@ generator, at length scales 0.5-4; causal, λ, blockwise and shared-question mas
 head_dim 128, bf16), for every cluster (a topology preset and its number of nodes of 8 ranks),
 every figure simulated (:func:`torch_dcp.simulate.simulate`) with one cost model (``--cost``:
 ``executor`` (default) for each cluster's ``<preset>-executor`` model, what ``"auto"`` plans with
-on that card; or any name or file :meth:`torch_dcp.CostModel.load` takes):
+on that card; ``kernels`` for its ``<preset>`` model, the kernels alone, without the executor's
+fixed costs; or any name or file :meth:`torch_dcp.CostModel.load` takes):
 
 * ``dcp``: ``torch_dcp.plan(planner="dcp", head_parallel="auto")``, its best over
   ``--block-sizes``, as torch_dcp's executor runs it;
@@ -79,7 +80,8 @@ def parse_clusters(spec: str) -> list[tuple[str, int]]:
 def _cost(cost: str, preset: str):
     from ..cost import CostModel
 
-    return CostModel.load(f"{preset}-executor" if cost == "executor" else cost)
+    named = {"executor": f"{preset}-executor", "kernels": preset}
+    return CostModel.load(named.get(cost, cost))
 
 
 def compare_batch(batch, topology: Topology, cm, block_sizes: list[int]) -> dict[str, Any]:
