@@ -59,7 +59,8 @@ def batch_lengths(kind: str, tokens: int, seed: int = 0, max_doc_len: int | None
 def paper_sources(longalign: str | None = None, long_data_collections: str | None = None,
                   total: int = 131072, seed: int = 0) -> dict[str, list[int]]:
     """Document-length sources of the microbenchmark, ``{name: lengths}``: ``corpus`` (the
-    embedded real corpus, shuffled), ``longtail`` (:func:`torch_dcp.data.long_tail_lengths`),
+    embedded corpus, the Python standard library's sources as byte tokens, shuffled),
+    ``longtail`` (:func:`torch_dcp.data.long_tail_lengths`),
     and, when given, ``longalign`` / ``ldc``: lengths read from a local copy of LongAlign-10k /
     Long-Data-Collections (a dataset path, or a ``.json`` length list written by
     :func:`torch_dcp.data.save_lengths`)."""

@@ -5,8 +5,8 @@
 
 For every case (tokens, nodes of 8 ranks, ``--preset`` links and cost model (H100 by default; its
 kernel table with the executor's fixed costs, what ``"auto"`` plans with on that card),
-document lengths of the embedded real corpus in shuffled order, as the ``paper`` benchmark's
-``corpus`` batch, GQA 8/2, head_dim 128, bf16, block size 1024), in a fresh process of its own
+document lengths of the embedded corpus (the Python standard library's sources as byte tokens)
+in shuffled order, as the ``paper`` benchmark's ``corpus`` batch, GQA 8/2, head_dim 128, bf16, block size 1024), in a fresh process of its own
 (bounded by ``--timeout`` seconds and ``--max-memory-gb``), it prints one JSON line: the default
 plan's planning time (CPU seconds of that process: one core; with ``--batches N``, N batches of
 the case planned one after another in that process, as a planning worker plans step after step,
@@ -68,7 +68,7 @@ BATCH_SEED_STRIDE = 1000
 
 
 def _batch(tokens: int, mask: str, heads: tuple[int, int], index: int = 0):
-    """Batch ``index`` of the case: document lengths of the embedded real corpus in shuffled
+    """Batch ``index`` of the case: document lengths of the embedded corpus in shuffled
     order (seed ``index * BATCH_SEED_STRIDE``, reshuffled with the next seed when one pass does
     not fill ``tokens``)."""
     from .common import MASKS, bench_batch, paper_sources, scaled_batch
