@@ -4,22 +4,22 @@
     python -m torch_dcp.benchmarks scale --calibrate
 
 For every case (tokens, nodes of 8 ranks, ``--preset`` links and cost model (H100 by default; its
-kernel table with the executor's fixed costs, what ``"auto"`` plans with on that card),
-document lengths of the embedded corpus (the Python standard library's sources as byte tokens)
-in shuffled order, as the ``paper`` benchmark's ``corpus`` batch, GQA 8/2, head_dim 128, bf16,
-block size 1024), in a fresh process of its own (bounded by ``--timeout`` seconds and
-``--max-memory-gb``), it prints one JSON line: the default plan's planning time (CPU seconds of that process: one core; with ``--batches N``, N batches of
-the case planned one after another in that process, as a planning worker plans step after step,
-and the median of their times, each listed in ``plan_cpu_s_each``; the first also pays the
-process's one-time costs), the process's peak memory, the serialized plan's bytes (what
-every rank fetches), its compute and memory imbalance, its simulated forward + backward time,
-its ratio to the ideal (busy time spread evenly) and to the compute floor
-(:func:`torch_dcp.simulate.batch_floor_seconds`), and the simulated times of the rivals
-asked for (``ring``, ``allgather``, ``bytes``: dcp's own fewest-bytes plan; all three timed as
-torch_dcp's executor runs them, as dcp's own candidates: the baselines as their authors'
-implementations run them are ``benchmarks compare``'s), each planned in its own process too
-(on the same batches; ``slower_than`` names a rival faster on any of them). A rival that cannot
-be planned within the bounds is reported as such. The other figures are the first batch's.
+kernel table with the executor's fixed costs, what ``"auto"`` plans with on that card), document
+lengths of the embedded corpus (the Python standard library's sources as byte tokens) in shuffled
+order, as the ``paper`` benchmark's ``corpus`` batch, GQA 8/2, head_dim 128, bf16, block size 1024),
+in a fresh process of its own (bounded by ``--timeout`` seconds and ``--max-memory-gb``), it prints
+one JSON line: the default plan's planning time (CPU seconds of that process: one core; with
+``--batches N``, N batches of the case planned one after another in that process, as a planning
+worker plans step after step, and the median of their times, each listed in ``plan_cpu_s_each``; the
+first also pays the process's one-time costs), the process's peak memory, the serialized plan's
+bytes (what every rank fetches), its compute and memory imbalance, its simulated forward + backward
+time, its ratio to the ideal (busy time spread evenly) and to the compute floor
+(:func:`torch_dcp.simulate.batch_floor_seconds`), and the simulated times of the rivals asked for
+(``ring``, ``allgather``, ``bytes``: dcp's own fewest-bytes plan; all three timed as torch_dcp's
+executor runs them, as dcp's own candidates: the baselines as their authors' implementations run
+them are ``benchmarks compare``'s), each planned in its own process too (on the same batches;
+``slower_than`` names a rival faster on any of them). A rival that cannot be planned within the
+bounds is reported as such. The other figures are the first batch's.
 
 ``--calibrate`` measures how well :func:`torch_dcp.estimate.estimate_seconds` picks what to
 simulate: on the paper's batches (A100 and H100, 4 x 8 and 1 x 8, GQA 8/2 and 32/8, causal and
