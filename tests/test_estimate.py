@@ -14,7 +14,8 @@ from torch_dcp import BatchSpec, Causal, Lambda, Topology
 from torch_dcp.api import SIMULATED, _plans_at
 from torch_dcp.cost import CostModel
 from torch_dcp.estimate import estimate_seconds, pass_estimate_seconds
-from torch_dcp.simulate import floor_seconds, simulate
+from torch_dcp.floors import floor_seconds
+from torch_dcp.simulate import simulate
 
 CM = CostModel.h100()
 LENS = [9000, 300, 4100, 77, 12000, 1500, 650, 2900]

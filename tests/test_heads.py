@@ -10,7 +10,8 @@ from torch_dcp import BatchSpec, Causal, Lambda, Topology
 from torch_dcp.cost import CostModel
 from torch_dcp.plan import Plan, PlanError
 from torch_dcp.plan.heads import HeadLayout, HeadParallelPlan, head_parallel_sizes
-from torch_dcp.simulate import floor_seconds, simulate
+from torch_dcp.floors import floor_seconds
+from torch_dcp.simulate import simulate
 
 
 def _batch(h=8, hkv=2, mask=None, lens=(700, 57, 3000, 12, 420, 1500)):

@@ -12,7 +12,8 @@ from torch_dcp import BatchSpec, Causal, Full, Plan, Ranges, Topology, Workload
 from torch_dcp.cost import A100, H100, CostModel, KernelTable
 from torch_dcp.planners import Placement
 from torch_dcp.schedule import assign_divisions
-from torch_dcp.simulate import compute_floor_seconds, floor_seconds, kernel_floor_seconds, link_floor_seconds, simulate
+from torch_dcp.floors import compute_floor_seconds, floor_seconds, kernel_floor_seconds, link_floor_seconds
+from torch_dcp.simulate import simulate
 from torch_dcp.workload import Buf, item_token_bytes
 
 B = 64

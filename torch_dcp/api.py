@@ -127,7 +127,7 @@ def plan(
         when there was one candidate); ``plan.plan_seconds`` holds the planning time (placement,
         divisions and, where candidates are timed, their simulation); ``plan.candidates`` the ``(planner label,
         simulated seconds)`` of every candidate (NaN for one not simulated because its floor,
-        :func:`torch_dcp.simulate.floor_seconds`, or its forward plus its backward's floor, lies
+        :func:`torch_dcp.floors.floor_seconds`, or its forward plus its backward's floor, lies
         above a faster candidate's time; empty when the planner offers one). Labels of
         head-parallel candidates end in ``/hpN``, those of the winner's other schedules in a
         parenthesis (``"dcp (node first, T=6)"``, ``"dcp (local tail)"``).
@@ -209,12 +209,13 @@ def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel", simulated:
     (:func:`torch_dcp.estimate.estimate_seconds`); the ``simulated`` best by estimate are
     simulated, and so are the rivals' plans and the bytes objective's (:func:`_rival`), so the
     plan returned is never slower than theirs; a candidate whose floor
-    (:func:`torch_dcp.simulate.floor_seconds`) lies above a simulated time is skipped, since
+    (:func:`torch_dcp.floors.floor_seconds`) lies above a simulated time is skipped, since
     it cannot win, and so is the backward of one whose forward and backward floor do
     (:func:`torch_dcp.simulate.simulate_within`). The winner is then also timed with other
     schedules of its placement (:func:`_reschedules`; ``deeper``: with more divisions too)."""
     from .estimate import estimate_seconds
-    from .simulate import floor_seconds, simulate_within
+    from .floors import floor_seconds
+    from .simulate import simulate_within
 
     chosen, best = plans[0], float("inf")
 

@@ -7,7 +7,7 @@ the level of divisions instead of instructions, with every rank and transfer of 
 one array operation:
 
 * rank ``r``'s division ``d`` computes for its attention launch (timed as the simulator times
-  it: :func:`torch_dcp.simulate.division_launch_seconds`);
+  it: :func:`torch_dcp.floors.division_launch_seconds`);
 * the inputs of division ``d + 1`` are fetched while division ``d`` computes (the compiler
   launches phase ``2(d + 1)`` before division ``d``'s attention), and the partials whose last
   use was division ``d`` are returned while division ``d + 1`` computes; a transfer starts
@@ -33,7 +33,7 @@ import numpy as np
 from .cost import CostModel
 from .plan import Plan
 from .plan.heads import HeadParallelPlan
-from .simulate import division_launch_seconds
+from .floors import division_launch_seconds
 from .workload import Buf, item_token_bytes
 
 __all__ = ["estimate_seconds", "pass_estimate_seconds"]

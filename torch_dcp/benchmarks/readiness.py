@@ -14,7 +14,7 @@ sizes, with:
 * the pass floor (the larger of the busiest rank's kernel time in the division run and the
   busiest link, per pass; the static kernels launch differently and may go below it) and
   ``ideal`` (balanced compute, nothing exposed). The JSON lines add ``floor_ms``
-  (:func:`torch_dcp.simulate.floor_seconds`, at the kernels' best throughput), which no model
+  (:func:`torch_dcp.floors.floor_seconds`, at the kernels' best throughput), which no model
   goes below.
 
 The gap between ``divisions`` and ``per tile`` is what the division schedule loses; the gap
@@ -42,7 +42,8 @@ from ..api import plan as make_plan
 from ..cost import CostModel
 from ..dataflow import simulate_dataflow
 from ..planners import dcp_candidates
-from ..simulate import floor_seconds, link_floor_seconds, simulate
+from ..floors import floor_seconds, link_floor_seconds
+from ..simulate import simulate
 from ..topology import Topology
 from .common import MASKS, bench_batch, paper_batches, paper_sources, progress
 

@@ -14,7 +14,7 @@ worker plans step after step, and the median of their times, each listed in ``pl
 first also pays the process's one-time costs), the process's peak memory, the serialized plan's
 bytes (what every rank fetches), its compute and memory imbalance, its simulated forward + backward
 time, its ratio to the ideal (busy time spread evenly) and to the compute floor
-(:func:`torch_dcp.simulate.batch_floor_seconds`), and the simulated times of the rivals asked for
+(:func:`torch_dcp.floors.batch_floor_seconds`), and the simulated times of the rivals asked for
 (``ring``, ``allgather``, ``bytes``: dcp's own fewest-bytes plan; all three timed as torch_dcp's
 executor runs them, as dcp's own candidates: the baselines as their authors' implementations run
 them are ``benchmarks compare``'s), each planned in its own process too (on the same batches;
@@ -89,7 +89,8 @@ def _measure(case: str, mask: str, planner: str, heads: tuple[int, int], max_mem
     import torch_dcp
     from ..cost import CostModel
     from ..runtimes import on_executor
-    from ..simulate import batch_floor_seconds, simulate
+    from ..floors import batch_floor_seconds
+    from ..simulate import simulate
     from ..topology import Topology
 
     limit = int(max_memory_gb * 2**30)
@@ -176,7 +177,8 @@ def calibrate(out=sys.stdout, ks: tuple[int, ...] = (1, 2, 3, 5)) -> list[dict]:
     from ..api import _head_sizes, _plans_at
     from ..cost import CostModel
     from ..estimate import estimate_seconds
-    from ..simulate import floor_seconds, simulate
+    from ..floors import floor_seconds
+    from ..simulate import simulate
     from ..topology import Topology
     from .common import MASKS, bench_batch, paper_batches
 

@@ -1,0 +1,114 @@
+"""Floors of a plan's time: what no run of it can beat (seconds), from its placement and the cost
+model alone, without simulating it. :func:`torch_dcp.plan` skips simulating a candidate whose
+floor lies above a faster candidate's simulated time; the benchmarks report plans against
+:func:`batch_floor_seconds`, the batch's attention spread evenly over the ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .batch import BatchSpec
+from .cost import CostModel
+from .plan import Plan
+from .plan.heads import HeadParallelPlan
+from .workload import Workload
+
+__all__ = ["link_floor_seconds", "compute_floor_seconds", "division_launch_seconds", "kernel_floor_seconds",
+           "floor_seconds", "batch_floor_seconds"]
+
+
+def link_floor_seconds(plan: Plan, backward: bool | None = None) -> float:
+    """The busiest link's busy time of ``plan`` (seconds): every transfer occupies the
+    sender's outgoing and the receiver's incoming NVLink port (inside a node) or rail (between
+    nodes) for ``bytes / bandwidth``; the floor is the largest total over ports and rails. No
+    schedule of the plan is shorter (the simulator runs one transfer at a time per port and
+    rail).
+
+    Args:
+        backward: ``None`` (default): both passes' transfers together; ``False`` / ``True``:
+            the forward's or the backward's only.
+    """
+    src, dst, nbytes, forward = plan.transfers()
+    if backward is not None:
+        keep = forward != backward
+        src, dst, nbytes = src[keep], dst[keep], nbytes[keep]
+    return max([0.0] + [float(v.max(initial=0.0)) for v in plan.topology.link_seconds(src, dst, nbytes).values()])
+
+
+def compute_floor_seconds(plan: Plan, cost_model: CostModel | None = None, backward: bool | None = None) -> float:
+    """The busiest rank's attention FLOPs at the cost model's best throughput (seconds): a
+    lower bound of its kernel time.
+
+    Args:
+        backward: ``None`` (default): forward + backward; ``False`` / ``True``: one pass.
+    """
+    cm = cost_model or CostModel.a100()
+    b = plan.batch
+    table = cm.table_for(b.head_dim, b.dtype)
+    pl = plan.placement
+    seconds = np.zeros(plan.world_size)
+    if backward is not True:
+        seconds += pl.rank_flops() / (max(max(table.fwd_full), max(table.fwd_causal)) * 1e12)
+    if backward is not False:
+        seconds += pl.rank_flops(backward=True) / (max(max(table.bwd_full), max(table.bwd_causal)) * 1e12)
+    return float(seconds.max())
+
+
+def division_launch_seconds(plan: Plan, cost_model: CostModel | None = None, backward: bool = False) -> np.ndarray:
+    """Seconds of every rank's attention launch in every division of one pass, as
+    :func:`torch_dcp.simulate.simulate` times them (a division's tiles' FLOPs at the throughput of its work per
+    launch, plus the launch overhead; 0 for a division without tiles): float64
+    ``[world_size, divisions]``."""
+    cm = cost_model or CostModel.a100()
+    wl, w, t = plan.workload, plan.world_size, plan.divisions
+    cell = plan.placement.tile_rank.astype(np.int64) * t + np.asarray(plan.tile_division, np.int64)
+    return cm.launch_seconds(wl, np.arange(wl.n_tiles), cell, w * t, backward).reshape(w, t)
+
+
+def kernel_floor_seconds(plan: Plan, cost_model: CostModel | None = None, backward: bool | None = None) -> float:
+    """The busiest rank's attention launches, each timed by the cost model as :func:`torch_dcp.simulate.simulate`
+    times it (:func:`division_launch_seconds`), copies and reductions left out (seconds). A
+    lower bound of the rank's busy time, so of the pass's makespan; at least
+    :func:`compute_floor_seconds`.
+
+    Args:
+        backward: ``None`` (default): forward + backward; ``False`` / ``True``: one pass.
+    """
+    passes = (False, True) if backward is None else (backward,)
+    seconds = sum(division_launch_seconds(plan, cost_model, bw).sum(axis=1) for bw in passes)
+    return float(np.max(seconds, initial=0.0))
+
+
+def floor_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None) -> float:
+    """``max(compute floor, link floor)`` of each pass, forward + backward: no simulated run
+    of ``plan`` is shorter (the simulator runs the passes one after the other), so a candidate
+    whose floor is above another's simulated time need not be simulated
+    (:func:`torch_dcp.plan`). Each pass: the larger of :func:`kernel_floor_seconds` and
+    :func:`link_floor_seconds`, so at least ``max(compute_floor_seconds, link_floor_seconds)``:
+    a pass bound by its links and another by its compute add up. A head-parallel plan: its
+    outer plan's floor plus its all-to-alls."""
+    if isinstance(plan, HeadParallelPlan):
+        return floor_seconds(plan.outer, cost_model) + sum(plan.all_to_all_seconds(bw) for bw in (False, True))
+    return sum(max(kernel_floor_seconds(plan, cost_model, backward), link_floor_seconds(plan, backward))
+               for backward in (False, True))
+
+
+def batch_floor_seconds(batch: BatchSpec, world_size: int, cost_model: CostModel | None = None) -> float:
+    """The batch's compute floor on ``world_size`` ranks (seconds): its attention forward +
+    backward spread evenly over the ranks, one launch per pass on each (a ``1/W`` share of
+    every visible pair and FLOP, timed by the cost model), no communication. No plan of any
+    planner beats it by more than the kernel table's gain from larger launches; the
+    benchmarks report plans against it.
+
+    Raises:
+        ValueError: ``world_size`` is not a positive integer.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    cm = cost_model or CostModel.a100()
+    wl = Workload.uniform(batch, min(1024, max(1, batch.total_tokens)))
+    masked = not bool(np.all(wl.tile_full))
+    pairs = float(wl.tile_pairs.sum()) * batch.n_heads / world_size
+    return sum(cm.attention_seconds(pairs, float(flops.sum()) / world_size, bw, masked, batch.head_dim, batch.dtype)
+               for bw, flops in ((False, wl.tile_flops_fwd), (True, wl.tile_flops_bwd)))
