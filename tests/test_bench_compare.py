@@ -105,17 +105,17 @@ def test_compare_command_json_lines():
 def test_documents_rival_moves_nothing_in_one_division():
     """dcp's "documents" rival: every document whole on one rank (Ulysses at CP size N with data
     parallelism across the head groups, inside head parallelism N), in one division."""
-    from torch_dcp.planners.documents import DOCUMENT_BLOCK, documents_by_tokens, plan_documents
+    from torch_dcp.planners.documents import DOCUMENT_BLOCK, longest_first, plan_documents
 
     batch = _batch([40000, 300, 9000, 2500, 120, 7000])
     topo = Topology(n_nodes=2, ranks_per_node=2)
     pl = plan_documents(batch, topo, 1024)
     wl = pl.workload
-    assert np.array_equal(pl.block_rank, documents_by_tokens(batch.doc_lens, 4)[wl.block_doc])
+    assert np.array_equal(pl.block_rank, longest_first(batch.doc_lens, 4)[wl.block_doc])
     assert np.array_equal(pl.tile_rank, pl.block_rank[wl.tile_q])
     assert np.array_equal(pl.tile_rank, pl.block_rank[wl.tile_kv])
     assert wl.block_len.max() == DOCUMENT_BLOCK and wl.n_blocks == 3 + 5  # the longest in 16K blocks, the rest whole
-    assert np.array_equal(documents_by_tokens([5, 9, 1, 4], 2), [1, 0, 0, 1])  # 9 + 1 | 5 + 4 (ties: lower)
+    assert np.array_equal(longest_first([5, 9, 1, 4], 2), [1, 0, 0, 1])  # 9 + 1 | 5 + 4 (ties: lower)
     plan = torch_dcp.plan(_batch([3000, 2900, 3100, 2800, 3050, 2950, 2990, 3010]), topo, planner="dcp",
                           block_size=512, cost_model=CostModel.load("h100-executor"), head_parallel=1)
     assert "dcp:documents" in dict(plan.candidates)  # timed (NaN: its floor lies above a faster candidate's time)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..batch import BatchSpec
 from ..cost import CostModel
-from ..planners.documents import documents_by_tokens
+from ..planners.documents import longest_first
 from ..topology import Topology
 
 __all__ = ["STATIC_FAMILIES", "cp_sizes", "split_documents", "group_batch", "group_topology", "static_cp_seconds"]
@@ -63,14 +63,14 @@ def cp_sizes(family: str, batch: BatchSpec, topology: Topology) -> list[int]:
 def split_documents(doc_lens: Any, groups: int) -> np.ndarray:
     """Which of ``groups`` data-parallel groups each document goes to (module docstring): int64
     ``[n_docs]``, whole documents balanced by tokens, longest first to the lightest group
-    (:func:`torch_dcp.planners.documents.documents_by_tokens`).
+    (:func:`torch_dcp.planners.documents.longest_first`).
 
     Raises:
         ValueError: ``groups`` is not a positive integer.
     """
     if isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1:
         raise ValueError(f"groups must be a positive integer, got {groups!r}")
-    return documents_by_tokens(doc_lens, groups)
+    return longest_first(doc_lens, groups)
 
 
 def group_batch(batch: BatchSpec, docs: np.ndarray) -> BatchSpec:

@@ -18,7 +18,7 @@ from ..topology import Topology
 from ..workload import Workload, check_block_size
 from .base import Placement
 
-__all__ = ["plan_documents", "documents_by_tokens", "DOCUMENT_BLOCK"]
+__all__ = ["plan_documents", "longest_first", "DOCUMENT_BLOCK"]
 
 #: the largest block of a whole-document placement (tokens): a document up to this long is one
 #: block, so one tile (a block-sparse kernel pays its mask boundary per tile, and the executor
@@ -27,27 +27,29 @@ __all__ = ["plan_documents", "documents_by_tokens", "DOCUMENT_BLOCK"]
 DOCUMENT_BLOCK = 16384
 
 
-def documents_by_tokens(doc_lens: np.ndarray, parts: int) -> np.ndarray:
-    """The part (rank or group) of every document: int64 ``[n_docs]``, whole documents,
-    longest first to the part holding the fewest tokens so far (ties to the lower part).
+def longest_first(weights: np.ndarray, parts: int) -> np.ndarray:
+    """Longest processing time first (Graham, *Bounds on multiprocessing timing anomalies*,
+    1969): the part (rank or group) of every item, int64 ``[n]``, heaviest first to the part
+    with the least weight so far (ties to the lower part). Documents by tokens here; a
+    partition's vertices by weight where nothing connects them (:mod:`.partition`).
 
     Raises:
         ValueError: ``parts`` is not a positive integer.
     """
     if isinstance(parts, bool) or not isinstance(parts, (int, np.integer)) or parts < 1:
         raise ValueError(f"parts must be a positive integer, got {parts!r}")
-    lens = np.asarray(doc_lens, np.int64)
-    part = np.zeros(len(lens), np.int64)
-    load = np.zeros(parts, np.int64)
-    for d in np.argsort(-lens, kind="stable"):
+    w = np.asarray(weights)
+    part = np.zeros(len(w), np.int64)
+    load = np.zeros(parts, w.dtype if w.dtype.kind in "iu" else np.float64)
+    for i in np.argsort(-w, kind="stable"):
         p = int(np.argmin(load))
-        part[d] = p
-        load[p] += lens[d]
+        part[i] = p
+        load[p] += w[i]
     return part
 
 
 def plan_documents(batch: BatchSpec, topology: Topology, block_size: int = 1024) -> Placement:
-    """Every document whole on one rank (:func:`documents_by_tokens`) with all its tiles, in
+    """Every document whole on one rank (:func:`longest_first`: longest first to the rank holding the fewest tokens) with all its tiles, in
     blocks of ``max(block_size, min(longest document, DOCUMENT_BLOCK))`` tokens (no block is
     ever fetched, so the block size only sets how many tiles the kernels see).
 
@@ -57,6 +59,6 @@ def plan_documents(batch: BatchSpec, topology: Topology, block_size: int = 1024)
     block_size = check_block_size(block_size)
     longest = int(batch.doc_lens.max(initial=1))
     wl = Workload.uniform(batch, max(block_size, min(longest, DOCUMENT_BLOCK)))
-    doc_rank = documents_by_tokens(batch.doc_lens, topology.world_size)
+    doc_rank = longest_first(batch.doc_lens, topology.world_size)
     block_rank = doc_rank[wl.block_doc]
     return Placement(wl, topology.world_size, block_rank, block_rank[wl.tile_q], planner="documents")

@@ -8,6 +8,8 @@ import hashlib
 
 import numpy as np
 
+from .documents import longest_first
+
 _WEIGHT_SCALE = 1 << 20
 
 def _partition_csr(n: int, net_ptr: np.ndarray, net_pins: np.ndarray, node_w: np.ndarray, net_w: np.ndarray,
@@ -36,13 +38,7 @@ def _partition_csr(n: int, net_ptr: np.ndarray, net_pins: np.ndarray, node_w: np
     vw = node_w[vertices]
     iw = np.maximum(1, np.rint(vw / max(vw.sum(), 1e-300) * _WEIGHT_SCALE)).astype(np.int64)
     if len(nets) == 0:  # nothing connects: balance only (longest processing time first)
-        part = np.zeros(m, np.int64)
-        load = np.zeros(k)
-        for v in np.argsort(-iw, kind="stable"):
-            r = int(np.argmin(load))
-            part[v] = r
-            load[r] += iw[v]
-        return part
+        return longest_first(iw, k)
     ew = np.maximum(1, np.rint(net_w[nets] / max(net_w[nets].max(), 1e-300) * _WEIGHT_SCALE)).astype(np.int64)
     if contiguous:
         return _contiguous_partition(ptr, pins_local, iw, ew, k, eps)
