@@ -172,6 +172,27 @@ def test_step_benchmark_small_cpu(capsys):
     assert "n/a: flash varlen needs CUDA" in text and "busiest rank" in text and "max abs error" in text
 
 
+def test_step_benchmark_layers_eager_and_replayed_cpu(capsys):
+    """``step --layers``: every rank of the plan timed per layer, eagerly and through layer replay
+    (the eager recorder on the CPU), the replayed results bit-identical to the eager ones."""
+    import json
+
+    args = ["step", "--device", "cpu", "--tokens", "1024", "--mask", "causal", "--heads", "4", "--kv-heads", "2",
+            "--head-dim", "16", "--block-size", "128", "--ranks", "3", "--repeat", "1", "--layers", "3"]
+    assert main(args) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["layers"] == 3 and res["layers_ranks"] == 3 and res["recorder"] == "EagerRecorder"
+    assert len(res["eager_layer_busiest_s"]) == 3 and len(res["replay_rank_layer_s"]) == 3
+    assert len(res["replay_rank_layer_s"][0]) == 3 and res["replay_fallbacks"] == 0 and res["replay_err"] == 0.0
+    assert res["replay_busiest_over_ideal"] == pytest.approx(res["replay_busiest_s"] / res["layers_ideal_s"])
+    assert res["replay_peak_bytes"] is None and res["replay_sync_failures"] is None  # nothing to measure on a CPU
+    assert main(args[:-2] + ["--layers", "2", "--no-replay"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert not res["replay"] and "replay_busiest_s" not in res and len(res["eager_rank_layer_s"]) == 2
+    with pytest.raises(ValueError, match="--layers must be at least 2 with replay"):
+        main(args[:-2] + ["--layers", "1"])
+
+
 def test_routes_cut_inter_node_bytes_on_the_same_placement(capsys):
     """Node routes against direct routes on one dcp placement: the same compute balance, fewer
     (never more) bytes between nodes, and the CLI rejects what it cannot run."""

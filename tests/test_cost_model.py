@@ -154,8 +154,15 @@ def test_check_arithmetic_and_tiny_calibration(tmp_path):
     meas, pred = np.array(case["measured_s"]), np.array(case["predicted_s"])
     b = int(np.argmax(meas))
     assert case["busiest"] == pytest.approx(meas[b] / pred[b]) and chk["inside"] in (0, 1)
+    rep = calibrate.main(["--check", "--device", "cpu", "--cost", str(out), "--repeat", "1", "--replay",
+                          "--cases", "longtail:lambda:1024:1x2:128"], out=open(tmp_path / "log3", "w"))
+    assert rep["replay"] and not chk["replay"] and rep["cases"][0]["world"] == "1x2"
+    assert len(rep["cases"][0]["measured_s"]) == 2 and min(rep["cases"][0]["measured_s"]) > 0
     with pytest.raises(ValueError, match="BATCH:MASK"):
         calibrate.check_cases("longtail:nomask:1:2:3")
+    with pytest.raises(ValueError, match="NODESxRANKS"):
+        calibrate.check_cases("longtail:causal:1:2y2:3")
+    assert calibrate.check_cases("corpus:causal:8192:4x8:1024") == [("corpus", "causal", 8192, "4x8", 1024)]
     assert json.loads(out.read_text())["meta"]["device"].startswith("cpu")
 
 

@@ -152,18 +152,20 @@ def test_stage_table_and_options():
 def test_dry_run_lists_stages_and_commands(capsys):
     assert cli_main(["gpu-report", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("gpu-report: 14 stages, run from ")
+    assert out.startswith(f"gpu-report: {len(gr.default_stages())} stages, run from ")
     for s in gr.default_stages():
         assert f"  {s.name} " in out
-    assert "-m torch_dcp.benchmarks step --device cuda --tokens 131072 --repeat 3 --mask lambda --ranks 32" in out
+    assert "-m torch_dcp.benchmarks step --device cuda --tokens 131072 --repeat 3 --layers 4 --mask lambda --ranks 32" in out
+    assert "calibrate --check --device cuda --cost outputs/gpu_report_calibration.json" in out and "4x8:1024 --replay" in out
+    assert "recipes/train_llama.py --cp-impl torch_dcp --no-replay" in out
     assert "-m pytest -q -p no:cacheprovider -m cuda tests/test_executor.py -k synchronisation" in out
     assert "-m pytest -q -p no:cacheprovider -m cuda tests -k 'not synchronisation'" in out
     assert "recipes/train_llama.py --cp-impl none" in out and "--nproc-per-node 1 recipes/train_llama.py" in out
     buf = io.StringIO()
     assert gr.main(["--dry-run", "--quick", "--stages", "step-causal,train-dcp", "--timeout-scale", "2"], out=buf) == 0
     text = buf.getvalue()
-    assert "gpu-report --quick: 2 stages" in text and "limits adding up to 140 s within a budget of 180 s" in text
-    assert "--tokens 32768 --repeat 3 --mask causal --ranks 8" in text
+    assert "gpu-report --quick: 2 stages" in text and "limits adding up to 170 s within a budget of 180 s" in text
+    assert "--tokens 32768 --repeat 3 --layers 4 --mask causal --ranks 8" in text
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

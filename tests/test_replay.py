@@ -13,8 +13,9 @@ import torch.nn.functional as F
 import torch_dcp
 from torch_dcp import BatchSpec, Topology
 from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor
-from torch_dcp.executor.replay import EagerRecorder, LayerReplay, default_recorder
-from reference import random_qkv
+from torch_dcp.benchmarks import layers as bench_layers
+from torch_dcp.executor.replay import CUDAGraphRecorder, EagerRecorder, LayerReplay, default_recorder
+from reference import needs_cuda, random_qkv
 from spawn import run_ranks
 
 
@@ -117,3 +118,78 @@ def _context_ranks(rank, world, mesh):
 
 def test_context_parallel_replays_every_layer_after_the_first(tmp_path):
     run_ranks(_context_ranks, 2, tmp_path, timeout=120)
+
+
+# ---------------------------------------------------------------------- the benchmarks' replayed ranks
+def test_replayed_ranks_alone_match_the_eager_emulation():
+    """Every rank run alone on the messages recorded from one eager step (what ``step --layers``
+    and ``calibrate --check --replay`` time): bit-identical through the recorder, and the layered
+    step times every rank and layer."""
+    batch = BatchSpec([90, 13, 57, 33], torch_dcp.Lambda(sink=4, window=24), n_heads=4, n_kv_heads=2, head_dim=8,
+                      dtype="float64")
+    plan = torch_dcp.plan(batch, Topology.single_node(3), planner="greedy", block_size=16)
+    assert plan.stats()["comm_bytes"] > 0  # the ranks exchange messages
+    ranks = bench_layers.emulate_ranks(plan, torch.device("cpu"), "reference", seed=3)
+    assert bench_layers.replay_error(ranks, EagerRecorder()) == 0.0
+    rec = EagerRecorder()
+    times = bench_layers.time_layers(ranks, 3, rec)
+    assert times.total.shape == (3, 3) and (times.total > 0).all() and times.replay and times.fallbacks == ()
+    assert rec.records == 2 * 3  # a forward and a backward recording per rank, the later layers replayed
+    eager = bench_layers.time_layers(ranks, 2)
+    assert eager.total.shape == (2, 3) and not eager.replay and eager.peak_bytes is None
+    with pytest.raises(ValueError, match="layers must be at least 1"):
+        bench_layers.time_layers(ranks, 0)
+    # a transport that does not copy leaves the received rows as they are: not the eager results
+    ex, net = ranks.executor(0, copies=False)
+    net.messages = ranks.received[0][0]
+    q, k, v, _ = ranks.inputs[0]
+    ex.forward(q, k, v)  # runs without waiting for any peer
+    net.messages = {}
+    with pytest.raises(KeyError, match="no recorded message"):
+        ex.forward(q, k, v)
+
+
+@needs_cuda("needs CUDA (CUDA graphs)")
+@pytest.mark.parametrize("mask", ["causal", "lambda"])
+def test_cuda_graph_replay_is_bit_identical_on_cuda(mask):
+    """CUDA graphs (what ``context_parallel`` records on CUDA) replay every emulated rank's
+    forward and backward, messages included, bit for bit as the eager step computed them."""
+    m = torch_dcp.Causal() if mask == "causal" else torch_dcp.Lambda(sink=64, window=256)
+    batch = BatchSpec([1500, 300, 2200, 96], m, n_heads=8, n_kv_heads=2, head_dim=64, dtype="bfloat16")
+    plan = torch_dcp.plan(batch, Topology.single_node(3), planner="dcp", block_size=256, head_parallel=1)
+    ranks = bench_layers.emulate_ranks(plan, torch.device("cuda"), "auto", seed=1)
+    assert bench_layers.replay_error(ranks, CUDAGraphRecorder()) == 0.0
+    times = bench_layers.time_layers(ranks, 3, CUDAGraphRecorder())
+    assert times.fallbacks == () and times.peak_bytes > 0
+    assert bench_layers.replayed_layer_syncs(ranks, CUDAGraphRecorder()) is None
+
+
+class _Syncing:
+    """An executor whose forward reads a device value on the host first: no CUDA graph can
+    record it."""
+
+    def __init__(self, executor):
+        self.executor = executor
+
+    def forward(self, q, k, v, scale=None):
+        if float(q.float().sum()) != float(q.float().sum()):  # a host read of device data
+            raise AssertionError("NaN in the inputs")
+        return self.executor.forward(q, k, v, scale)
+
+
+@needs_cuda("needs CUDA (CUDA graphs)")
+def test_a_failed_cuda_graph_recording_falls_back_to_eager_with_one_warning():
+    batch = BatchSpec([300, 90], torch_dcp.Causal(), n_heads=4, n_kv_heads=2, head_dim=64, dtype="bfloat16")
+    plan = torch_dcp.plan(batch, Topology.single_node(1), planner="dcp", block_size=128)
+    eager = RankExecutor(plan, 0, InProcessTransport(Mailbox(), 0))
+    layers = LayerReplay(_Syncing(RankExecutor(plan, 0, InProcessTransport(Mailbox(), 0))), CUDAGraphRecorder())
+    q, k, v, _ = (t.cuda() for t in random_qkv(batch, torch.bfloat16))
+    with pytest.warns(RuntimeWarning, match="recording the forward pass for layer replay failed"):
+        got = layers.forward(q, k, v)
+    assert torch.equal(got[0], eager.forward(q, k, v)[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning: the later layers run eagerly, without another
+        for _ in range(2):
+            assert torch.equal(layers.forward(q, k, v)[0], got[0])
+    assert layers.eager_calls == 3 and layers.replays == 0
+    torch.cuda.synchronize()  # the device is usable after the failed capture

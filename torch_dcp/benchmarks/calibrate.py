@@ -35,6 +35,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -90,6 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", default=None,
                    help="with --check: BATCH:MASK:TOKENS:W:BLOCK,... (default: long-tail and corpus, 8K-32K "
                         "tokens, W = 4 and 8, blocks 128-512, causal, lambda, shared_question)")
+    p.add_argument("--replay", action="store_true",
+                   help="--check: measure each rank through layer replay (CUDA graphs on CUDA) instead of eagerly")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -103,8 +106,16 @@ def _batch(kind: str, mask: str, tokens: int, shape: dict[str, Any], seed: int) 
                                head_dim=shape["head_dim"], dtype=shape["dtype"])
 
 
-def _plan(batch: torch_dcp.BatchSpec, world: int, block: int, planner: str, cost: Any) -> Plan:
-    topo = torch_dcp.Topology(n_nodes=1, ranks_per_node=world)
+def _topology(world: "int | str") -> torch_dcp.Topology:
+    """``W`` ranks on one node, or ``"NxR"``: N nodes of R ranks."""
+    if isinstance(world, str) and "x" in world:
+        n, r = (int(x) for x in world.split("x"))
+        return torch_dcp.Topology(n_nodes=n, ranks_per_node=r)
+    return torch_dcp.Topology(n_nodes=1, ranks_per_node=int(world))
+
+
+def _plan(batch: torch_dcp.BatchSpec, world: "int | str", block: int, planner: str, cost: Any) -> Plan:
+    topo = _topology(world)
     opts: dict[str, Any] = {"head_parallel": 1} if planner == "dcp" else {}
     # measured on torch_dcp's executor: a baseline's plan as the executor runs it
     return on_executor(torch_dcp.plan(batch, topo, planner=planner, block_size=block, cost_model=cost, **opts))
@@ -429,8 +440,9 @@ def measure_shared_cores(model: CostModel, links: "torch_dcp.cost.Links", dev: t
 
 
 # ---------------------------------------------------------------------- the check
-def check_cases(spec: str | None) -> list[tuple[str, str, int, int, int]]:
-    """``(batch, mask, tokens, W, block)`` of the check (``spec``: ``B:M:T:W:BS,...``).
+def check_cases(spec: str | None) -> list[tuple[str, str, int, "int | str", int]]:
+    """``(batch, mask, tokens, W, block)`` of the check (``spec``: ``B:M:T:W:BS,...``; ``W`` ranks
+    on one node, or ``NxR``: N nodes of R ranks).
 
     Raises:
         ValueError: a malformed case.
@@ -439,10 +451,11 @@ def check_cases(spec: str | None) -> list[tuple[str, str, int, int, int]]:
         out = []
         for item in spec.split(","):
             parts = item.split(":")
-            if len(parts) != 5 or parts[1] not in MASKS:
-                raise ValueError(f"--cases: expected BATCH:MASK:TOKENS:W:BLOCK with a mask of {sorted(MASKS)}, "
-                                 f"got {item!r}")
-            out.append((parts[0], parts[1], int(parts[2]), int(parts[3]), int(parts[4])))
+            if len(parts) != 5 or parts[1] not in MASKS or not re.fullmatch(r"\d+(x\d+)?", parts[3]):
+                raise ValueError(f"--cases: expected BATCH:MASK:TOKENS:W:BLOCK with a mask of {sorted(MASKS)} and W "
+                                 f"a number of ranks or NODESxRANKS (e.g. 4x8), got {item!r}")
+            world = parts[3] if "x" in parts[3] else int(parts[3])
+            out.append((parts[0], parts[1], int(parts[2]), world, int(parts[4])))
         return out
     cases = []
     blocks = (128, 256, 512)
@@ -452,25 +465,41 @@ def check_cases(spec: str | None) -> list[tuple[str, str, int, int, int]]:
     return cases
 
 
+def _replayed_times(plan: Plan, dev: torch.device, kernel: str, repeat: int, seed: int) -> np.ndarray:
+    """Every rank's forward + backward through layer replay (:mod:`~torch_dcp.benchmarks.layers`):
+    ``1 + repeat`` layers, the first records; the median of the replayed ones, per rank."""
+    from .layers import bench_recorder, emulate_ranks, time_layers
+
+    times = time_layers(emulate_ranks(plan, dev, kernel, seed=seed), 1 + repeat, bench_recorder(dev))
+    if times.fallbacks:
+        raise RuntimeError(f"layer replay failed on ranks {list(times.fallbacks)}: their times are eager ones")
+    return np.median(times.total[1:], axis=0)
+
+
 def check(model: CostModel, dev: torch.device, cases: list, kernel: str = "auto", repeat: int = 2,
-          seed: int = 0, out: Any = None) -> dict[str, Any]:
+          seed: int = 0, out: Any = None, replay: bool = False) -> dict[str, Any]:
     """Every case's plan (dcp, planned with ``model``) measured rank by rank beside the
     simulator's busy time of each rank under ``model``: the busiest and the median rank's
-    measured / predicted."""
+    measured / predicted. ``replay``: each rank measured through layer replay (CUDA graphs on
+    CUDA) instead of eagerly.
+
+    Raises:
+        RuntimeError: with ``replay``, a rank whose recording failed (it would be timed eagerly).
+    """
     p = (lambda s: print(s, file=out or sys.stdout, flush=True))
     shape = _shape(dev)
     rows = []
     p(f"check of '{model.source or 'the model'}' on {device_name(dev)}: each rank's forward + backward measured "
-      f"alone / the simulator's busy time of that rank")
+      f"alone{' through layer replay' if replay else ''} / the simulator's busy time of that rank")
     p("| batch | mask | tokens | W | block | busiest rank: measured / predicted ms | ratio | median rank ratio |")
     p("|---|---|---|---|---|---|---|---|")
     for kind, mask, tokens, world, block in _progress(cases, "check"):
         batch = _batch(kind, mask, tokens, shape, seed)
         plan = _plan(batch, world, block, "dcp", model)
-        times = measure_plan(plan, dev, kernel, repeat=repeat, seed=seed)
+        meas = (_replayed_times(plan, dev, kernel, repeat, seed) if replay
+                else measure_plan(plan, dev, kernel, repeat=repeat, seed=seed).total)
         sim = torch_dcp.simulate(plan, model)
         pred = sim.forward.busy_s + sim.backward.busy_s
-        meas = times.total
         ratio = meas / np.maximum(pred, 1e-12)
         busiest = int(np.argmax(meas))
         med = int(np.argsort(meas)[len(meas) // 2])
@@ -483,7 +512,7 @@ def check(model: CostModel, dev: torch.device, cases: list, kernel: str = "auto"
     inside = sum(lo <= r["busiest"] <= hi and lo <= r["median"] <= hi for r in rows)
     p(f"{inside} of {len(rows)} cases with the busiest and the median rank within {lo}-{hi}")
     return {"model": model.source, "device": device_name(dev), "torch": torch.__version__, "cases": rows,
-            "inside": inside, "range": list(CHECK_RANGE)}
+            "inside": inside, "range": list(CHECK_RANGE), "replay": replay}
 
 
 # ---------------------------------------------------------------------- the command
@@ -508,7 +537,7 @@ def run(args: argparse.Namespace, out: Any = None) -> dict[str, Any]:
             dist.barrier()
             dist.destroy_process_group()
             return res
-        res = check(model, dev, check_cases(args.cases), args.kernel, args.repeat, args.seed, out)
+        res = check(model, dev, check_cases(args.cases), args.kernel, args.repeat, args.seed, out, args.replay)
         p(json.dumps(res))
         return res
     links = None

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .gpu_report_readers import READERS
+from .gpu_report_targets import TARGETS, Target, evaluate_targets
 
 __all__ = ["Stage", "StageResult", "Target", "default_stages", "select", "run_stage", "run_report",
            "evaluate_targets", "write_report", "machine", "TARGETS", "READERS", "add_arguments", "run", "main",
@@ -56,7 +57,7 @@ __all__ = ["Stage", "StageResult", "Target", "default_stages", "select", "run_st
 #: the checkout the package sits in (recipes/ and tests/ beside torch_dcp/)
 ROOT = Path(__file__).resolve().parents[2]
 #: default budgets of the whole report (seconds): every stage runs within what is left of it
-FULL_BUDGET_S, QUICK_BUDGET_S = 480.0, 180.0
+FULL_BUDGET_S, QUICK_BUDGET_S = 900.0, 180.0
 _TAIL_LINES = 20
 
 
@@ -128,6 +129,11 @@ def default_stages(quick: bool = False, python: str = sys.executable) -> list[St
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda")
     tokens, ranks = ("32768", "8") if quick else ("131072", "32")
     step = (*bench, "step", "--device", "cuda", "--tokens", tokens, "--repeat", "3")
+    layers = (*step, "--layers", "4")
+    cal = "outputs/gpu_report_calibration.json"
+    check = (*bench, "calibrate", "--check", "--device", "cuda", "--cost", cal, "--repeat", "2", "--cases",
+             f"longtail:causal:{tokens}:{'1x8' if quick else '4x8'}:1024,longtail:lambda:{tokens}:"
+             f"{'1x8' if quick else '4x8'}:1024")
     model = ("--tokens-per-step", "8192" if quick else "16384", "--max-doc-len", "4096", "--block-size", "1024",
              "--divisions", "4", "--dim", "512", "--layers", "4", "--heads", "8", "--kv-heads", "2",
              "--ffn-hidden", "1408", "--steps", "5" if quick else "20")
@@ -148,10 +154,24 @@ def default_stages(quick: bool = False, python: str = sys.executable) -> list[St
                (*pytest, "tests", "-k", "not synchronisation") if not quick else
                (*pytest, "tests/test_varlen.py", "tests/test_flash_attn.py", "tests/test_triton_merge.py"), 180,
                "pytest", ("pytest", "hypothesis"), ("tests",)), 180, 40),
+        (Stage("replay-tests", "layer replay's and the Trainer's CUDA tests (CUDA graphs, fallback, DCPSFTTrainer)",
+               (*pytest, "tests/test_replay.py", "tests/test_hf_trainer.py"), 150, "pytest", ("pytest", "hypothesis"),
+               ("tests",)), 150, 90),
         (Stage("step-causal", f"step, causal, {tokens} tokens: W=1 vs dense flex and varlen flash; "
-               f"{ranks}-rank busiest", (*step, "--mask", "causal", "--ranks", ranks), 50), 50, 30),
-        (Stage("step-lambda", f"step, lambda, {tokens} tokens: W=1 vs dense flex; {ranks}-rank busiest",
-               (*step, "--mask", "lambda", "--ranks", ranks), 50), 50, None),
+               f"{ranks}-rank busiest, 4 layers eager and replayed", (*layers, "--mask", "causal", "--ranks", ranks),
+               90), 90, 45),
+        (Stage("step-lambda", f"step, lambda, {tokens} tokens: W=1 vs dense flex; {ranks}-rank busiest, 4 layers "
+               "eager and replayed", (*layers, "--mask", "lambda", "--ranks", ranks), 100), 100, None),
+        (Stage("step-w1-causal", f"step, causal, {tokens} tokens, W=1: 4 layers eager and replayed (time, memory)",
+               (*layers, "--mask", "causal", "--ranks", "1"), 60), 60, 30),
+        (Stage("step-w1-lambda", f"step, lambda, {tokens} tokens, W=1: 4 layers eager and replayed (time, memory)",
+               (*layers, "--mask", "lambda", "--ranks", "1"), 60), 60, None),
+        (Stage("calibrate", "the card's cost model, fitted to the executor's own times",
+               (*bench, "calibrate", "--device", "cuda", "--out", cal), 300), 300, None),
+        (Stage("calibrate-check", f"the card's model against every rank, eager, {ranks} ranks", check, 120, "check",
+               needs_paths=(cal,)), 120, None),
+        (Stage("calibrate-check-replay", f"the card's model against every rank, replayed, {ranks} ranks",
+               (*check, "--replay"), 150, "check", needs_paths=(cal,)), 150, None),
         (Stage("step-flash-attn", f"step, causal, {tokens} tokens, W=1, kernel flash_attn",
                (*step, "--mask", "causal", "--kernel", "flash_attn"), 45, needs_modules=("flash_attn",)), 45, 30),
         (Stage("step-varlen", f"step, causal, {tokens} tokens, W=1, kernel varlen (aten), beside flash_attn",
@@ -168,6 +188,9 @@ def default_stages(quick: bool = False, python: str = sys.executable) -> list[St
         (Stage("train-dcp", "main job on CUDA, one process, --cp-impl torch_dcp",
                (python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", train,
                 "--cp-impl", "torch_dcp", *model), 70, "train", needs_paths=(train,)), 70, 40),
+        (Stage("train-dcp-no-replay", "main job on CUDA, one process, --cp-impl torch_dcp --no-replay",
+               (python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", train,
+                "--cp-impl", "torch_dcp", "--no-replay", *model), 70, "train", needs_paths=(train,)), 70, 40),
         (Stage("train-none", "main job on CUDA, one process, --cp-impl none",
                (python, train, "--cp-impl", "none", *model), 30, "train", needs_paths=(train,)), 30, 20),
         (Stage("torchtitan-dcp", "torchtitan debug model on CUDA, one process, with DCP",
@@ -180,105 +203,6 @@ def default_stages(quick: bool = False, python: str = sys.executable) -> list[St
     stages = [dataclasses.replace(st, timeout_s=float(short if quick else full)) for st, full, short in table
               if not (quick and short is None)]
     return stages
-
-
-# ---------------------------------------------------------------------- targets
-@dataclass(frozen=True)
-class Target:
-    """One row of the report's table: the figures ``reads`` (``(stage, key)`` pairs) combined by
-    ``how`` (``"value"``: the one figure; ``"ratio"``: first / second; ``"rel_diff"``:
-    |first - second| / |second|), compared with ``bound`` by ``op`` (``"<="``, ``">="``,
-    ``"=="``); ``bound=None``: reported, no target."""
-
-    figure: str
-    reads: tuple[tuple[str, str], ...]
-    how: str = "value"
-    op: str = "<="
-    bound: float | None = None
-    source: str = ""
-
-    def __post_init__(self):
-        n = {"value": 1, "ratio": 2, "rel_diff": 2}.get(self.how)
-        if n is None or len(self.reads) != n:
-            raise ValueError(f"target {self.figure!r}: how must be 'value' (one figure), 'ratio' or 'rel_diff' "
-                             f"(two), got {self.how!r} with {len(self.reads)}")
-        if self.op not in ("<=", ">=", "=="):
-            raise ValueError(f"target {self.figure!r}: op must be '<=', '>=' or '==', got {self.op!r}")
-
-    def measure(self, figures: dict[str, dict[str, Any]]) -> float | None:
-        """The measured value from ``figures`` (by stage name), None where a figure is missing."""
-        vals = [figures.get(stage, {}).get(key) for stage, key in self.reads]
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v == v for v in vals):
-            return None
-        if self.how == "value":
-            return float(vals[0])
-        a, b = vals
-        if self.how == "ratio":
-            return a / b if b else None
-        return abs(a - b) / max(abs(b), 1e-12)
-
-    def check(self, value: float | None) -> bool | None:
-        """Whether ``value`` meets the bound (None: no bound or no value)."""
-        if self.bound is None or value is None:
-            return None
-        return {"<=": value <= self.bound, ">=": value >= self.bound, "==": value == self.bound}[self.op]
-
-
-_I12 = "H100 executor target"
-_FA = "flash-attn target"
-#: the GPU targets (README, docs, the benchmarks' own TARGETS) and figures reported beside them
-TARGETS: list[Target] = [
-    Target("CUDA tests failing or erroring", (("tests-cuda", "not_passed"),), op="==", bound=0,
-           source="the suite, pytest -m cuda"),
-    Target("CUDA tests passed (run on the GPU, not skipped)", (("tests-cuda", "passed"),), op=">=", bound=1,
-           source="the suite, pytest -m cuda"),
-    Target("synchronisation tests failing (sync debug mode 'error' in a step)", (("sync", "not_passed"),), op="==",
-           bound=0, source="docs/gpu.md: no synchronisation in the step"),
-    Target("synchronisation tests passed (kernels flex, reference, auto, varlen[, flash_attn])", (("sync", "passed"),),
-           op=">=", bound=4, source="tests/test_executor.py"),
-    Target("causal W=1: executor / compiled dense flex", (("step-causal", "exec_over_dense"),), bound=1.15, source=_I12),
-    Target("lambda W=1: executor / compiled dense flex", (("step-lambda", "exec_over_dense"),), bound=1.15, source=_I12),
-    Target("causal W=1: executor / varlen flash (aten)", (("step-causal", "exec_over_varlen"),), bound=1.3, source=_I12),
-    Target("causal 4x8: busiest rank / (dense / W x imbalance)", (("step-causal", "busiest_over_ideal"),), bound=1.3,
-           source=_I12),
-    Target("lambda 4x8: busiest rank / (dense / W x imbalance)", (("step-lambda", "busiest_over_ideal"),), bound=1.3,
-           source=_I12),
-    Target("causal W=1: executor vs dense, max abs error of out (bf16)", (("step-causal", "err_out"),), bound=5e-2,
-           source="bf16 rounding"),
-    Target("causal W=1, kernel flash_attn: executor / varlen flash (aten)", (("step-flash-attn", "exec_over_varlen"),),
-           bound=1.3, source=_FA + " (as varlen)"),
-    Target("causal W=1: executor time, kernel flash_attn / kernel varlen (aten)",
-           (("step-flash-attn", "exec_s"), ("step-varlen", "exec_s")), "ratio", source=_FA + ": side by side"),
-    Target("causal W=1, kernel flash_attn: max abs error of out vs dense", (("step-flash-attn", "err_out"),),
-           bound=5e-2, source=_FA + ": exact (bf16 rounding)"),
-    Target("division kernel / dense, forward TFLOP/s", (("kernels-division", "fwd_ratio"),), source="kernels division"),
-    Target("division kernel / dense, backward TFLOP/s", (("kernels-division", "bwd_ratio"),), source="kernels division"),
-    Target("division flash_attn / dense, forward TFLOP/s", (("kernels-division-flash-attn", "fwd_ratio"),),
-           source="kernels division --kernel flash_attn"),
-    Target("division flash_attn / dense, backward TFLOP/s", (("kernels-division-flash-attn", "bwd_ratio"),),
-           source="kernels division --kernel flash_attn"),
-    Target("LSE merge (Triton): fraction of the memory-bound limit", (("kernels-reduce", "triton_of_limit"),),
-           source="kernels reduce"),
-    Target("executor operations per division, forward (worst rank)",
-           (("launches", "forward_ops_per_division_worst"),), bound=10, source="tests/test_executor.py bound"),
-    Target("executor operations per division, backward (worst rank)",
-           (("launches", "backward_ops_per_division_worst"),), bound=16, source="tests/test_executor.py bound"),
-    Target("CUDA kernels per division, forward (profiler)", (("launches", "cuda_kernels_forward_per_division"),),
-           source="benchmarks ops"),
-    Target("CUDA kernels per division, backward (profiler)", (("launches", "cuda_kernels_backward_per_division"),),
-           source="benchmarks ops"),
-    Target("main job: tokens/s, torch_dcp / none", (("train-dcp", "tokens_per_s"), ("train-none", "tokens_per_s")),
-           "ratio", source="recipes/train_llama.py, one process"),
-    Target("main job: first loss, |torch_dcp - none| / none", (("train-dcp", "first_loss"), ("train-none", "first_loss")),
-           "rel_diff", bound=1e-3, source="same weights and batch"),
-    Target("main job: last loss, |torch_dcp - none| / none", (("train-dcp", "last_loss"), ("train-none", "last_loss")),
-           "rel_diff", bound=2e-2, source="the loss curve without CP"),
-    Target("torchtitan: last loss, |DCP - none| / none",
-           (("torchtitan-dcp", "last_loss"), ("torchtitan-none", "last_loss")), "rel_diff", bound=1e-3,
-           source="docs/torchtitan.md: the loss curve without CP"),
-    Target("torchtitan: tokens/s, DCP / none", (("torchtitan-dcp", "tokens_per_s"), ("torchtitan-none", "tokens_per_s")),
-           "ratio", source="torchtitan debug model"),
-]
 
 
 # ---------------------------------------------------------------------- running
@@ -417,22 +341,6 @@ def run_report(stages: Sequence[Stage], out: str | os.PathLike, root: str | os.P
     report["targets"] = evaluate_targets(results)
     write_report(report, out)
     return report
-
-
-def evaluate_targets(results: Sequence[StageResult], targets: Sequence[Target] = TARGETS) -> list[dict[str, Any]]:
-    """Every target with its measured value (None where its stages gave none, with their
-    statuses) and ``met`` (True, False, or None: no bound or no value)."""
-    figs = {r.name: r.figures for r in results}
-    status = {r.name: r.status for r in results}
-    rows = []
-    for t in targets:
-        value = t.measure(figs)
-        stages = sorted({s for s, _ in t.reads})
-        why = None if value is not None else "; ".join(
-            f"{s}: no value" if status.get(s) == "passed" else f"{s}: {status.get(s, 'not run')}" for s in stages)
-        rows.append({"figure": t.figure, "target": f"{t.op} {t.bound:g}" if t.bound is not None else "reported",
-                     "measured": value, "met": t.check(value), "source": t.source, "stages": stages, "why_none": why})
-    return rows
 
 
 def _fmt(v: Any) -> str:

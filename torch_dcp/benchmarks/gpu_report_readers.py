@@ -94,8 +94,21 @@ def _read_torchtitan(text: str) -> dict[str, Any]:
     return _loss_series(losses, tps)
 
 
+def _read_check(text: str) -> dict[str, Any]:
+    """``calibrate --check``: cases inside the range, and per case (``BATCH_MASK``) the busiest
+    and the median rank's measured / predicted."""
+    rows = [r for r in json_lines(text) if "cases" in r]
+    if not rows:
+        return {}
+    out = {"inside": rows[-1].get("inside"), "cases": len(rows[-1]["cases"])}
+    for c in rows[-1]["cases"]:
+        for key in ("busiest", "median"):
+            out[f"{c['batch']}_{c['mask']}_{key}"] = c.get(key)
+    return out
+
+
 #: how figures are read from a stage's stdout, by :attr:`Stage.reader`
 READERS: dict[str, Callable[[str], dict[str, Any]]] = {
     "last_json": _read_last_json, "pytest": _read_pytest, "ops": _read_ops, "train": _read_train,
-    "torchtitan": _read_torchtitan, "none": lambda text: {},
+    "torchtitan": _read_torchtitan, "check": _read_check, "none": lambda text: {},
 }

@@ -99,6 +99,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks-per-node", type=int, default=8,
                    help="ranks per node of the --ranks topology (one node when --ranks is smaller)")
     p.add_argument("--repeat", type=int, default=None, help=f"timed runs, median {both('repeat')}")
+    p.add_argument("--layers", type=int, default=None,
+                   help="also one training step of this many layers on every rank of --ranks (W = 1 too), each rank "
+                        "timed per layer, eagerly and through layer replay (torch_dcp.benchmarks.layers)")
+    p.add_argument("--replay", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --layers: also the replayed step (CUDA graphs on CUDA, the eager recorder on the CPU) "
+                        "beside the eager one (default); --no-replay: the eager step alone")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -214,6 +220,84 @@ def _ranks(batch, args, dev, q, k, v, go) -> dict[str, Any]:
             "topology": f"{topo.n_nodes}x{topo.ranks_per_node}", "kernel": _name(kern)}
 
 
+# ---------------------------------------------------------------------- L layers, eager and replayed
+def _layered(batch, args, dev, inputs, dense_s, varlen_s, p) -> dict[str, Any]:
+    """One step of ``args.layers`` layers on every rank of ``args.ranks``, each rank alone and
+    timed per layer (:mod:`torch_dcp.benchmarks.layers`), eagerly and, unless ``--no-replay``,
+    through layer replay; the figures of both, side by side."""
+    from . import layers as lay
+
+    if args.layers < 1 or (args.replay and args.layers < 2):
+        raise ValueError(f"--layers must be at least 2 with replay (1 records, later ones replay), at least 1 with "
+                         f"--no-replay; got {args.layers}")
+    topo = _topology(args.ranks, args.ranks_per_node)
+    plan = torch_dcp.plan(batch, topo, planner=args.planner, block_size=args.block_size, divisions=args.divisions,
+                          head_parallel=1)
+    W = plan.world_size
+    kern = torch_dcp.executor.get_kernel(args.kernel, device=dev, dtype=getattr(torch, batch.dtype),
+                                         head_dim=batch.head_dim)
+    ranks = lay.emulate_ranks(plan, dev, kern, inputs=inputs)
+    flops = plan.placement.rank_flops()
+    imbalance = float(flops.max() / flops.mean())
+    ideal = dense_s / W * imbalance
+    eager = lay.time_layers(ranks, args.layers)
+    e_busiest = eager.total.max(axis=1)
+    out: dict[str, Any] = {
+        "layers": args.layers, "layers_ranks": W, "layers_topology": f"{topo.n_nodes}x{topo.ranks_per_node}",
+        "layers_kernel": _name(kern), "layers_divisions": plan.divisions, "layers_imbalance": imbalance,
+        "layers_ideal_s": ideal, "layers_varlen_ideal_s": varlen_s / W * imbalance if varlen_s else None,
+        "eager_layer_busiest_s": e_busiest.tolist(), "eager_rank_layer_s": eager.total.tolist(),
+        "eager_busiest_s": float(np.median(e_busiest)),
+        "eager_busiest_over_ideal": float(np.median(e_busiest)) / ideal,
+        "eager_peak_bytes": eager.peak_bytes, "replay": bool(args.replay),
+    }
+    p(f"{args.layers} layers on each of {W} ranks ({out['layers_topology']}, kernel {out['layers_kernel']}, "
+      f"{plan.divisions} divisions), each rank alone, received bytes not copied; busiest rank per layer, ms "
+      f"(ideal: dense / {W} x compute imbalance {imbalance:.3f} = {ideal * 1e3:.3f} ms):")
+    if not args.replay:
+        p("| layer | eager |\n|---|---|")
+        for i, t in enumerate(e_busiest):
+            p(f"| {i} | {t * 1e3:.3f} |")
+        p(f"eager: busiest rank per layer {out['eager_busiest_s'] * 1e3:.3f} ms, "
+          f"{out['eager_busiest_over_ideal']:.2f} x ideal")
+        return out
+    rec = lay.bench_recorder(dev)
+    replay = lay.time_layers(ranks, args.layers, rec)
+    r_busiest = replay.total.max(axis=1)
+    later = float(np.median(r_busiest[1:]))
+    capture = replay.total[0] - np.median(eager.total, axis=0)  # per rank: the recording layer over an eager one
+    check = list(range(W)) if W <= 8 else sorted({0, int(np.argmax(eager.total.sum(0))), W - 1})
+    busiest_rank = int(np.argmax(replay.total[1:].sum(0)))
+    out.update({
+        "recorder": type(rec).__name__, "replay_layer_busiest_s": r_busiest.tolist(),
+        "replay_rank_layer_s": replay.total.tolist(), "replay_busiest_s": later,
+        "replay_busiest_over_ideal": later / ideal,
+        "replay_busiest_over_varlen_ideal": later / out["layers_varlen_ideal_s"] if varlen_s else None,
+        "replay_over_eager": later / out["eager_busiest_s"],
+        "capture_s_max": float(capture.max()), "capture_s_median": float(np.median(capture)),
+        "replay_peak_bytes": replay.peak_bytes,
+        "replay_peak_over_eager": (replay.peak_bytes / eager.peak_bytes) if eager.peak_bytes else None,
+        "replay_fallback_ranks": list(replay.fallbacks),
+        "replay_err": lay.replay_error(ranks, rec, check), "replay_err_ranks": check,
+        "replay_sync_error": lay.replayed_layer_syncs(ranks, rec, busiest_rank),
+    })
+    out["replay_sync_failures"] = int(out["replay_sync_error"] is not None) if dev.type == "cuda" else None
+    out["replay_fallbacks"] = len(replay.fallbacks)
+    p("| layer | eager | replay |\n|---|---|---|")
+    for i, (a_, b_) in enumerate(zip(e_busiest, r_busiest)):
+        p(f"| {i}{' (records)' if i == 0 else ''} | {a_ * 1e3:.3f} | {b_ * 1e3:.3f} |")
+    p(f"replay ({out['recorder']}): busiest rank per replayed layer {later * 1e3:.3f} ms = {out['replay_busiest_over_ideal']:.2f} "
+      f"x ideal (eager {out['eager_busiest_over_ideal']:.2f}); replay / eager {out['replay_over_eager']:.2f}; capture "
+      f"per step, worst rank {out['capture_s_max'] * 1e3:.1f} ms (median {out['capture_s_median'] * 1e3:.1f} ms); "
+      f"ranks that fell back to eager: {out['replay_fallback_ranks'] or 'none'}")
+    if eager.peak_bytes:
+        p(f"peak memory over the inputs: eager {eager.peak_bytes / 2**20:.1f} MiB, replay "
+          f"{replay.peak_bytes / 2**20:.1f} MiB ({out['replay_peak_over_eager']:.2f} x)")
+    p(f"check: replayed results vs eager, ranks {check}: max abs difference {out['replay_err']:.2e}; a replayed layer "
+      f"under sync debug 'error': {out['replay_sync_error'] or ('no synchronisation' if dev.type == 'cuda' else 'n/a on the CPU')}")
+    return out
+
+
 # ---------------------------------------------------------------------- the command
 def run(args: argparse.Namespace, out: Any = None) -> dict[str, Any]:
     """Run the benchmark with parsed options; prints a table and a final JSON line to ``out``
@@ -286,6 +370,8 @@ def run(args: argparse.Namespace, out: Any = None) -> dict[str, Any]:
           f"{res['busiest_over_ideal']:.2f} (target <= {TARGETS['busiest_over_ideal']})"
           + (f"; against varlen flash: {res['busiest_over_varlen_ideal']:.2f}" if var else ""))
         p(f"  check: emulated {a.ranks}-rank output vs dense, max abs error {res['ranks_err_out']:.2e}")
+    if a.layers:
+        res.update(_layered(batch, a, dev, (q, k, v, go), dense["s"], var["s"] if var else None, p))
     p(json.dumps(res))
     return res
 

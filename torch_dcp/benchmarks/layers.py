@@ -1,0 +1,302 @@
+"""Every rank of a plan run alone, layer after layer, eagerly or through layer replay: the
+per-rank, per-layer times of one training step's attention (``step --layers``) and of the
+calibration check (``calibrate --check --replay``).
+
+All ranks run in this process. One eager step of every rank on the in-process transport records
+the messages each rank receives (:class:`LoggingMailbox`); from then on every rank runs *alone*
+on a :class:`RecordedTransport` that serves those messages, so a rank's forward or backward is one
+uninterrupted call that a CUDA graph can record (:class:`~torch_dcp.executor.replay.LayerReplay`
+with :class:`~torch_dcp.executor.replay.CUDAGraphRecorder`, the recorder ``context_parallel``
+uses on CUDA; on the CPU :class:`~torch_dcp.executor.replay.EagerRecorder`). Timed runs leave the
+received bytes where they are (``copies=False``: a real transport lands them in the work buffers
+while the rank computes, so the emulated network's copies stay out of a rank's time, as in
+:func:`~torch_dcp.benchmarks.measure.measure_plan`); the exactness check copies them in
+(``copies=True``), so a replayed rank's results equal the eager emulation's bit for bit.
+
+A step of ``L`` layers runs as training does: every layer's forward in order (its ``out`` and
+``lse`` kept, each layer on inputs of its own), then every layer's backward in reverse order.
+The first layer of a replayed step records (one warm-up run, then the capture), the later ones
+replay; the first layer's extra time over an eager layer is the capture's cost per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..executor import Mailbox, RankExecutor, get_kernel
+from ..executor.replay import EagerRecorder, LayerReplay, Recorder, default_recorder
+from ..executor.transport import InProcessTransport, Transport
+from ..plan import Plan
+from .common import DTYPES, sync
+from .measure import batch_inputs
+
+__all__ = ["LoggingMailbox", "RecordedTransport", "EmulatedRanks", "emulate_ranks", "LayerTimes", "time_layers",
+           "replay_error", "replayed_layer_syncs", "bench_recorder"]
+
+Key = tuple[int, int, int]  # (phase, tag, source rank)
+
+
+class LoggingMailbox(Mailbox):
+    """The in-process mailbox, keeping every message posted: :attr:`log` maps a receiving rank
+    to ``{(phase, tag, source): message}`` (the sender's clone; never modified afterwards)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log: dict[int, dict[Key, torch.Tensor]] = {}
+
+    def post(self, key, message):
+        super().post(key, message)
+        phase, tag, src, dst = key
+        self.log.setdefault(dst, {})[(phase, tag, src)] = message
+
+    def take(self) -> dict[int, dict[Key, torch.Tensor]]:
+        """The log so far, emptied."""
+        log, self.log = self.log, {}
+        return log
+
+
+class RecordedTransport(Transport):
+    """One rank's transport that serves messages recorded from an earlier run of the same plan
+    (:class:`LoggingMailbox`) and drops what it sends: the rank runs alone, without waiting.
+
+    Args:
+        copies: copy each received message into its receive buffer (exact results) or leave the
+            buffer as it is (timing: the network's bytes stay out of the rank's time).
+
+    Attributes:
+        messages: ``{(phase, tag, source): uint8 tensor}`` of the pass about to run (the caller
+            sets it before a pass: forward and backward messages differ).
+
+    Raises (from ``wait``):
+        KeyError: a receive with no recorded message (the plan is not the recorded one).
+    """
+
+    def __init__(self, copies: bool = False):
+        self.copies = copies
+        self.messages: dict[Key, torch.Tensor] = {}
+
+    def launch(self, phase, sends, recvs):
+        return phase, list(recvs)
+
+    def wait(self, handle):
+        phase, recvs = handle
+        for peer, tag, buf in recvs:
+            msg = self.messages.get((phase, tag, peer))
+            if msg is None:
+                raise KeyError(f"phase {phase}: no recorded message from rank {peer} (tag {tag})")
+            if self.copies:
+                if msg.numel() != buf.numel():
+                    raise RuntimeError(f"phase {phase}: recorded message from rank {peer} has {msg.numel()} bytes, "
+                                       f"the receive {buf.numel()}")
+                buf.copy_(msg)
+        return
+        yield  # a generator that never waits
+
+
+@dataclasses.dataclass
+class EmulatedRanks:
+    """A plan's ranks ready to run alone (:func:`emulate_ranks`).
+
+    Attributes:
+        plan: the plan (flat: head parallelism 1).
+        inputs: per rank ``(q, k, v, grad_out)`` of its tokens.
+        eager: per rank ``(out, lse, dq, dk, dv)`` of the eager in-process step.
+        received: per rank ``(forward, backward)`` recorded messages.
+        kernel: the kernel instance every rank's executor shares.
+        device: where it runs.
+    """
+
+    plan: Plan
+    inputs: list[tuple[torch.Tensor, ...]]
+    eager: list[tuple[torch.Tensor, ...]]
+    received: list[tuple[dict[Key, torch.Tensor], dict[Key, torch.Tensor]]]
+    kernel: Any
+    device: torch.device
+
+    def executor(self, rank: int, copies: bool = False) -> tuple[RankExecutor, RecordedTransport]:
+        """A fresh executor of ``rank`` on a :class:`RecordedTransport` (device plan uploaded)."""
+        net = RecordedTransport(copies)
+        ex = RankExecutor(self.plan, rank, net, kernel=self.kernel)
+        ex.prepare(self.device)
+        return ex, net
+
+
+def emulate_ranks(plan: Plan, device: torch.device, kernel: Any = "auto", seed: int = 0,
+                  inputs: tuple[torch.Tensor, ...] | None = None) -> EmulatedRanks:
+    """Run one eager step of every rank of ``plan`` in this process (in-process transport),
+    recording the messages each rank receives.
+
+    Args:
+        inputs: global ``(q, k, v, grad_out)`` in token order (default: random, :func:`batch_inputs`).
+    """
+    from .._interleave import interleave
+
+    W, b = plan.world_size, plan.batch
+    kern = get_kernel(kernel, device=device, dtype=DTYPES[b.dtype], head_dim=b.head_dim) \
+        if isinstance(kernel, str) else kernel
+    mailbox = LoggingMailbox()
+    execs = [RankExecutor(plan, r, InProcessTransport(mailbox, r), kernel=kern) for r in range(W)]
+    for e in execs:
+        e.prepare(device)
+    q, k, v, go = inputs if inputs is not None else batch_inputs(b, device, seed)
+    idx = [torch.from_numpy(plan.token_indices(r)).to(device) for r in range(W)]
+    local = [(q[i], k[i], v[i], go[i]) for i in idx]
+    fwd = interleave([e.forward_steps(*x[:3]) for e, x in zip(execs, local)], lambda: mailbox.events)
+    fwd_log = mailbox.take()
+    bwd = interleave([e.backward_steps(*x[:3], o, lse, x[3]) for e, x, (o, lse) in zip(execs, local, fwd)],
+                     lambda: mailbox.events)
+    bwd_log = mailbox.take()
+    eager = [(o, lse) + tuple(g) for (o, lse), g in zip(fwd, bwd)]
+    received = [(fwd_log.get(r, {}), bwd_log.get(r, {})) for r in range(W)]
+    return EmulatedRanks(plan, local, eager, received, kern, device)
+
+
+def bench_recorder(device: torch.device) -> Recorder:
+    """The recorder of the benchmarks' replayed runs: CUDA graphs on CUDA (what
+    ``context_parallel`` uses), the eager recorder elsewhere."""
+    return default_recorder(device) or EagerRecorder()
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTimes:
+    """Seconds of every rank's attention in every layer of one step.
+
+    Attributes:
+        forward, backward: float64 ``[L, W]``: layer ``l``'s pass on rank ``r`` (for a replayed
+            step, layer 0 includes the recording).
+        peak_bytes: the device's peak allocated bytes during the step over what was allocated
+            before it (the inputs); None off CUDA.
+        replay: whether the step ran through layer replay.
+        fallbacks: ranks whose recording failed and ran eagerly (replay only).
+    """
+
+    forward: np.ndarray
+    backward: np.ndarray
+    peak_bytes: int | None
+    replay: bool
+    fallbacks: tuple[int, ...] = ()
+
+    @property
+    def total(self) -> np.ndarray:
+        """``[L, W]`` forward + backward."""
+        return self.forward + self.backward
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    sync(device)
+    t0 = time.perf_counter()
+    res = fn()
+    sync(device)
+    return time.perf_counter() - t0, res
+
+
+def time_layers(ranks: EmulatedRanks, layers: int, recorder: Recorder | None = None) -> LayerTimes:
+    """One step of ``layers`` layers on every rank, each rank alone and timed on its own (the
+    device synchronised around every call), received bytes not copied (module docstring).
+    ``recorder``: run every rank through :class:`LayerReplay` with it; None: eagerly.
+
+    Raises:
+        ValueError: ``layers`` below 1.
+    """
+    if layers < 1:
+        raise ValueError(f"layers must be at least 1, got {layers}")
+    dev, W = ranks.device, ranks.plan.world_size
+    runners, nets = [], []
+    for r in range(W):
+        ex, net = ranks.executor(r, copies=False)
+        runners.append(LayerReplay(ex, recorder) if recorder is not None else ex)
+        nets.append(net)
+    fwd, bwd = np.zeros((layers, W)), np.zeros((layers, W))
+    cuda = dev.type == "cuda"
+    if cuda:
+        sync(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    kept: list[list[tuple[torch.Tensor, ...]]] = []
+    for layer in range(layers):  # every layer's forward, its inputs and results kept for its backward
+        row = []
+        for r in range(W):
+            q, k, v, go = (t.clone() for t in ranks.inputs[r])  # each layer's own inputs
+            nets[r].messages = ranks.received[r][0]
+            fwd[layer, r], (o, lse) = _timed(lambda: runners[r].forward(q, k, v), dev)
+            row.append((q, k, v, go, o, lse))
+        kept.append(row)
+    for layer in reversed(range(layers)):
+        for r in range(W):
+            q, k, v, go, o, lse = kept[layer][r]
+            nets[r].messages = ranks.received[r][1]
+            bwd[layer, r], _ = _timed(lambda: runners[r].backward(q, k, v, o, lse, go), dev)
+        kept[layer] = []  # a layer's activations freed after its backward, as autograd does
+    peak = None
+    if cuda:
+        sync(dev)
+        peak = int(torch.cuda.max_memory_allocated(dev) - base)
+    fallbacks = tuple(r for r, x in enumerate(runners) if isinstance(x, LayerReplay) and x.failure is not None)
+    for x in runners:
+        if isinstance(x, LayerReplay):
+            x.close()
+    return LayerTimes(fwd, bwd, peak, recorder is not None, fallbacks)
+
+
+def replay_error(ranks: EmulatedRanks, recorder: Recorder, ranks_to_check: list[int] | None = None) -> float:
+    """The largest absolute difference between every checked rank's replayed results (recorded,
+    then replayed once more, received bytes copied in) and its eager results (0.0: bit for bit)."""
+    worst = 0.0
+    for r in (range(ranks.plan.world_size) if ranks_to_check is None else ranks_to_check):
+        ex, net = ranks.executor(r, copies=True)
+        rep = LayerReplay(ex, recorder)
+        q, k, v, go = ranks.inputs[r]
+        for _ in range(2):  # the recording call, then a replay
+            net.messages = ranks.received[r][0]
+            o, lse = rep.forward(q, k, v)
+            net.messages = ranks.received[r][1]
+            grads = rep.backward(q, k, v, o, lse, go)
+        for got, want in zip((o, lse) + tuple(grads), ranks.eager[r]):
+            worst = max(worst, float((got.float() - want.float()).abs().max()) if got.numel() else 0.0)
+        rep.close()
+    return worst
+
+
+def replayed_layer_syncs(ranks: EmulatedRanks, recorder: Recorder, rank: int = 0) -> str | None:
+    """Record ``rank``'s forward and backward, then replay one more layer of it under
+    ``torch.cuda.set_sync_debug_mode("error")``: None when nothing synchronised with the host,
+    else the error (off CUDA: None, nothing to check)."""
+    if ranks.device.type != "cuda":
+        return None
+    ex, net = ranks.executor(rank, copies=True)
+    rep = LayerReplay(ex, recorder)
+    q, k, v, go = ranks.inputs[rank]
+
+    def layer():
+        net.messages = ranks.received[rank][0]
+        o, lse = rep.forward(q, k, v)
+        net.messages = ranks.received[rank][1]
+        return rep.backward(q, k, v, o, lse, go)
+
+    layer()  # records
+    sync(ranks.device)
+    err = None
+    with _sync_debug_error():
+        try:
+            layer()
+        except RuntimeError as e:
+            err = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    sync(ranks.device)
+    rep.close()
+    return err
+
+
+@contextlib.contextmanager
+def _sync_debug_error():
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
