@@ -179,8 +179,11 @@ def test_step_benchmark_layers_eager_and_replayed_cpu(capsys):
 
     args = ["step", "--device", "cpu", "--tokens", "1024", "--mask", "causal", "--heads", "4", "--kv-heads", "2",
             "--head-dim", "16", "--block-size", "128", "--ranks", "3", "--repeat", "1", "--layers", "3"]
-    assert main(args) == 0
+    assert main(args + ["--profile"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for name in ("replay", "eager"):  # one layer of the busiest rank under the profiler
+        assert res[f"profile_{name}_wall_s"] > 0 and res[f"profile_{name}_top"]
+        assert any("scaled_dot_product" in row[0] for row in res[f"profile_{name}_top"])
     assert res["layers"] == 3 and res["layers_ranks"] == 3 and res["recorder"] == "EagerRecorder"
     assert len(res["eager_layer_busiest_s"]) == 3 and len(res["replay_rank_layer_s"]) == 3
     assert len(res["replay_rank_layer_s"][0]) == 3 and res["replay_fallbacks"] == 0 and res["replay_err"] == 0.0

@@ -158,10 +158,10 @@ def default_stages(quick: bool = False, python: str = sys.executable) -> list[St
                (*pytest, "tests/test_replay.py", "tests/test_hf_trainer.py"), 150, "pytest", ("pytest", "hypothesis"),
                ("tests",)), 150, 90),
         (Stage("step-causal", f"step, causal, {tokens} tokens: W=1 vs dense flex and varlen flash; "
-               f"{ranks}-rank busiest, 4 layers eager and replayed", (*layers, "--mask", "causal", "--ranks", ranks),
+               f"{ranks}-rank busiest, 4 layers eager and replayed", (*layers, "--mask", "causal", "--ranks", ranks, "--profile"),
                90), 90, 45),
         (Stage("step-lambda", f"step, lambda, {tokens} tokens: W=1 vs dense flex; {ranks}-rank busiest, 4 layers "
-               "eager and replayed", (*layers, "--mask", "lambda", "--ranks", ranks), 100), 100, None),
+               "eager and replayed", (*layers, "--mask", "lambda", "--ranks", ranks, "--profile"), 100), 100, None),
         (Stage("step-w1-causal", f"step, causal, {tokens} tokens, W=1: 4 layers eager and replayed (time, memory)",
                (*layers, "--mask", "causal", "--ranks", "1"), 60), 60, 30),
         (Stage("step-w1-lambda", f"step, lambda, {tokens} tokens, W=1: 4 layers eager and replayed (time, memory)",

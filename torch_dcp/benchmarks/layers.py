@@ -37,7 +37,7 @@ from .common import DTYPES, sync
 from .measure import batch_inputs
 
 __all__ = ["LoggingMailbox", "RecordedTransport", "EmulatedRanks", "emulate_ranks", "LayerTimes", "time_layers",
-           "replay_error", "replayed_layer_syncs", "bench_recorder"]
+           "replay_error", "replayed_layer_syncs", "bench_recorder", "profile_layer"]
 
 Key = tuple[int, int, int]  # (phase, tag, source rank)
 
@@ -290,6 +290,50 @@ def replayed_layer_syncs(ranks: EmulatedRanks, recorder: Recorder, rank: int = 0
     sync(ranks.device)
     rep.close()
     return err
+
+
+def profile_layer(ranks: EmulatedRanks, rank: int, recorder: Recorder | None = None, top: int = 12) -> dict[str, Any]:
+    """Where one layer's time goes on ``rank``: its forward and backward (replayed through
+    ``recorder`` after a recording layer, or eager with None) under ``torch.profiler``.
+
+    Returns a dict: ``wall_s`` (the layer, synchronised), ``device_s`` (the sum of its device
+    kernels' times; on the CPU the sum of its top-level operators' self times), ``kernels``
+    (device kernels launched; CPU: operators), ``per_division`` (kernels / the rank's divisions
+    in both passes) and ``top``: the ``top`` kernels by total time, ``[name, calls, seconds]``.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = ranks.device
+    ex, net = ranks.executor(rank, copies=False)
+    run = LayerReplay(ex, recorder) if recorder is not None else ex
+    q, k, v, go = ranks.inputs[rank]
+
+    def layer():
+        net.messages = ranks.received[rank][0]
+        o, lse = run.forward(q, k, v)
+        net.messages = ranks.received[rank][1]
+        return run.backward(q, k, v, o, lse, go)
+
+    layer()  # records (replay) or warms up (eager)
+    cuda = dev.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        wall, _ = _timed(layer, dev)
+    if isinstance(run, LayerReplay):
+        run.close()
+    if cuda:
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        events = [e for e in prof.events() if e.cpu_parent is None]
+    per_name: dict[str, list] = {}
+    for e in events:
+        us = e.device_time if cuda else e.self_cpu_time_total
+        row = per_name.setdefault(e.name[:90], [e.name[:90], 0, 0.0])
+        row[1] += 1
+        row[2] += us * 1e-6
+    rows = sorted(per_name.values(), key=lambda r: -r[2])
+    divisions = max(1, len(ranks.plan.program(rank).divisions))
+    return {"rank": rank, "replay": recorder is not None, "wall_s": wall, "device_s": sum(r[2] for r in rows),
+            "kernels": len(events), "per_division": len(events) / (2 * divisions), "top": rows[:top]}
 
 
 @contextlib.contextmanager

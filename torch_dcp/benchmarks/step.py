@@ -102,6 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None,
                    help="also one training step of this many layers on every rank of --ranks (W = 1 too), each rank "
                         "timed per layer, eagerly and through layer replay (torch_dcp.benchmarks.layers)")
+    p.add_argument("--profile", action="store_true",
+                   help="with --layers: torch.profiler's summary of one layer of the busiest rank, replayed and eager")
     p.add_argument("--replay", action=argparse.BooleanOptionalAction, default=True,
                    help="with --layers: also the replayed step (CUDA graphs on CUDA, the eager recorder on the CPU) "
                         "beside the eager one (default); --no-replay: the eager step alone")
@@ -283,6 +285,17 @@ def _layered(batch, args, dev, inputs, dense_s, varlen_s, p) -> dict[str, Any]:
     })
     out["replay_sync_failures"] = int(out["replay_sync_error"] is not None) if dev.type == "cuda" else None
     out["replay_fallbacks"] = len(replay.fallbacks)
+    if args.profile:  # where the busiest rank's replayed layer spends its time, beside its eager layer
+        for name, r in (("replay", rec), ("eager", None)):
+            prof = lay.profile_layer(ranks, busiest_rank, r)
+            out.update({f"profile_{name}_wall_s": prof["wall_s"], f"profile_{name}_device_s": prof["device_s"],
+                        f"profile_{name}_kernels_per_division": prof["per_division"], f"profile_{name}_top": prof["top"]})
+            p(f"profile, rank {busiest_rank}, one {name} layer: {prof['wall_s'] * 1e3:.3f} ms wall, "
+              f"{prof['device_s'] * 1e3:.3f} ms in {prof['kernels']} {'device kernels' if dev.type == 'cuda' else 'operators'} "
+              f"({prof['per_division']:.1f} per "
+              f"division and pass); the largest:")
+            for kname, calls, sec in prof["top"]:
+                p(f"    {sec * 1e3:8.3f} ms  {calls:4d} x  {kname}")
     p("| layer | eager | replay |\n|---|---|---|")
     for i, (a_, b_) in enumerate(zip(e_busiest, r_busiest)):
         p(f"| {i}{' (records)' if i == 0 else ''} | {a_ * 1e3:.3f} | {b_ * 1e3:.3f} |")
