@@ -15,6 +15,11 @@ documents each. The switch is ``parallelism_config=ParallelismConfig(cp_size=W /
 dp_shard_size=dp_shards)`` and the DCP class in place of the stock one. Batches are taken in
 order (``train_sampling_strategy="sequential"``) so that every run sees the same ones.
 
+Under torchrun with one process (``--nproc-per-node 1``) the DCP trainer runs its path on that
+one rank (``TrainerDCPConfig.single_rank``: planned and run by torch_dcp's executor, nothing to
+exchange), the check of the path on one GPU. ``--device`` picks CUDA or CPU (default: CUDA where
+there is one; CPU ranks talk over gloo, CUDA ranks over NCCL, one GPU each).
+
 Without torchrun the recipe is one process: the stock ``SFTTrainer`` / ``Trainer`` with
 transformers' ``"sdpa"`` (which masks every packed document on its own from the position ids)
 on the same batches (``--batch-size`` x ``--dp-shards`` per micro-batch). ``--reference``
@@ -71,6 +76,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cost-model", default="auto", help="auto (default), a100, h100 or a JSON cost model")
     p.add_argument("--plan-workers", type=int, default=0,
                    help="planning processes per rank (0: plans made in line when Trainer fetches a step's batches)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where every process trains (auto: CUDA where available, else CPU)")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
                    help="bf16 mixed precision (default: off, float32 throughout; TRL's own default is on)")
     p.add_argument("--cross-document", action="store_true",
@@ -97,6 +104,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--steps, --grad-accum, --dp-shards, --batch-size and --docs must be positive")
     if args.resume_check and not 0 < args.save_steps < args.steps:
         p.error("--resume-check needs a checkpoint before the last step: 0 < --save-steps < --steps")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
     return args
 
 
@@ -182,7 +193,7 @@ def make_trainer(args: argparse.Namespace, distributed: bool, out: str):
     save = dict(save_strategy="steps", save_steps=args.save_steps) if args.save_steps else dict(save_strategy="no")
     common = dict(output_dir=out, max_steps=args.steps, gradient_accumulation_steps=args.grad_accum,
                   learning_rate=args.lr, logging_steps=1, report_to="none", **save, seed=args.seed,
-                  use_cpu=not torch.cuda.is_available(), disable_tqdm=True, bf16=args.bf16,
+                  use_cpu=args.device == "cpu", disable_tqdm=True, bf16=args.bf16,
                   train_sampling_strategy="sequential",
                   per_device_train_batch_size=args.batch_size * (1 if distributed else args.dp_shards))
     if distributed:
@@ -220,6 +231,7 @@ def make_trainer(args: argparse.Namespace, distributed: bool, out: str):
         trainer.dcp.block_size = args.block_size
         trainer.dcp.cost_model = args.cost_model
         trainer.dcp.workers = args.plan_workers
+        trainer.dcp.single_rank = world == 1  # one process: the DCP path on one rank
     return trainer
 
 

@@ -39,7 +39,9 @@ A rank the plan gives no tokens still runs the forward and the backward (on a pl
 Refused at construction, naming the setting: a model whose ``attn_implementation`` is not
 ``"torch_dcp"``, attention dropout, logit soft-capping, layer types other than full and sliding
 attention, accelerate's ``sp_size`` or ``tp_size`` beside ``cp_size``, a ``cp_size`` that does not
-divide the world size. ``cp_size`` 1 (or no parallelism config) leaves the stock Trainer.
+divide the world size. ``cp_size`` 1 (or no parallelism config) leaves the stock Trainer, unless
+:attr:`TrainerDCPConfig.single_rank` asks for the DCP path on one process (torchrun with one
+process: the plans, the executor and its kernels on that process's device, nothing to exchange).
 Evaluation runs every batch whole on every rank (the backend is transformers' SDPA outside a
 context) and keeps one copy of each batch's figures per DCP group, so its losses are one
 process's.
@@ -99,6 +101,14 @@ class TrainerDCPConfig:
             so the later micro-batches are planned while the earlier ones train; a step waits
             only for a plan not made yet (at most ``timeout``).
         timeout: seconds any wait may block: inside the context, and for a plan.
+        single_rank: with ``cp_size`` 1 in a run of one process under ``torch.distributed``
+            (``torchrun --nproc-per-node 1``, ``accelerate launch`` with one process), train
+            every micro-batch through torch_dcp all the same, on a DCP group of that one rank
+            (planned, packed and run by torch_dcp's executor on the process's device, CUDA or
+            CPU): a check of the DCP path on one device against the stock trainer; it
+            parallelizes nothing. Read by ``train()``; refused there with more than one process
+            (set ``cp_size``) or without a process group. Default off: ``cp_size`` 1 is the
+            stock trainer.
     """
 
     planner: str = "dcp"
@@ -108,6 +118,7 @@ class TrainerDCPConfig:
     compare: tuple[str, ...] = ("ring",)
     workers: int = 0
     timeout: float = 600.0
+    single_rank: bool = False
 
 
 class DCPParallelismConfig(ParallelismConfig):
@@ -259,6 +270,7 @@ class DCPTrainerMixin:
         self._dcp_stats: list[dict[str, float]] = []
         self._dcp_evaluating = False
         self._dcp_fsdp = False  # whether this trainer sharded the model with FSDP2 itself (CPU ranks)
+        self._dcp_single_mesh: Any = None  # the one-rank mesh of TrainerDCPConfig.single_rank, set by train()
         self.dcp = dataclasses.replace(self.dcp)  # this trainer's own copy of the class's settings
         if pc is not None and pc.cp_size > 1:
             _check_parallelism(pc)
@@ -280,8 +292,16 @@ class DCPTrainerMixin:
     # -- planning ahead: the optimizer step's micro-batches, before the first forward
     @property
     def dcp_mesh(self) -> Any:
-        """The DCP group's one-dimensional mesh (accelerate's ``cp`` dimension)."""
+        """The DCP group's one-dimensional mesh (accelerate's ``cp`` dimension; with
+        :attr:`TrainerDCPConfig.single_rank`, this one process's)."""
+        if self._dcp_single_mesh is not None:
+            return self._dcp_single_mesh
         return self.accelerator.torch_device_mesh["cp"]
+
+    @property
+    def _dcp_on(self) -> bool:
+        """Whether training runs through torch_dcp: ``cp_size > 1``, or ``single_rank``."""
+        return self._dcp_size > 1 or self._dcp_single_mesh is not None
 
     def _dcp_prepare(self, inputs: dict[str, Any]) -> dict[str, Any]:
         packed = hf.pack(config=self.model.config, dtype=_attention_dtype(self), device=self.args.device,
@@ -295,7 +315,9 @@ class DCPTrainerMixin:
                 "position_ids": packed.position_ids, _KEY: prepared}
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
-        if self._dcp_size > 1:  # how this run plans, from `dcp` as it stands now
+        if self._dcp_size == 1:
+            self._dcp_single_mesh = _single_rank_mesh(self) if self.dcp.single_rank else None
+        if self._dcp_on:  # how this run plans, from `dcp` as it stands now
             conf = self.dcp
             options = {"cost_model": conf.cost_model} if conf.planner == "dcp" else {}
             self._dcp_planning = PlanningConfig(self._dcp_size, conf.planner, conf.block_size, conf.divisions,
@@ -310,7 +332,7 @@ class DCPTrainerMixin:
                 self._dcp_pool = None
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
-        if self._dcp_size == 1:
+        if not self._dcp_on:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         samples = []
         for _ in range(num_batches):
@@ -321,7 +343,7 @@ class DCPTrainerMixin:
         return samples, self._get_num_items_in_batch(samples, device)
 
     def _prepare_context_parallel_inputs(self, model: Any, inputs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        if self._dcp_size == 1:
+        if not self._dcp_on:
             return super()._prepare_context_parallel_inputs(model, inputs)
         prepared = inputs.pop(_KEY, None)
         if prepared is None:  # evaluation: every rank runs the whole batch (transformers' SDPA outside a context)
@@ -354,7 +376,7 @@ class DCPTrainerMixin:
             self._dcp_evaluating = False
 
     def _get_num_items_in_batch(self, batch_samples: list, device: Any) -> Any:
-        if self._dcp_size > 1 and self._dcp_evaluating:
+        if self._dcp_on and self._dcp_evaluating:
             return None  # a whole batch's loss is its own mean (not a share of a global count)
         return super()._get_num_items_in_batch(batch_samples, device)
 
@@ -436,6 +458,26 @@ def _fully_shard(model: torch.nn.Module, mesh: Any) -> None:
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model._is_accelerate_prepared = True
+
+
+def _single_rank_mesh(trainer: Any) -> Any:
+    """The one-dimensional ``cp`` mesh of this one process (:attr:`TrainerDCPConfig.single_rank`),
+    on the device the trainer runs on, after the model's checks.
+
+    Raises:
+        ValueError: no process group is initialised, or more than one process runs.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size() if dist.is_initialized() else 0
+    if world != 1:
+        why = (f"but {world} processes run; set parallelism_config cp_size={world} (or a divisor of it) instead"
+               if world else "but no process group is initialised; launch the one process with torchrun "
+               "--nproc-per-node 1 (or accelerate launch)")
+        raise ValueError(f"torch_dcp Trainer: TrainerDCPConfig.single_rank runs torch_dcp on one process, {why}")
+    _check_model(trainer.model)
+    return init_device_mesh(trainer.args.device.type, (1,), mesh_dim_names=("cp",))
 
 
 def _fsdp_asked(args: Any) -> bool:
