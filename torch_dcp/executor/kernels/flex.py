@@ -42,7 +42,8 @@ the identity returns the score's gradient as is, on any device, and tracing it r
 engine, which on CUDA tensors asks the driver for a context (so it could not be built for fake
 CUDA tensors without a GPU). That op is internal to PyTorch: if its first call on a device type
 fails (another torch version), the kernel warns once and falls back to the recomputing backward
-below (``recompute=True``; the default on CPU).
+below (``recompute=True``, the default: on CUDA the direct op runs PyTorch's dense
+implementation, see Devices).
 
 Recomputing backward: the partial forward is recomputed with autograd and back-propagated with
 ``grad_out = c * dO`` and ``grad_lse = c * (rowsum(dO * O_p) - delta)``, ``c = exp(LSE_p -
@@ -60,6 +61,11 @@ Devices:
   (from a dictionary), so the graph breaks at the op, which runs eagerly (PyTorch's dense
   implementation; seen on an H100 with torch 2.11). Passed that way, the op compiled to
   Inductor's Triton backward, whose gradients from these inputs were wrong (relative error ~1e2).
+  The dense implementation holds float32 ``[H, N_q, N_k]`` scores: on an H200 (torch 2.11) a
+  division of a 262,144-token λ batch asked for 102 GiB, and in a training step whose
+  ``mask_mod`` Dynamo traced under ``vmap`` the op failed outright. So the CUDA backward
+  recomputes by default: the compiled ``flex_attention`` under autograd runs Inductor's fused
+  forward and backward templates (memory linear in the tokens), one extra forward per division.
 * CPU: eager ``flex_attention`` for the forward (PyTorch's unfused implementation: it
   materialises the ``[H, N_q, N_k]`` scores); inputs are cast to the accumulation dtype.
   The backward recomputes by default: FlexAttention's autograd has no CPU backward, and the
@@ -409,8 +415,11 @@ class FlexKernel:
             CUDA only (the compiled CPU kernel returns no LSE). Inductor is skipped for fake
             tensors (see the module docstring).
         recompute: recompute each division's forward in the backward instead of calling flex's
-            backward op with the final LSE (see the module docstring); default: on CPU only,
-            where PyTorch's dense implementation of that op is the slower of the two.
+            backward op with the final LSE (see the module docstring); default True: that op
+            runs PyTorch's dense implementation (``[H, N_q, N_k]`` scores in memory) on every
+            device, also under ``torch.compile`` with torch 2.11 (fake tensors: the op, whose
+            shapes are the same; recomputing traces autograd, which asks the driver). False: the
+            op, for tests and small divisions.
 
     Raises:
         RuntimeError: this torch has no FlexAttention.
@@ -519,7 +528,8 @@ class FlexKernel:
         """``(dq [n_q, H, D], dk [n_k, H_kv, D], dv [n_k, H_kv, D])`` of the division's pairs,
         given the final LSE and ``delta = rowsum(dO * O)`` (packed like ``q``)."""
         dev = q.device.type
-        recompute = self.recompute if self.recompute is not None else dev == "cpu"
+        # fake tensors: the op (same shapes); recomputing traces autograd, which needs a driver
+        recompute = self.recompute if self.recompute is not None else not _is_fake(q)
         if recompute or _flex_backward_op is None or not _DIRECT_BACKWARD.get(dev, True):
             return self._backward_recompute(q, k, v, do, lse, delta, meta, scale, acc_dtype)
         if dev in _DIRECT_BACKWARD or _is_fake(q):  # fake: no fallback (it needs real CUDA), nothing learnt
