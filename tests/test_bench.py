@@ -219,3 +219,23 @@ def test_routes_cut_inter_node_bytes_on_the_same_placement(capsys):
     with pytest.raises(SystemExit):
         main(["routes", "--batch", "nope"])
     assert "unknown batch 'nope'" in capsys.readouterr().err
+
+
+def test_ops_counts_a_compiled_flex_kernel(monkeypatch):
+    """``ops`` counts a compiled FlexAttention kernel whose first compilation happens while it
+    counts: what is compiled is flex itself, not the counter's wrapper (Dynamo cannot trace the
+    counter's mode switch; on a GPU the first ``ops --device cuda`` call failed so)."""
+    import torch_dcp
+    from torch_dcp.benchmarks import ops
+    from torch_dcp.executor.kernels import flex
+    from torch_dcp.executor.kernels.flex import FlexKernel
+
+    batch = torch_dcp.BatchSpec([300, 90, 200], torch_dcp.Lambda(sink=8, window=64), n_heads=4, n_kv_heads=2,
+                                head_dim=16, dtype="float32")
+    plan = torch_dcp.plan(batch, 2, planner="greedy", block_size=64)
+    monkeypatch.setattr(flex, "_COMPILED", {})  # compiled for the first time inside the count
+    monkeypatch.setattr(ops, "get_kernel", lambda *a, **k: FlexKernel(block_size=32, compile="aot_eager",
+                                                                      recompute=False))
+    rows = ops._count_ops(plan, "cpu", None, 0)
+    assert {r["pass"] for r in rows} == {"forward", "backward"} and all(r["kernel_calls"] >= 1 for r in rows)
+    assert set(flex._COMPILED) == {"flex:aot_eager", "backward:aot_eager"}

@@ -87,10 +87,12 @@ def _flex_counted(counter: _Counter) -> Iterator[None]:
             with _pop_mode_temporarily():
                 return inner(*args, **kwargs)
 
+        run.counted_inner = inner
         return run
 
     saved = flex._compiled, flex.flex_attention, flex._backward_op
-    flex._compiled = lambda name, fn, backend: counted(saved[0](name, fn, backend))
+    # compiled from the uncounted functions: Dynamo cannot trace the counter's mode switch
+    flex._compiled = lambda name, fn, backend: counted(saved[0](name, getattr(fn, "counted_inner", fn), backend))
     flex.flex_attention, flex._backward_op = counted(saved[1]), counted(saved[2])  # uncompiled (fake tensors)
     try:
         yield
