@@ -186,7 +186,8 @@ def test_step_benchmark_layers_eager_and_replayed_cpu(capsys):
         assert any("scaled_dot_product" in row[0] for row in res[f"profile_{name}_top"])
     assert res["layers"] == 3 and res["layers_ranks"] == 3 and res["recorder"] == "EagerRecorder"
     assert len(res["eager_layer_busiest_s"]) == 3 and len(res["replay_rank_layer_s"]) == 3
-    assert len(res["replay_rank_layer_s"][0]) == 3 and res["replay_fallbacks"] == 0 and res["replay_err"] == 0.0
+    assert len(res["replay_rank_layer_s"][0]) == 3 and res["replay_fallbacks"] == 0
+    assert res["replay_err_forward"] == 0.0 and res["replay_err_backward"] == 0.0 == res["eager_backward_spread"]
     assert res["replay_busiest_over_ideal"] == pytest.approx(res["replay_busiest_s"] / res["layers_ideal_s"])
     assert res["replay_peak_bytes"] is None and res["replay_sync_failures"] is None  # nothing to measure on a CPU
     assert main(args[:-2] + ["--layers", "2", "--no-replay"]) == 0

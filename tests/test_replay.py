@@ -130,7 +130,8 @@ def test_replayed_ranks_alone_match_the_eager_emulation():
     plan = torch_dcp.plan(batch, Topology.single_node(3), planner="greedy", block_size=16)
     assert plan.stats()["comm_bytes"] > 0  # the ranks exchange messages
     ranks = bench_layers.emulate_ranks(plan, torch.device("cpu"), "reference", seed=3)
-    assert bench_layers.replay_error(ranks, EagerRecorder()) == 0.0
+    assert bench_layers.replay_error(ranks, EagerRecorder()) == {"forward": 0.0, "backward": 0.0,
+                                                                  "eager_backward_spread": 0.0}
     rec = EagerRecorder()
     times = bench_layers.time_layers(ranks, 3, rec)
     assert times.total.shape == (3, 3) and (times.total > 0).all() and times.replay and times.fallbacks == ()
@@ -153,12 +154,15 @@ def test_replayed_ranks_alone_match_the_eager_emulation():
 @pytest.mark.parametrize("mask", ["causal", "lambda"])
 def test_cuda_graph_replay_is_bit_identical_on_cuda(mask):
     """CUDA graphs (what ``context_parallel`` records on CUDA) replay every emulated rank's
-    forward and backward, messages included, bit for bit as the eager step computed them."""
+    forward and backward, messages included, as the eager step computed them."""
     m = torch_dcp.Causal() if mask == "causal" else torch_dcp.Lambda(sink=64, window=256)
     batch = BatchSpec([1500, 300, 2200, 96], m, n_heads=8, n_kv_heads=2, head_dim=64, dtype="bfloat16")
     plan = torch_dcp.plan(batch, Topology.single_node(3), planner="dcp", block_size=256, head_parallel=1)
     ranks = bench_layers.emulate_ranks(plan, torch.device("cuda"), "auto", seed=1)
-    assert bench_layers.replay_error(ranks, CUDAGraphRecorder()) == 0.0
+    err = bench_layers.replay_error(ranks, CUDAGraphRecorder())
+    # the forward bit for bit; the backward within the eager backward's own run-to-run spread
+    # (flash attention's backward adds dQ with atomics) and bf16 rounding
+    assert err["forward"] == 0.0 and err["backward"] <= max(2 * err["eager_backward_spread"], 1e-2), err
     times = bench_layers.time_layers(ranks, 3, CUDAGraphRecorder())
     assert times.fallbacks == () and times.peak_bytes > 0
     assert bench_layers.replayed_layer_syncs(ranks, CUDAGraphRecorder()) is None

@@ -280,9 +280,13 @@ def _layered(batch, args, dev, inputs, dense_s, varlen_s, p) -> dict[str, Any]:
         "replay_peak_bytes": replay.peak_bytes,
         "replay_peak_over_eager": (replay.peak_bytes / eager.peak_bytes) if eager.peak_bytes else None,
         "replay_fallback_ranks": list(replay.fallbacks),
-        "replay_err": lay.replay_error(ranks, rec, check), "replay_err_ranks": check,
+        "replay_err_ranks": check,
         "replay_sync_error": lay.replayed_layer_syncs(ranks, rec, busiest_rank),
     })
+    err = lay.replay_error(ranks, rec, check)
+    out.update({"replay_err_forward": err["forward"], "replay_err_backward": err["backward"],
+                "eager_backward_spread": err["eager_backward_spread"],
+                "replay_backward_over_spread": err["backward"] / max(err["eager_backward_spread"], 1e-30)})
     out["replay_sync_failures"] = int(out["replay_sync_error"] is not None) if dev.type == "cuda" else None
     out["replay_fallbacks"] = len(replay.fallbacks)
     if args.profile:  # where the busiest rank's replayed layer spends its time, beside its eager layer
@@ -306,7 +310,8 @@ def _layered(batch, args, dev, inputs, dense_s, varlen_s, p) -> dict[str, Any]:
     if eager.peak_bytes:
         p(f"peak memory over the inputs: eager {eager.peak_bytes / 2**20:.1f} MiB, replay "
           f"{replay.peak_bytes / 2**20:.1f} MiB ({out['replay_peak_over_eager']:.2f} x)")
-    p(f"check: replayed results vs eager, ranks {check}: max abs difference {out['replay_err']:.2e}; a replayed layer "
+    p(f"check: replayed results vs eager, ranks {check}: max abs difference, forward {out['replay_err_forward']:.2e}, "
+      f"backward {out['replay_err_backward']:.2e} (eager backward run again: {out['eager_backward_spread']:.2e}); a replayed layer "
       f"under sync debug 'error': {out['replay_sync_error'] or ('no synchronisation' if dev.type == 'cuda' else 'n/a on the CPU')}")
     return out
 
