@@ -197,3 +197,18 @@ def test_a_failed_cuda_graph_recording_falls_back_to_eager_with_one_warning():
             assert torch.equal(layers.forward(q, k, v)[0], got[0])
     assert layers.eager_calls == 3 and layers.replays == 0
     torch.cuda.synchronize()  # the device is usable after the failed capture
+
+
+def test_layer_times_leave_out_the_recording_calls():
+    """A replayed step records in layer 0's forward and in layer L-1's backward (the backward runs
+    last layer first): the steady layer and the recording's cost leave exactly those out."""
+    import numpy as np
+
+    fwd = np.array([[9.0, 5.0], [1.0, 2.0], [1.0, 2.0]])  # layer 0's forward records
+    bwd = np.array([[3.0, 4.0], [3.0, 4.0], [8.0, 10.0]])  # layer 2's backward records
+    t = bench_layers.LayerTimes(fwd, bwd, None, replay=True)
+    assert t.steady().tolist() == [4.0, 6.0] and t.recording().tolist() == [8.0 + 5.0, 3.0 + 6.0]
+    eager = bench_layers.LayerTimes(fwd, bwd, None, replay=False)
+    assert eager.steady().tolist() == [1.0 + 3.0, 2.0 + 4.0] and eager.recording().tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="2 layers or more"):
+        bench_layers.LayerTimes(fwd[:1], bwd[:1], None, replay=True).steady()

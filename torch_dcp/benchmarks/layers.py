@@ -15,8 +15,9 @@ while the rank computes, so the emulated network's copies stay out of a rank's t
 
 A step of ``L`` layers runs as training does: every layer's forward in order (its ``out`` and
 ``lse`` kept, each layer on inputs of its own), then every layer's backward in reverse order.
-The first layer of a replayed step records (one warm-up run, then the capture), the later ones
-replay; the first layer's extra time over an eager layer is the capture's cost per step.
+In a replayed step the first layer's forward and, the backward running in reverse, the last
+layer's backward record (one warm-up run, then the capture); every other call replays. What
+those two calls take beyond replayed ones is the recording's cost per step.
 """
 
 from __future__ import annotations
@@ -186,6 +187,25 @@ class LayerTimes:
     def total(self) -> np.ndarray:
         """``[L, W]`` forward + backward."""
         return self.forward + self.backward
+
+    def steady(self) -> np.ndarray:
+        """``[W]``: each rank's layer that records nothing, forward + backward (median over the
+        layers; replayed: the forward of layers 1.. and the backward of layers ..L-2, since
+        layer 0's forward and, the backward running last layer first, layer L-1's backward
+        record)."""
+        if not self.replay:
+            return np.median(self.forward, axis=0) + np.median(self.backward, axis=0)
+        if len(self.forward) < 2:
+            raise ValueError("a replayed step needs 2 layers or more for a layer that records nothing")
+        return np.median(self.forward[1:], axis=0) + np.median(self.backward[:-1], axis=0)
+
+    def recording(self) -> np.ndarray:
+        """``[W]``: what recording cost each rank per step (replayed steps): the recording forward
+        and backward over the steady ones."""
+        if not self.replay:
+            return np.zeros(self.forward.shape[1])
+        return (self.forward[0] - np.median(self.forward[1:], axis=0)
+                + self.backward[-1] - np.median(self.backward[:-1], axis=0))
 
 
 def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
