@@ -47,6 +47,9 @@ def test_records_once_per_key_and_replays_bit_identical():
         ggot = layers.backward(q, k, v, got[0], got[1], go, None, got[2])
         assert all(torch.equal(a, b) for a, b in zip(ggot, gwant)), layer
     assert rec.records == 2 and [key[0] for key in layers.recorded] == ["forward_keeping", "backward"]
+    (fwd_static, _), (bwd_static, _) = layers._recordings.values()
+    assert all(a is b for a, b in zip(fwd_static, bwd_static[:3]))  # q, k, v: one scratch buffer each
+    assert len({id(t) for t in bwd_static if t is not None}) == sum(t is not None for t in bwd_static)
     assert layers.replays == 8 and layers.eager_calls == 0
     # what the key holds beyond the plan: the pass and the scale (and the inputs' shapes and dtypes)
     layers.forward(q, k, v, None)

@@ -13,7 +13,9 @@ metadata once per batch for every layer. :class:`LayerReplay` does that around a
 * the first call of a key copies its inputs into static buffers and records the executor on
   them (:meth:`Recorder.record`); it and every later call of that key copy the inputs in,
   replay, and copy the outputs out, so results are bit-identical to the eager path (the same
-  kernels on the same values);
+  kernels on the same values). The static input buffers are scratch shared by every recording
+  of one :class:`LayerReplay` (inputs of one layout share a buffer: the backward's ``q``,
+  ``k``, ``v`` are the forward's), since each call fills them before it replays;
 * a recording that fails (the recorder raises) is not retried: that key, and every later one
   in the same :class:`LayerReplay`, runs the executor eagerly, after one ``RuntimeWarning``
   naming the cause (never silently);
@@ -179,6 +181,7 @@ class LayerReplay:
     def __init__(self, executor: Any, recorder: Recorder):
         self.executor, self.recorder = executor, recorder
         self._recordings: dict[tuple, tuple[tuple[torch.Tensor, ...], Recording]] = {}
+        self._scratch: dict[tuple, list[torch.Tensor]] = {}
         self.replays = 0
         self.eager_calls = 0
         self.failure: str | None = None
@@ -198,7 +201,7 @@ class LayerReplay:
         key = _key(kind, tensors, scale)
         entry = self._recordings.get(key)
         if entry is None:
-            static = tuple(None if t is None else t.detach().clone() for t in tensors)
+            static = self._static_inputs(tensors)
             try:
                 recording = self.recorder.record(lambda: tuple(method(*static, scale))[:n_out])
             except Exception as err:  # noqa: BLE001 - reported once, then eager
@@ -215,6 +218,25 @@ class LayerReplay:
         entry[1].replay()
         self.replays += 1
         return tuple(o.clone() for o in entry[1].outputs)
+
+    def _static_inputs(self, tensors: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+        """The static input buffers of a new recording, holding ``tensors``' values. Every call
+        copies its inputs in before it replays, so the buffers are scratch shared by all
+        recordings: the n-th input of one shape, stride and dtype in a call is the n-th buffer of
+        that layout (the backward's ``q``, ``k``, ``v`` are the forward's buffers)."""
+        seen: dict[tuple, int] = {}
+        out = []
+        for t in tensors:
+            if t is None:
+                out.append(None)
+                continue
+            layout = (tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+            n = seen[layout] = seen.get(layout, -1) + 1
+            bufs = self._scratch.setdefault(layout, [])
+            if n == len(bufs):
+                bufs.append(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device))
+            out.append(bufs[n].copy_(t.detach()))
+        return tuple(out)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None):
         """The executor's ``forward``, recorded or replayed: ``(out, lse)``."""
@@ -235,3 +257,4 @@ class LayerReplay:
     def close(self) -> None:
         """Free every recording (its graph and static buffers)."""
         self._recordings.clear()
+        self._scratch.clear()
