@@ -251,3 +251,23 @@ def test_measure_shared_cores_on_gloo(tmp_path):
     from spawn import run_ranks
 
     run_ranks(_shared_rank, 2, tmp_path, timeout=240)
+
+
+def test_gpu_executor_from_its_counted_preset(tmp_path):
+    """``GPU_EXECUTOR``: each pass's device operations per division (counted on the executor) x
+    the seconds per operation (measured), from the shipped preset; a file without them is refused."""
+    from torch_dcp.cost.model import GPU_EXECUTOR, GPU_EXECUTOR_PRESET, gpu_executor
+
+    d = json.loads(GPU_EXECUTOR_PRESET.read_text())
+    per_op, fast, general = d["seconds_per_op"], d["counted"]["fast"], d["counted"]["general"]
+    assert GPU_EXECUTOR.fast.name == "varlen" and GPU_EXECUTOR.general.name == "flex"
+    assert GPU_EXECUTOR.fast.forward.fixed == pytest.approx(fast["forward"] * per_op)
+    assert GPU_EXECUTOR.general.backward.fixed == pytest.approx(general["backward"] * per_op)
+    assert "measured" in d["seconds_per_op_source"] and "ops --fake --device cuda --write-preset" in d["command"]
+    d["seconds_per_op"] = 1e-6
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    assert gpu_executor(tmp_path / "p.json").fast.forward.fixed == pytest.approx(fast["forward"] * 1e-6)
+    (tmp_path / "bad.json").write_text(json.dumps({"counted": {}}))
+    with pytest.raises(ValueError, match="not a GPU executor preset"):
+        gpu_executor(tmp_path / "bad.json")
+    assert "measured on an H200" in CostModel.load("h100-executor").source

@@ -288,3 +288,23 @@ def test_device_operations_per_division_on_the_cuda_path():
             assert sum(r["kernel_ops"] for r in sel) == launches * divs, (type(mask).__name__, name, sel)
             per_div = sum(r["device_ops"] for r in sel) / divs
             assert per_div <= bound, (type(mask).__name__, name, per_div)
+
+
+@pytest.mark.parametrize("role", ["fast", "general"])
+def test_the_gpu_executor_preset_counts_todays_executor(role):
+    """The GPU cost presets' fixed costs per division (``torch_dcp.cost.GPU_EXECUTOR``) are built
+    from device operations per division counted on the executor (``ops --fake --device cuda
+    --write-preset``): today's count stays within 10 % of the shipped one, each pass, or the preset
+    is regenerated."""
+    import json
+
+    from torch_dcp.benchmarks.ops import count_preset_cases
+    from torch_dcp.cost.model import GPU_EXECUTOR_PRESET
+
+    shipped = json.loads(GPU_EXECUTOR_PRESET.read_text())["counted"][role]
+    counted = count_preset_cases([role])[role]
+    for name in ("forward", "backward"):
+        assert abs(counted[name] - shipped[name]) <= 0.1 * shipped[name], (
+            f"{role} {name}: {counted[name]} device operations per division against {shipped[name]} in "
+            f"{GPU_EXECUTOR_PRESET.name}: regenerate it with python -m torch_dcp.benchmarks ops --fake --device cuda "
+            f"--write-preset {GPU_EXECUTOR_PRESET}")

@@ -40,7 +40,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch_dcp
 from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor, get_kernel
 
-__all__ = ["count_ops", "device_plan_seconds", "add_arguments", "run", "main"]
+__all__ = ["count_ops", "device_plan_seconds", "per_division", "count_preset_cases", "write_preset", "PRESET_CASES",
+           "add_arguments", "run", "main"]
 
 _ALLOCS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
 #: metadata queries that reach the dispatcher under fake tensors (``Tensor.device``, symbolic sizes): no work
@@ -314,10 +315,69 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--build-only", action="store_true", help="only time building the device plans")
     p.add_argument("--fake", action="store_true",
                    help="fake tensors (with --device cuda: the CUDA path counted under a CUDA build, no GPU needed)")
+    p.add_argument("--write-preset", default=None, metavar="FILE",
+                   help="with --fake --device cuda: count the GPU executor preset's cases (every other option "
+                        "ignored) and write the preset (torch_dcp/cost/presets/gpu_executor.json)")
+
+
+#: the cases the GPU executor preset counts (torch_dcp/cost/presets/gpu_executor.json): kernel
+#: role -> ``ops`` options (the paper's long-tail batch on 4 x 8 ranks, bf16, GQA 8/2, head_dim 128)
+PRESET_CASES = {
+    "fast": {"mask": "causal", "divisions": 6},
+    "general": {"mask": "lambda", "divisions": 4},
+}
+_PRESET_BASE = {"ranks": 32, "topology": "4x8", "batch": "longtail", "tokens": 131072, "block_size": 1024,
+                "heads": 8, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16", "kernel": None, "device": "cuda",
+                "fake": True, "planner": "dcp", "seed": 0, "max_doc_len": 4096}
+
+
+def per_division(rows: list[dict]) -> dict[str, float]:
+    """Device operations per division of each pass, over every rank (``count_ops`` rows)."""
+    out = {}
+    for name in ("forward", "backward"):
+        sel = [r for r in rows if r["pass"] == name]
+        out[name] = sum(r["device_ops"] for r in sel) / max(1, sum(max(1, r["divisions"]) for r in sel))
+    return out
+
+
+def count_preset_cases(roles: "list[str] | None" = None) -> dict[str, dict[str, Any]]:
+    """:data:`PRESET_CASES` (all, or ``roles``) counted as the GPU executor preset counts them
+    (fake CUDA tensors; a CUDA build of torch): role -> ``{mask, divisions, forward, backward}``."""
+    out = {}
+    for role, case in PRESET_CASES.items():
+        if roles is not None and role not in roles:
+            continue
+        args = argparse.Namespace(**{**_PRESET_BASE, **case})
+        rows = count_ops(_plan(args), device="cuda", kernel=None, seed=0, fake=True)
+        out[role] = {**case, **{k: round(v, 2) for k, v in per_division(rows).items()}}
+    return out
+
+
+def write_preset(path: str) -> dict[str, Any]:
+    """Recount :data:`PRESET_CASES` and write the GPU executor preset to ``path``, keeping its
+    (or the shipped preset's) seconds per operation and their source."""
+    import datetime
+    from pathlib import Path
+
+    from torch_dcp.cost.model import GPU_EXECUTOR_PRESET
+
+    src = Path(path) if Path(path).is_file() else GPU_EXECUTOR_PRESET
+    d = json.loads(src.read_text())
+    d.update(counted=count_preset_cases(), torch=torch.__version__,
+             counted_on=datetime.date.today().isoformat())
+    Path(path).write_text(json.dumps(d, indent=1, ensure_ascii=False) + "\n")
+    return d
 
 
 def run(args: argparse.Namespace, out=sys.stdout) -> list[dict]:
     """Run the benchmark with parsed options; prints JSON lines and a summary, returns the rows."""
+    if args.write_preset:
+        if not (args.fake and args.device == "cuda"):
+            raise ValueError("--write-preset counts the CUDA path under fake tensors: pass --fake --device cuda")
+        d = write_preset(args.write_preset)
+        print(json.dumps(d["counted"]), file=out)
+        print(f"wrote {args.write_preset}", file=out)
+        return [d]
     plan = _plan(args)
     if args.build_only:
         row = device_plan_seconds(plan, args.kernel, args.device)
@@ -331,7 +391,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> list[dict]:
         worst = max(sel, key=lambda r: r["per_div"])
         n_div = max(1, sum(max(1, r["divisions"]) for r in sel))
         total = sum(r["ops"] for r in sel) / n_div
-        dev = sum(r["device_ops"] for r in sel) / n_div
+        dev = per_division(rows)[name]
         print(f"{name}: device ops per division, mean {dev:.2f} (executor {total:.2f} + kernel "
               f"{dev - total:.2f}); executor ops worst rank {worst['rank']} {worst['per_div']:.2f} "
               f"({worst['ops']} ops over {worst['divisions']} divisions; kernel calls {worst['kernel_calls']}, "

@@ -25,9 +25,9 @@ launch by the work its kernel really performs, plus the executor's costs per div
 pass); ``python -m torch_dcp.benchmarks calibrate`` measures one, and ``CostModel.load("auto")``
 (:mod:`torch_dcp.cost.auto`) finds it. The ``h100`` and ``a100`` presets are the kernels alone
 (the published tables the paper benchmark simulates with); ``"auto"`` on such a card adds the
-executor's fixed costs per division (:data:`GPU_EXECUTOR`: the CUDA kernels per division counted
-on an H200 before layer replay, each charged an assumed 5 µs; ``calibrate`` on the user's card
-replaces them).
+executor's fixed costs per division (:data:`GPU_EXECUTOR`: the device operations per division
+counted on today's executor, each charged the 13.2 µs measured on an H200 with layer replay;
+``calibrate`` on the user's card replaces them).
 
 A user loads their own table with :meth:`CostModel.from_json` (same keys as
 :meth:`CostModel.to_json`; ``python -m torch_dcp.benchmarks kernels table`` measures one per
@@ -39,13 +39,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .executor import ExecutorCosts, KernelCosts, LaunchCosts
 
-__all__ = ["CostModel", "KernelTable", "Links", "A100", "H100", "GPU_EXECUTOR"]
+__all__ = ["CostModel", "KernelTable", "Links", "A100", "H100", "GPU_EXECUTOR", "GPU_EXECUTOR_PRESET",
+           "gpu_executor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,17 +107,42 @@ A100 = KernelTable(
 )
 
 
-#: The executor's fixed costs on a GPU, as assumed until a card is calibrated: per division, the
-#: CUDA kernels it launched on one H200 (docs/gpu/h200-2026-11-26.md, torch 2.11: 15.0 forward,
-#: 42.7 backward per division, counted by the profiler before layer replay existed), each charged
-#: an assumed 5 µs (the presets' launch overhead; not measured). Without
-#: replay the host bounds a division instead: the same run's busiest of 32 ranks took 7.5 ms
-#: (causal, varlen) and 10.4 ms (λ, FlexAttention) per layer where the kernel table gave 1.10 and
-#: 0.62 ms, about 0.28 / 0.79 ms (varlen) and 0.63 / 1.82 ms (flex) per division and pass. Both
-#: until ``python -m torch_dcp.benchmarks calibrate`` runs on a card.
-GPU_EXECUTOR = ExecutorCosts(
-    general=KernelCosts("flex", LaunchCosts(fixed=15.0 * 5e-6), LaunchCosts(fixed=42.7 * 5e-6)),
-    fast=KernelCosts("varlen", LaunchCosts(fixed=15.0 * 5e-6), LaunchCosts(fixed=42.7 * 5e-6)))
+#: Where :data:`GPU_EXECUTOR` comes from: the executor's device operations per division and pass,
+#: counted under fake CUDA tensors (``python -m torch_dcp.benchmarks ops --fake --device cuda
+#: --write-preset FILE`` regenerates the counts; a test fails when today's executor drifts more
+#: than 10 % from them), and the seconds per operation measured on an H200 with layer replay.
+GPU_EXECUTOR_PRESET = Path(__file__).with_name("presets") / "gpu_executor.json"
+
+
+def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
+    """The executor's fixed costs per division on a GPU from a counted preset (its JSON, see
+    :data:`GPU_EXECUTOR_PRESET`): each pass's operations per division x the seconds per
+    operation; the ``fast`` kernel (varlen) from the causal count, the ``general`` one
+    (FlexAttention) from the λ count.
+
+    Raises:
+        ValueError: a file without the counts or the seconds per operation.
+    """
+    d = json.loads(Path(path).read_text())
+    try:
+        per_op = float(d["seconds_per_op"])
+        fast, general = d["counted"]["fast"], d["counted"]["general"]
+
+        def costs(name: str, c: dict) -> KernelCosts:
+            return KernelCosts(name, LaunchCosts(fixed=float(c["forward"]) * per_op),
+                               LaunchCosts(fixed=float(c["backward"]) * per_op))
+
+        return ExecutorCosts(general=costs("flex", general), fast=costs("varlen", fast))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a GPU executor preset (counted.fast/general forward and backward, "
+                         f"seconds_per_op): {e}") from e
+
+
+#: The executor's fixed costs on a GPU until a card is calibrated (:func:`gpu_executor` of the
+#: shipped preset): per division, forward and backward, the device operations counted on today's
+#: executor x 13.2 µs per operation measured on an H200 with layer replay; about 59 / 124 µs a
+#: causal (varlen) division, 63 / 131 µs a FlexAttention one.
+GPU_EXECUTOR = gpu_executor()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,7 +366,8 @@ class CostModel:
         if spec in ("a100-executor", "h100-executor"):
             name = spec.split("-")[0]
             return getattr(cls, name)().with_executor(
-                GPU_EXECUTOR, f"{name} preset with the executor's kernel counts from an H200 (5 µs each, assumed)")
+                GPU_EXECUTOR, f"{name} preset with the executor's counted operations per division (13.2 µs each, "
+                "measured on an H200 with layer replay)")
         paths = [Path(x) for x in str(spec).split(",")]
         for path in paths:
             if not path.is_file():
