@@ -4,13 +4,15 @@ plan with the model it was made with."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import torch_dcp
 from torch_dcp import BatchSpec, Causal, CostModel, Full, Lambda, Topology
 from torch_dcp.benchmarks.common import bench_batch, paper_batches
-from torch_dcp.cost.collectives import allgather_seconds, reduce_scatter_seconds
+from torch_dcp.cost.collectives import Algorithm, algorithm_of, allgather_seconds, reduce_scatter_seconds
 from torch_dcp.planners import Runtime
 from torch_dcp.plan import load_plan
 from torch_dcp.runtimes import allgather_pass_seconds, on_executor
@@ -58,10 +60,24 @@ def test_nccl_collectives_by_hand():
     topo = Topology(n_nodes=4, ranks_per_node=8, intra_bandwidth=300e9, intra_latency=3e-6, inter_bandwidth=50e9,
                     inter_latency=15e-6, nics_per_node=4)
     shard = 4 * 2**20
-    # every remote shard enters each node once over its 4 rails; NVLink carries 7 x 4 shards per rank
-    inter, intra = 3 * 8 * shard / 50e9, 7 * 4 * shard / 300e9
-    assert allgather_seconds(shard, topo) == pytest.approx(7 * 3e-6 + 3 * 15e-6 + max(inter, intra))
+    # NCCL's ring (the default): every ring into a node carries the W - 1 = 31 other shards over the
+    # node's 4 rails, each rank 31 shards over NVLink; 28 hops inside nodes, 3 across
+    inter, intra = 31 * shard / 50e9, 31 * shard / 300e9
+    assert allgather_seconds(shard, topo) == pytest.approx(28 * 3e-6 + 3 * 15e-6 + max(inter, intra))
     assert reduce_scatter_seconds(shard, topo) == allgather_seconds(shard, topo)
+    # with in-network reduction every remote shard enters each node once: 24 shards, 1.29x fewer
+    sharp = dataclasses.replace(topo, in_network_reduction=True)
+    inter, intra = 3 * 8 * shard / 50e9, 7 * 4 * shard / 300e9
+    assert allgather_seconds(shard, sharp) == pytest.approx(7 * 3e-6 + 3 * 15e-6 + max(inter, intra))
+    assert allgather_seconds(shard, topo, Algorithm.NODE_ONCE) == allgather_seconds(shard, sharp)
+    assert algorithm_of(topo) is Algorithm.RING and algorithm_of(sharp) is Algorithm.NODE_ONCE
+    two = Topology(n_nodes=2, ranks_per_node=8)  # the ring carries 15 / 8 = 1.875x the node-once bytes
+    big = 2**30
+    assert allgather_seconds(big, two) / allgather_seconds(big, two, Algorithm.NODE_ONCE) == pytest.approx(
+        1.875, rel=1e-3)
+    with pytest.raises(ValueError, match="in_network_reduction must be a bool"):
+        Topology(in_network_reduction="yes")
+    assert Topology.from_dict(sharp.to_dict()) == sharp
     one = Topology(n_nodes=1, ranks_per_node=8)
     assert allgather_seconds(shard, one) == pytest.approx(7 * one.intra_latency + 7 * shard / one.intra_bandwidth)
     assert allgather_seconds(0, topo) == 0 and allgather_seconds(shard, Topology(n_nodes=1, ranks_per_node=1)) == 0

@@ -34,6 +34,11 @@ class Topology:
             together, per direction (4 × 100 Gbps = 50 GB/s).
         inter_latency: seconds per inter-node transfer.
         nics_per_node: network cards (rails) per node.
+        in_network_reduction: the network reduces and multicasts in the switches (InfiniBand
+            SHARP, NVLink SHARP across nodes; NCCL's CollNet / NVLS algorithms): collectives
+            bring each remote shard into a node once. False (the default): NCCL's ring across
+            nodes, every ring link into a node carrying ``W - 1`` shards
+            (:mod:`torch_dcp.cost.collectives`).
 
     Raises:
         ValueError: non-positive counts, bandwidths, or negative latencies.
@@ -46,6 +51,7 @@ class Topology:
     inter_bandwidth: float = 50e9
     inter_latency: float = 15e-6
     nics_per_node: int = 4
+    in_network_reduction: bool = False
 
     def __post_init__(self):
         for name in ("n_nodes", "ranks_per_node", "nics_per_node"):
@@ -58,6 +64,8 @@ class Topology:
         for name in ("intra_latency", "inter_latency"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"Topology.{name} must be >= 0, got {getattr(self, name)!r}")
+        if not isinstance(self.in_network_reduction, (bool, np.bool_)):
+            raise ValueError(f"Topology.in_network_reduction must be a bool, got {self.in_network_reduction!r}")
 
     @property
     def world_size(self) -> int:
