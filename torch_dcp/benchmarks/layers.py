@@ -127,6 +127,24 @@ class EmulatedRanks:
         ex.prepare(self.device)
         return ex, net
 
+    def one_layer(self, rank: int, recorder: Recorder | None = None,
+                  copies: bool = False) -> tuple[Callable[[], tuple[torch.Tensor, ...]], Any]:
+        """``(layer, runner)``: ``runner`` a fresh executor of ``rank`` (through
+        :class:`LayerReplay` with ``recorder``, eager with None) and ``layer()`` one layer of it
+        on the rank's inputs, forward then backward, each pass served its recorded messages;
+        ``layer()`` returns ``(out, lse, dq, dk, dv)``."""
+        ex, net = self.executor(rank, copies)
+        run = LayerReplay(ex, recorder) if recorder is not None else ex
+        q, k, v, go = self.inputs[rank]
+
+        def layer() -> tuple[torch.Tensor, ...]:
+            net.messages = self.received[rank][0]
+            o, lse = run.forward(q, k, v)
+            net.messages = self.received[rank][1]
+            return (o, lse) + tuple(run.backward(q, k, v, o, lse, go))
+
+        return layer, run
+
 
 def emulate_ranks(plan: Plan, device: torch.device, kernel: Any = "auto", seed: int = 0,
                   inputs: tuple[torch.Tensor, ...] | None = None) -> EmulatedRanks:
@@ -277,17 +295,12 @@ def replay_error(ranks: EmulatedRanks, recorder: Recorder, ranks_to_check: list[
     bit-reproducible)."""
     worst = {"forward": 0.0, "backward": 0.0, "eager_backward_spread": 0.0}
     for r in (range(ranks.plan.world_size) if ranks_to_check is None else ranks_to_check):
-        ex, net = ranks.executor(r, copies=True)
-        rep = LayerReplay(ex, recorder)
-        q, k, v, go = ranks.inputs[r]
-        for _ in range(2):  # the recording call, then a replay
-            net.messages = ranks.received[r][0]
-            o, lse = rep.forward(q, k, v)
-            net.messages = ranks.received[r][1]
-            grads = rep.backward(q, k, v, o, lse, go)
+        layer, rep = ranks.one_layer(r, recorder, copies=True)
+        layer()  # records
+        o, lse, *grads = layer()  # replays
         rep.close()
         eo, else_, *egrads = ranks.eager[r]
-        again = ex.backward(q, k, v, eo, else_, go)  # eager, the same inputs and messages
+        again = ranks.one_layer(r, None, copies=True)[0]()[2:]  # eager, the same inputs and messages
         worst["forward"] = max(worst["forward"], _max_diff((o, lse), (eo, else_)))
         worst["backward"] = max(worst["backward"], _max_diff(tuple(grads), tuple(egrads)))
         worst["eager_backward_spread"] = max(worst["eager_backward_spread"], _max_diff(tuple(again), tuple(egrads)))
@@ -300,16 +313,7 @@ def replayed_layer_syncs(ranks: EmulatedRanks, recorder: Recorder, rank: int = 0
     else the error (off CUDA: None, nothing to check)."""
     if ranks.device.type != "cuda":
         return None
-    ex, net = ranks.executor(rank, copies=True)
-    rep = LayerReplay(ex, recorder)
-    q, k, v, go = ranks.inputs[rank]
-
-    def layer():
-        net.messages = ranks.received[rank][0]
-        o, lse = rep.forward(q, k, v)
-        net.messages = ranks.received[rank][1]
-        return rep.backward(q, k, v, o, lse, go)
-
+    layer, rep = ranks.one_layer(rank, recorder, copies=True)
     layer()  # records
     sync(ranks.device)
     err = None
@@ -335,16 +339,7 @@ def profile_layer(ranks: EmulatedRanks, rank: int, recorder: Recorder | None = N
     from torch.profiler import ProfilerActivity, profile
 
     dev = ranks.device
-    ex, net = ranks.executor(rank, copies=False)
-    run = LayerReplay(ex, recorder) if recorder is not None else ex
-    q, k, v, go = ranks.inputs[rank]
-
-    def layer():
-        net.messages = ranks.received[rank][0]
-        o, lse = run.forward(q, k, v)
-        net.messages = ranks.received[rank][1]
-        return run.backward(q, k, v, o, lse, go)
-
+    layer, run = ranks.one_layer(rank, recorder)
     layer()  # records (replay) or warms up (eager)
     cuda = dev.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
