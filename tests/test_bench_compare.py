@@ -125,3 +125,18 @@ def test_documents_rival_moves_nothing_in_one_division():
     assert docs.divisions == 1 and docs.stats()["comm_bytes"] == 0  # nothing to overlap: one division
     assert simulate(plan).makespan_s <= simulate(docs).makespan_s * (1 + 1e-9)
     assert _plans_at(plan.batch, topo, "dcp", 1, 512, 3, "dcp", {})[-1].divisions == 3  # as asked, when asked
+
+
+def test_tuned_static_is_the_least_total_over_every_batch():
+    """The one static configuration a user would tune: the family and CP size whose total time
+    over the batches is least (only sizes every batch ran), and dcp against it."""
+    from torch_dcp.benchmarks.compare import tuned_static
+
+    rows = [{"dcp_ms": 2.0, "mask": "causal", "ring_by_cp_ms": {"8": 3.0, "32": 2.0}, "allgather_by_cp_ms": {"8": 2.5},
+             "ulysses_by_cp_ms": None, "hcp_by_cp_ms": {}},
+            {"dcp_ms": 1.0, "mask": "causal", "ring_by_cp_ms": {"8": 1.0, "32": 4.0}, "allgather_by_cp_ms": {"8": 2.0},
+             "ulysses_by_cp_ms": {"8": 0.5}, "hcp_by_cp_ms": {}}]
+    t = tuned_static(rows)  # ring@8: 4.0, ring@32: 6.0, allgather@8: 4.5; Ulysses did not run the first batch
+    assert (t["family"], t["cp"], t["total_ms"]) == ("ring", 8, 4.0)
+    assert t["total_speedup"] == pytest.approx(4.0 / 3.0) and t["speedup"] == [1.0, 1.25, 1.5]
+    assert tuned_static([]) is None

@@ -49,7 +49,7 @@ from ..topology import Topology
 from .common import MASKS, bench_batch, paper_batches, paper_sources, progress
 from .static_cp import STATIC_FAMILIES, split_documents, static_cp_seconds
 
-__all__ = ["TARGET", "parse_clusters", "compare_batch", "bench_compare", "summarize"]
+__all__ = ["tuned_static", "TARGET", "parse_clusters", "compare_batch", "bench_compare", "summarize"]
 
 #: dcp's time over the best baseline's above which a batch is listed as an exception
 TARGET = 1.03
@@ -134,8 +134,9 @@ def _cause(row: dict, best: str, batch, topology: Topology, cm) -> str:
         same = static_cp_seconds(best, batch, topology, cm, [c], runtime=Runtime.EXECUTOR)[c] * 1e3
         row[f"{best}_on_executor_ms"] = same
         if ms <= same * 1.01:  # dcp within 1 % of the same layout on the executor
-            how = ("an NCCL all-gather (each remote K/V block into each node once over all rails, pipelined with "
-                   "NVLink), where the executor fetches blocks point to point" if best == "allgather" else
+            how = ("an NCCL all-gather (NCCL's ring: every K/V shard around the group, the rings into a node over "
+                   "all its rails, pipelined with NVLink), where the executor fetches blocks point to point"
+                   if best == "allgather" else
                    "its own implementation (one attention call per step over the visible pairs, no executor costs "
                    "per division, dK/dV in the K/V dtype)")
             return (f"executor: the same layout on torch_dcp's executor takes {same:.2f} ms (dcp {ms:.2f} ms); the "
@@ -205,7 +206,31 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
     out["speedup_vs_ring_world"] = _span(world)
     out["exceptions"] = [{k: r[k] for k in ("scale", "batch", "mask", "dcp_over_best", "best_baseline", "exception")}
                          for r in rows if "exception" in r]
+    out["total_speedup_vs_best"] = sum(r["best_baseline_ms"] for r in rows) / sum(r["dcp_ms"] for r in rows)
+    out["tuned"] = tuned_static(rows)
+    out["tuned_by_mask"] = {m: tuned_static([r for r in rows if r["mask"] == m])
+                            for m in dict.fromkeys(r["mask"] for r in rows)}
     return out
+
+
+def tuned_static(rows: list[dict]) -> dict[str, Any] | None:
+    """The one static configuration a user would tune for these batches: the family and CP size
+    with the least total time over all of them (every batch run at that CP size, data parallel
+    across the groups), and dcp against it: ``total_speedup`` (its total time / dcp's) and the
+    per-batch speedups (min-median-max). None when no configuration ran every batch."""
+    best = None
+    for family in STATIC_FAMILIES:
+        sizes = set.intersection(*(set(r.get(f"{family}_by_cp_ms") or {}) for r in rows)) if rows else set()
+        for cp in sizes:
+            total = sum(r[f"{family}_by_cp_ms"][cp] for r in rows)
+            if best is None or total < best[2]:
+                best = (family, cp, total)
+    if best is None:
+        return None
+    family, cp, total = best
+    return {"family": family, "cp": int(cp), "total_ms": total,
+            "total_speedup": total / sum(r["dcp_ms"] for r in rows),
+            "speedup": _span([r[f"{family}_by_cp_ms"][cp] / r["dcp_ms"] for r in rows])}
 
 
 def _rounded(x: Any) -> Any:
@@ -236,6 +261,12 @@ def _table(cluster: str, source: str, rows: list[dict], summary: dict, out) -> N
       f"{summary['within_target']}/{summary['batches']} batches; speedup (baseline / dcp) over the best "
       f"{_fmt(summary['speedup_vs_best'])}, " + ", ".join(
           f"{f} {_fmt(summary[f'speedup_vs_{f}'])}" for f in (*STATIC_FAMILIES, "megatron", "ring_world")))
+    p(f"\nTotal time over the batches: the best baseline per batch / dcp {summary['total_speedup_vs_best']:.2f}. "
+      "Against the one static configuration tuned for the run (least total time; per mask, then all masks):")
+    for name, t in (*summary["tuned_by_mask"].items(), ("all masks", summary["tuned"])):
+        if t:
+            p(f"- {name}: {t['family']}@{t['cp']}, its total / dcp's {t['total_speedup']:.2f}, per batch "
+              f"{_fmt(t['speedup'])}")
     for e in summary["exceptions"]:
         p(f"- exception: scale {e['scale']:g} {e['batch']} {e['mask']}: dcp / {e['best_baseline']} = "
           f"{e['dcp_over_best']:.3f} ({e['exception']})")
