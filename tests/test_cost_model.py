@@ -163,6 +163,12 @@ def test_check_arithmetic_and_tiny_calibration(tmp_path):
     with pytest.raises(ValueError, match="NODESxRANKS"):
         calibrate.check_cases("longtail:causal:1:2y2:3")
     assert calibrate.check_cases("corpus:causal:8192:4x8:1024") == [("corpus", "causal", 8192, "4x8", 1024)]
+    from torch_dcp.benchmarks.common import topology_of
+
+    assert topology_of("4x8") == Topology(n_nodes=4, ranks_per_node=8) and topology_of(3).world_size == 3
+    for bad in ("0x8", "4x", "x8", "four"):
+        with pytest.raises(ValueError, match="NODESxRANKS"):
+            topology_of(bad)
     assert json.loads(out.read_text())["meta"]["device"].startswith("cpu")
 
 

@@ -54,7 +54,7 @@ from ..cost.fit import FitReport, LaunchSample, MemorySample, PassSample, fit_ex
 from ..plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan
 from ..runtimes import on_executor
 from ..simulate import instruction_bytes, pass_local_bytes, pass_row_bytes, send_bytes
-from .common import DTYPES, MASKS, batch_lengths, device_name, pick_device, progress
+from .common import DTYPES, MASKS, batch_lengths, device_name, pick_device, progress, topology_of
 from .measure import RankTimes, measure_plan
 
 __all__ = ["add_arguments", "run", "main", "calibration_plans", "check_cases", "samples_of", "CHECK_RANGE"]
@@ -106,16 +106,8 @@ def _batch(kind: str, mask: str, tokens: int, shape: dict[str, Any], seed: int) 
                                head_dim=shape["head_dim"], dtype=shape["dtype"])
 
 
-def _topology(world: "int | str") -> torch_dcp.Topology:
-    """``W`` ranks on one node, or ``"NxR"``: N nodes of R ranks."""
-    if isinstance(world, str) and "x" in world:
-        n, r = (int(x) for x in world.split("x"))
-        return torch_dcp.Topology(n_nodes=n, ranks_per_node=r)
-    return torch_dcp.Topology(n_nodes=1, ranks_per_node=int(world))
-
-
 def _plan(batch: torch_dcp.BatchSpec, world: "int | str", block: int, planner: str, cost: Any) -> Plan:
-    topo = _topology(world)
+    topo = topology_of(world)
     opts: dict[str, Any] = {"head_parallel": 1} if planner == "dcp" else {}
     # measured on torch_dcp's executor: a baseline's plan as the executor runs it
     return on_executor(torch_dcp.plan(batch, topo, planner=planner, block_size=block, cost_model=cost, **opts))
@@ -467,13 +459,13 @@ def check_cases(spec: str | None) -> list[tuple[str, str, int, "int | str", int]
 
 def _replayed_times(plan: Plan, dev: torch.device, kernel: str, repeat: int, seed: int) -> np.ndarray:
     """Every rank's forward + backward through layer replay (:mod:`~torch_dcp.benchmarks.layers`):
-    ``1 + repeat`` layers, the first records; the median of the replayed ones, per rank."""
+    ``1 + repeat`` layers (at least 2), per rank the median layer of the calls that record nothing."""
     from .layers import bench_recorder, emulate_ranks, time_layers
 
-    times = time_layers(emulate_ranks(plan, dev, kernel, seed=seed), 1 + repeat, bench_recorder(dev))
+    times = time_layers(emulate_ranks(plan, dev, kernel, seed=seed), 1 + max(1, repeat), bench_recorder(dev))
     if times.fallbacks:
         raise RuntimeError(f"layer replay failed on ranks {list(times.fallbacks)}: their times are eager ones")
-    return np.median(times.total[1:], axis=0)
+    return times.steady()
 
 
 def check(model: CostModel, dev: torch.device, cases: list, kernel: str = "auto", repeat: int = 2,

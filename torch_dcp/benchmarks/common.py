@@ -6,6 +6,7 @@ with a document ``BlockMask``, or SDPA with a dense boolean mask)."""
 from __future__ import annotations
 
 import math
+import re
 import sys
 import time
 from typing import Any, Callable
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from ..batch import BatchSpec
+from ..topology import Topology
 from ..masks import BlockwiseCausal, Causal, Lambda, SharedQuestion
 
 __all__ = ["MASKS", "DTYPES", "planner_batches", "batch_lengths", "paper_sources", "scaled_batch", "paper_batches",
@@ -119,6 +121,22 @@ def progress(total: int, desc: str):
         raise ImportError("the paper benchmark's progress bar needs tqdm: pip install 'torch-dcp[benchmarks]'") from err
 
     return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def topology_of(spec: "int | str") -> Topology:
+    """A topology from the benchmarks' spelling: ``W`` (or ``"W"``) ranks on one node, or
+    ``"NxR"``: ``N`` nodes of ``R`` ranks.
+
+    Raises:
+        ValueError: anything else.
+    """
+    text = str(spec).lower()
+    m = re.fullmatch(r"(\d+)(?:x(\d+))?", text)
+    if m is None or int(m.group(1)) < 1 or (m.group(2) is not None and int(m.group(2)) < 1):
+        raise ValueError(f"expected a number of ranks or NODESxRANKS (e.g. 4x8), got {spec!r}")
+    if m.group(2) is None:
+        return Topology(n_nodes=1, ranks_per_node=int(m.group(1)))
+    return Topology(n_nodes=int(m.group(1)), ranks_per_node=int(m.group(2)))
 
 
 # ---------------------------------------------------------------------- devices and timing

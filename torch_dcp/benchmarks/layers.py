@@ -127,14 +127,18 @@ class EmulatedRanks:
         ex.prepare(self.device)
         return ex, net
 
+    def runner(self, rank: int, recorder: Recorder | None = None,
+               copies: bool = False) -> tuple[Any, RecordedTransport]:
+        """:meth:`executor`, through :class:`LayerReplay` with ``recorder`` (eager with None)."""
+        ex, net = self.executor(rank, copies)
+        return (LayerReplay(ex, recorder) if recorder is not None else ex), net
+
     def one_layer(self, rank: int, recorder: Recorder | None = None,
                   copies: bool = False) -> tuple[Callable[[], tuple[torch.Tensor, ...]], Any]:
-        """``(layer, runner)``: ``runner`` a fresh executor of ``rank`` (through
-        :class:`LayerReplay` with ``recorder``, eager with None) and ``layer()`` one layer of it
-        on the rank's inputs, forward then backward, each pass served its recorded messages;
+        """``(layer, runner)``: ``runner`` from :meth:`runner` and ``layer()`` one layer of it on
+        the rank's inputs, forward then backward, each pass served its recorded messages;
         ``layer()`` returns ``(out, lse, dq, dk, dv)``."""
-        ex, net = self.executor(rank, copies)
-        run = LayerReplay(ex, recorder) if recorder is not None else ex
+        run, net = self.runner(rank, recorder, copies)
         q, k, v, go = self.inputs[rank]
 
         def layer() -> tuple[torch.Tensor, ...]:
@@ -157,8 +161,7 @@ def emulate_ranks(plan: Plan, device: torch.device, kernel: Any = "auto", seed: 
     from .._interleave import interleave
 
     W, b = plan.world_size, plan.batch
-    kern = get_kernel(kernel, device=device, dtype=DTYPES[b.dtype], head_dim=b.head_dim) \
-        if isinstance(kernel, str) else kernel
+    kern = get_kernel(kernel, device=device, dtype=DTYPES[b.dtype], head_dim=b.head_dim)  # an instance as is
     mailbox = LoggingMailbox()
     execs = [RankExecutor(plan, r, InProcessTransport(mailbox, r), kernel=kern) for r in range(W)]
     for e in execs:
@@ -188,7 +191,7 @@ class LayerTimes:
 
     Attributes:
         forward, backward: float64 ``[L, W]``: layer ``l``'s pass on rank ``r`` (for a replayed
-            step, layer 0 includes the recording).
+            step, layer 0's forward and layer L-1's backward include the recording).
         peak_bytes: the device's peak allocated bytes during the step over what was allocated
             before it (the inputs); None off CUDA.
         replay: whether the step ran through layer replay.
@@ -245,11 +248,7 @@ def time_layers(ranks: EmulatedRanks, layers: int, recorder: Recorder | None = N
     if layers < 1:
         raise ValueError(f"layers must be at least 1, got {layers}")
     dev, W = ranks.device, ranks.plan.world_size
-    runners, nets = [], []
-    for r in range(W):
-        ex, net = ranks.executor(r, copies=False)
-        runners.append(LayerReplay(ex, recorder) if recorder is not None else ex)
-        nets.append(net)
+    runners, nets = zip(*(ranks.runner(r, recorder) for r in range(W)))
     fwd, bwd = np.zeros((layers, W)), np.zeros((layers, W))
     cuda = dev.type == "cuda"
     if cuda:
@@ -275,9 +274,10 @@ def time_layers(ranks: EmulatedRanks, layers: int, recorder: Recorder | None = N
     if cuda:
         sync(dev)
         peak = int(torch.cuda.max_memory_allocated(dev) - base)
-    fallbacks = tuple(r for r, x in enumerate(runners) if isinstance(x, LayerReplay) and x.failure is not None)
-    for x in runners:
-        if isinstance(x, LayerReplay):
+    fallbacks = ()
+    if recorder is not None:
+        fallbacks = tuple(r for r, x in enumerate(runners) if x.failure is not None)
+        for x in runners:
             x.close()
     return LayerTimes(fwd, bwd, peak, recorder is not None, fallbacks)
 

@@ -274,7 +274,7 @@ def device_plan_seconds(plan: torch_dcp.Plan, kernel: str | None = None, device:
 
 
 def _plan(args: argparse.Namespace) -> torch_dcp.Plan:
-    from .common import batch_lengths
+    from .common import batch_lengths, topology_of
 
     lens = batch_lengths(args.batch, args.tokens, seed=args.seed,
                          max_doc_len=args.max_doc_len if args.batch == "corpus" else None)
@@ -283,10 +283,7 @@ def _plan(args: argparse.Namespace) -> torch_dcp.Plan:
              "shared_question": torch_dcp.SharedQuestion(0.2, 4)}
     batch = torch_dcp.BatchSpec(lens, masks[args.mask], n_heads=args.heads, n_kv_heads=args.kv_heads,
                                 head_dim=args.head_dim, dtype=args.dtype)
-    topo = args.ranks
-    if args.topology:
-        nodes, per = (int(x) for x in args.topology.lower().split("x"))
-        topo = torch_dcp.Topology(n_nodes=nodes, ranks_per_node=per)
+    topo = topology_of(args.topology) if args.topology else args.ranks
     # the flat plan: one RankExecutor per rank; --fake counts a GPU's plan (without a GPU "auto" would
     # plan for this CPU): the a100 kernel model, which the documented counts were taken with
     cost = "a100" if getattr(args, "fake", False) else "auto"
