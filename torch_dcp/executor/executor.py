@@ -31,7 +31,7 @@ from .kernels import DivisionKernel, get_kernel
 from .reduce import add_rows, merge_partials, put_rows, take_rows
 from .transport import TransferError, Transport, located
 
-__all__ = ["RankExecutor", "InstructionTime", "dcp_attention"]
+__all__ = ["RankExecutor", "RowChecks", "InstructionTime", "dcp_attention"]
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
@@ -168,7 +168,47 @@ class _Run:
         self.division = 0
 
 
-class RankExecutor:
+class RowChecks:
+    """Checks of a rank's input rows against its plan (``plan``, ``rank``, ``local_rows``,
+    ``dtype``): every executor of a plan's rows takes them alike."""
+
+    plan: Plan
+    rank: int
+    local_rows: int
+    dtype: torch.dtype
+
+    def _check(self, name: str, t: torch.Tensor, heads: int, device: torch.device | None = None) -> None:
+        """Raise ``ValueError`` naming what of ``t`` (``[S_local, heads, head_dim]``) differs
+        from the plan: dims, sequence length, heads, head_dim, dtype or device."""
+        b = self.plan.batch
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected [S_local, heads, head_dim] (3 dims) on rank {self.rank}, got shape "
+                             f"{list(t.shape)}")
+        s, h, d = t.shape
+        if s != self.local_rows:
+            raise ValueError(f"{name}: sequence length {s}, but rank {self.rank} holds {self.local_rows} tokens of the "
+                             f"plan (shape {list(t.shape)})")
+        # keys/values may also come with their heads repeated to the query heads
+        if h != heads and not (heads == b.n_kv_heads and h == b.n_heads):
+            want = f"{heads}" if heads == b.n_heads else f"{heads} (n_kv_heads) or {b.n_heads} (repeated)"
+            raise ValueError(f"{name}: {h} heads, the plan's BatchSpec has {want} (shape {list(t.shape)})")
+        if d != b.head_dim:
+            raise ValueError(f"{name}: head_dim {d}, the plan's BatchSpec has {b.head_dim} (shape {list(t.shape)})")
+        if t.dtype != self.dtype:
+            raise ValueError(f"{name}: expected dtype {self.dtype} (the plan's BatchSpec.dtype), got {t.dtype}")
+        if device is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device}, q on {device}")
+
+    def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        b = self.plan.batch
+        self._check("q", q, b.n_heads)
+        self._check("k", k, b.n_kv_heads, q.device)
+        self._check("v", v, b.n_kv_heads, q.device)
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"k and v have {k.shape[1]} and {v.shape[1]} heads; they must have the same")
+
+
+class RankExecutor(RowChecks):
     """Executes rank ``rank``'s programs of ``plan``.
 
     Args:
@@ -248,37 +288,6 @@ class RankExecutor:
         null.fields["lse"].fill_(-math.inf)
         self._null_row = null.words
         return self._uploaded
-
-    # ------------------------------------------------------------------ checks
-    def _check(self, name: str, t: torch.Tensor, heads: int, device: torch.device | None = None) -> None:
-        """Raise ``ValueError`` naming what of ``t`` (``[S_local, heads, head_dim]``) differs
-        from the plan: dims, sequence length, heads, head_dim, dtype or device."""
-        b = self.plan.batch
-        if t.dim() != 3:
-            raise ValueError(f"{name}: expected [S_local, heads, head_dim] (3 dims) on rank {self.rank}, got shape "
-                             f"{list(t.shape)}")
-        s, h, d = t.shape
-        if s != self.local_rows:
-            raise ValueError(f"{name}: sequence length {s}, but rank {self.rank} holds {self.local_rows} tokens of the "
-                             f"plan (shape {list(t.shape)})")
-        # keys/values may also come with their heads repeated to the query heads
-        if h != heads and not (heads == b.n_kv_heads and h == b.n_heads):
-            want = f"{heads}" if heads == b.n_heads else f"{heads} (n_kv_heads) or {b.n_heads} (repeated)"
-            raise ValueError(f"{name}: {h} heads, the plan's BatchSpec has {want} (shape {list(t.shape)})")
-        if d != b.head_dim:
-            raise ValueError(f"{name}: head_dim {d}, the plan's BatchSpec has {b.head_dim} (shape {list(t.shape)})")
-        if t.dtype != self.dtype:
-            raise ValueError(f"{name}: expected dtype {self.dtype} (the plan's BatchSpec.dtype), got {t.dtype}")
-        if device is not None and t.device != device:
-            raise ValueError(f"{name} is on {t.device}, q on {device}")
-
-    def _check_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        b = self.plan.batch
-        self._check("q", q, b.n_heads)
-        self._check("k", k, b.n_kv_heads, q.device)
-        self._check("v", v, b.n_kv_heads, q.device)
-        if k.shape[1] != v.shape[1]:
-            raise ValueError(f"k and v have {k.shape[1]} and {v.shape[1]} heads; they must have the same")
 
     @property
     def timings(self) -> list[InstructionTime]:

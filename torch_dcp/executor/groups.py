@@ -16,7 +16,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-__all__ = ["transfer_group", "host_group", "has_cpu_backend"]
+__all__ = ["transfer_group", "host_group", "has_cpu_backend", "cp_subgroups"]
 
 # (member global ranks, kind, timeout seconds) -> process group; one per DCP group and use
 _GROUPS: dict[tuple[tuple[int, ...], str, float | None], Any] = {}
@@ -74,6 +74,47 @@ def host_group(group: Any) -> Any:
     if key not in _GROUPS:
         _GROUPS[key] = _new_group(members, "gloo", None)
     return _GROUPS[key]
+
+
+def cp_subgroups(group: Any, sizes: "list[int] | tuple[int, ...]",
+                 timeout: datetime.timedelta | None = None) -> dict[tuple[int, ...], Any]:
+    """Process groups of this rank's static CP group at every CP size in ``sizes``: for ``c``,
+    the ``c`` consecutive ranks of ``group`` holding this rank (ranks ``g c .. g c + c - 1``),
+    as Megatron creates its CP groups once for every size it may use. Every member of
+    ``group`` must call it with the same ``sizes`` (each group is created by its members:
+    collective over them); created on the first call and reused after, with ``timeout`` as
+    their own (on a device backend, the bound on every collective: NCCL's watchdog).
+
+    Args:
+        group: the DCP process group (``None``: the default group).
+        sizes: CP sizes, each dividing the group's size (the whole group and 1 need none).
+        timeout: the groups' timeout (``None``: the default).
+
+    Returns:
+        ``{members (ranks in group, ascending): process group}`` for the sizes ``1 < c <``
+        the group's size.
+
+    Raises:
+        ValueError: a size that is not a positive integer dividing the group's size.
+    """
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    members = _members(group)
+    out: dict[tuple[int, ...], Any] = {}
+    for c in sizes:
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1 or world % c:
+            raise ValueError(f"CP size {c!r} must be a positive integer dividing the DCP group's {world} ranks")
+        if c in (1, world):
+            continue
+        first = rank // c * c
+        local = tuple(range(first, first + c))
+        key = (tuple(members[i] for i in local), "cp", None if timeout is None else timeout.total_seconds())
+        if key not in _GROUPS:
+            backend = dist.get_backend(group)
+            _GROUPS[key] = _new_group(key[0], None if backend == "undefined" else backend, timeout)
+        out[local] = _GROUPS[key]
+    return out
 
 
 def forget_groups() -> None:

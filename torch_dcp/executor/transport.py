@@ -12,11 +12,11 @@ import datetime
 import queue
 import threading
 import time
-from typing import Any, Generator, Sequence
+from typing import Any, Callable, Generator, NamedTuple, Sequence
 
 import torch
 
-__all__ = ["Transport", "InProcessTransport", "Mailbox", "TorchDistributedTransport", "TransferError",
+__all__ = ["Transport", "Collective", "InProcessTransport", "Mailbox", "TorchDistributedTransport", "TransferError",
            "TransferTimeoutError", "PeerRefusedError", "RefusalChannel", "as_timedelta", "is_timeout"]
 
 #: messages of one (phase, peer) pair are told apart by their kind; tags stay below this
@@ -198,8 +198,36 @@ def is_timeout(err: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+class Collective(NamedTuple):
+    """A posted collective (:meth:`Transport.all_gather`, :meth:`Transport.reduce_scatter`):
+    the transport's handle, and what completes the result once the transfers are in
+    (``None``: nothing)."""
+
+    handle: Any
+    finish: Callable[[], None] | None = None
+
+
+def _member_index(rank: int, members: Sequence[int]) -> int:
+    if rank not in members:
+        raise ValueError(f"rank {rank} is not among the collective's ranks {list(members)}")
+    return list(members).index(rank)
+
+
+def _rows_of(t: torch.Tensor, i: int, rows: int) -> torch.Tensor:
+    """Rows ``[i * rows, (i + 1) * rows)`` of contiguous ``t`` as one uint8 message."""
+    return t[i * rows:(i + 1) * rows].reshape(-1).view(torch.uint8)
+
+
 class Transport:
-    """Interface: ``launch`` posts the sends and receives of a phase; ``wait`` completes them."""
+    """Interface: ``launch`` posts the sends and receives of a phase; ``wait`` completes them.
+
+    The collectives (:meth:`all_gather`, :meth:`reduce_scatter`) run on a subset of the
+    group's ranks; here they are point-to-point messages of one phase (every member sends
+    its rows to every other member), a backend with collectives of its own runs those
+    (:class:`TorchDistributedTransport`). :meth:`finish` completes them.
+    """
+
+    rank: int
 
     def launch(self, phase: int, sends: Sequence[Message], recvs: Sequence[Message]) -> Any:
         """Post ``sends`` and receives into the given tensors (both ``(peer, tag, uint8 tensor)``,
@@ -209,6 +237,41 @@ class Transport:
     def wait(self, handle: Any) -> Generator[None, None, None]:
         """Complete a launch: afterwards every receive tensor holds its message."""
         raise NotImplementedError
+
+    def all_gather(self, phase: int, shard: torch.Tensor, out: torch.Tensor, members: Sequence[int]) -> Collective:
+        """Post an all-gather on ``members`` (ranks of this transport's group, ascending, this
+        rank among them): ``out`` (contiguous ``[len(members) * R, ...]``) receives member
+        ``i``'s ``shard`` (contiguous ``[R, ...]``, the same shape and dtype on every member)
+        at rows ``[i * R, (i + 1) * R)``, complete after :meth:`finish`."""
+        me, rows = _member_index(self.rank, members), shard.shape[0]
+        out[me * rows:(me + 1) * rows].copy_(shard)
+        msg = shard.reshape(-1).view(torch.uint8)
+        peers = [(i, p) for i, p in enumerate(members) if p != self.rank]
+        return Collective(self.launch(phase, [(p, 0, msg) for _, p in peers],
+                                      [(p, 0, _rows_of(out, i, rows)) for i, p in peers]))
+
+    def reduce_scatter(self, phase: int, inp: torch.Tensor, out: torch.Tensor, members: Sequence[int]) -> Collective:
+        """Post a reduce-scatter (sum) on ``members``: ``out`` (contiguous ``[R, ...]``)
+        receives the sum over the members of their ``inp`` rows ``[i * R, (i + 1) * R)``
+        (``inp``: contiguous ``[len(members) * R, ...]``), this rank being member ``i``,
+        complete after :meth:`finish`. Here the terms are added in member order."""
+        me, rows = _member_index(self.rank, members), out.shape[0]
+        peers = [(i, p) for i, p in enumerate(members) if p != self.rank]
+        slots = torch.empty((len(members),) + tuple(out.shape), dtype=out.dtype, device=out.device)
+        handle = self.launch(phase, [(p, 1, _rows_of(inp, i, rows)) for i, p in peers],
+                             [(p, 1, _rows_of(slots, i, 1)) for i, p in peers])
+
+        def finish() -> None:
+            slots[me].copy_(inp[me * rows:(me + 1) * rows])
+            torch.sum(slots, 0, out=out)
+
+        return Collective(handle, finish)
+
+    def finish(self, collective: Collective) -> Generator[None, None, None]:
+        """Complete a collective (yields while its transfers are not there, as :meth:`wait`)."""
+        yield from self.wait(collective.handle)
+        if collective.finish is not None:
+            collective.finish()
 
 
 class Mailbox:
@@ -274,6 +337,11 @@ class TorchDistributedTransport(Transport):
             thread): a peer's refusal raises :class:`PeerRefusedError` at once instead of a
             timeout later. The point-to-point state of the group is then undefined (transfers
             left pending); recover with a fresh group.
+        subgroups: process groups of subsets of the group's ranks for :meth:`all_gather`
+            and :meth:`reduce_scatter` (static CP groups smaller than the DCP group), by
+            their members' ranks in ``group`` (ascending); created once, ahead, on every
+            member (:func:`~torch_dcp.executor.groups.cp_subgroups`). A collective on all the
+            group's ranks runs on ``comm_group``.
 
     On a CPU device ``wait`` blocks the host (gloo completes transfers on the host) and raises
     :class:`TransferTimeoutError` naming the phase and the peers whose messages had not arrived
@@ -286,7 +354,7 @@ class TorchDistributedTransport(Transport):
 
     def __init__(self, group: Any = None, device: torch.device | str = "cpu",
                  timeout: "float | datetime.timedelta | None" = None, comm_group: Any = None,
-                 refusals: RefusalChannel | None = None):
+                 refusals: RefusalChannel | None = None, subgroups: "dict[tuple[int, ...], Any] | None" = None):
         import torch.distributed as dist
 
         self.dist = dist
@@ -295,6 +363,7 @@ class TorchDistributedTransport(Transport):
         self.device = torch.device(device)
         self.timeout = None if timeout is None else as_timedelta(timeout)
         self.refusals = refusals
+        self.subgroups = dict(subgroups or {})
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._global = {r: (r if group is None else dist.get_global_rank(group, r)) for r in range(self.world_size)}
@@ -319,6 +388,41 @@ class TorchDistributedTransport(Transport):
             raise self._explained(TransferError(f"rank {self.rank}: phase {phase}: posting the transfers with rank(s) "
                                                 f"{sorted(set(peers))} failed: {err}", phase, sorted(set(peers)))) from None
         return phase, reqs, peers, [m for _, _, m in sends]  # send tensors must outlive the asynchronous sends
+
+    def _collective_group(self, members: Sequence[int]) -> Any:
+        members = tuple(int(m) for m in members)
+        if members == tuple(range(self.world_size)):
+            return self.comm_group
+        try:
+            return self.subgroups[members]
+        except KeyError:
+            raise ValueError(f"rank {self.rank}: no process group for the ranks {list(members)} of the DCP group; "
+                             "create the static CP groups once, ahead, on every rank "
+                             "(torch_dcp.executor.groups.cp_subgroups) and give them as subgroups") from None
+
+    def _collective(self, phase: int, what: str, post: Any, members: Sequence[int], keep: list) -> Collective:
+        group = self._collective_group(members)
+        peers = [p for p in members if p != self.rank]
+        try:
+            work = post(group)
+        except RuntimeError as err:
+            raise self._explained(TransferError(f"rank {self.rank}: phase {phase}: posting the {what} with rank(s) "
+                                                f"{peers} failed: {err}", phase, peers)) from None
+        return Collective((phase, [work] if work is not None else [], peers, keep))
+
+    def all_gather(self, phase, shard, out, members):
+        """One ``all_gather_into_tensor`` on the members' process group (see
+        :meth:`Transport.all_gather`)."""
+        _member_index(self.rank, members)
+        return self._collective(phase, "all-gather", lambda g: self.dist.all_gather_into_tensor(
+            out, shard, group=g, async_op=True), members, [shard, out])
+
+    def reduce_scatter(self, phase, inp, out, members):
+        """One ``reduce_scatter_tensor`` (sum) on the members' process group (see
+        :meth:`Transport.reduce_scatter`)."""
+        _member_index(self.rank, members)
+        return self._collective(phase, "reduce-scatter", lambda g: self.dist.reduce_scatter_tensor(
+            out, inp, group=g, async_op=True), members, [inp, out])
 
     def wait(self, handle):
         phase, reqs, peers, _keep = handle

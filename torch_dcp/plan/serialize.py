@@ -59,6 +59,8 @@ def _content(plan: "Plan") -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     }
     if plan.placement.runtime is not Runtime.EXECUTOR:  # a baseline's own implementation runs it
         header["runtime"] = plan.placement.runtime.value
+    if plan.placement.cp_size is not None:  # static CP groups smaller than the world
+        header["cp_size"] = plan.placement.cp_size
     return header, arrays
 
 
@@ -124,7 +126,8 @@ def plan_from_bytes(cls: type, data: bytes) -> "Plan":
         placement = Placement(wl, topology.world_size, arrays["block_rank"], arrays["tile_rank"],
                               planner=content["planner"], routing=Routing(content["routing"]),
                               ring_groups=arrays.get("ring_groups"),
-                              runtime=Runtime(content.get("runtime", Runtime.EXECUTOR.value)))
+                              runtime=Runtime(content.get("runtime", Runtime.EXECUTOR.value)),
+                              cp_size=content.get("cp_size"))
         plan = cls(placement, topology, arrays["tile_division"], content["divisions"], doc["meta"]["plan_seconds"])
         plan.candidates = [(str(label), float(t)) for label, t in doc["meta"].get("candidates", [])]
         plan.cost_model = str(doc["meta"].get("cost_model", ""))

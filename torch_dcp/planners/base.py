@@ -89,6 +89,11 @@ class Placement:
             ``first .. first + ranks - 1`` and travel around them in divisions ``first
             division ..`` (Megatron's CP groups and rounds); ``None``: one ring of all ranks
             from division 0.
+        runtime: which implementation runs the plan (:class:`Runtime`).
+        cp_size: for a static family's runtime, ranks per CP group: the world is cut into
+            groups of ``cp_size`` consecutive ranks, each holding whole documents and running
+            its own collectives (data parallelism across the groups,
+            :mod:`torch_dcp.planners.static`); ``None``: one group of all ranks.
     """
 
     workload: Workload
@@ -100,6 +105,7 @@ class Placement:
     routing: Routing = Routing.DIRECT
     ring_groups: np.ndarray | None = None
     runtime: Runtime = Runtime.EXECUTOR
+    cp_size: int | None = None
 
     def __post_init__(self):
         w = self.workload
@@ -126,6 +132,17 @@ class Placement:
             raise ValueError(f"Placement.routing must be a Routing, got {self.routing!r}")
         if not isinstance(self.runtime, Runtime):
             raise ValueError(f"Placement.runtime must be a Runtime, got {self.runtime!r}")
+        if self.cp_size is not None:
+            c = self.cp_size
+            if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1 or self.world_size % c:
+                raise ValueError(f"Placement.cp_size must be None or a positive integer dividing the world size "
+                                 f"{self.world_size}, got {c!r}")
+            object.__setattr__(self, "cp_size", int(c))
+            group = br // int(c)
+            doc_group = np.full(w.batch.n_docs, -1, np.int64)
+            doc_group[w.block_doc] = group
+            if np.any(doc_group[w.block_doc] != group):
+                raise ValueError(f"Placement.cp_size: a document's blocks lie in two CP groups of {c} ranks")
         if self.ring_groups is not None:
             g = np.ascontiguousarray(self.ring_groups, dtype=np.int64)
             n_docs = w.batch.n_docs
@@ -135,6 +152,13 @@ class Placement:
                                  f"division) inside [0, {self.world_size}), got shape {g.shape}")
             g.setflags(write=False)
             object.__setattr__(self, "ring_groups", g)
+
+    def cp_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks of ``rank``'s CP group (:attr:`cp_size`; all ranks where it is None),
+        ascending."""
+        c = self.cp_size or self.world_size
+        first = int(rank) // c * c
+        return tuple(range(first, first + c))
 
     def ring_group_of_docs(self) -> np.ndarray:
         """``ring_groups``, or one ring of all ranks from division 0 for every document:

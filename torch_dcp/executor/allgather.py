@@ -1,0 +1,336 @@
+"""All-gather context parallelism as its authors run it: the runtime of a plan whose placement
+runs on :attr:`~torch_dcp.planners.base.Runtime.ALLGATHER`.
+
+PyTorch's ``context_parallel`` with its all-gather rotation
+(``torch/distributed/tensor/experimental/_attention.py``) and TransformerEngine's
+``AttnFuncWithCPAndKVAllGather`` gather the keys and values of the whole CP group with one NCCL
+all-gather, attend locally, and (TransformerEngine) return dK/dV by one reduce-scatter. This
+runtime does the same on the plan's layout (the zig-zag one, :func:`~torch_dcp.planners.allgather.plan_allgather`),
+with none of the general executor's per-division steps:
+
+* forward: this rank's K and V rows side by side, padded to the CP group's largest rank (as
+  NCCL needs equal shards), one ``all_gather_into_tensor`` on the CP group; one attention call
+  of the rank's queries over the gathered rows (its tiles: the mask's visible pairs, document
+  by document; TransformerEngine makes one call per zig-zag half), whose output and LSE are the
+  result (every tile of a query runs on its rank: nothing to merge);
+* backward: K and V gathered again, one attention-backward call, the gathered rows' dK and
+  dV in the K/V dtype (TransformerEngine's ``dkv`` buffers), one ``reduce_scatter_tensor`` back
+  to their owners.
+
+The CP group is the plan's (:meth:`~torch_dcp.planners.base.Placement.cp_group`): all ranks, or
+``cp_size`` consecutive ones with whole documents (data parallelism across the groups). The
+collectives go through the transport (:meth:`~torch_dcp.executor.transport.Transport.all_gather`),
+so they are bounded by its timeout like every transfer; everything the call needs on the device
+(row indices, the kernel's metadata) is built on the host and uploaded once, at
+:meth:`AllGatherExecutor.prepare`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Generator, NamedTuple
+
+import numpy as np
+import torch
+
+from ..plan import BlockwiseAttention, Plan
+from ..planners.base import Runtime
+from .device_plan import host_to_device
+from .division import build_division
+from .executor import _TORCH_DTYPES, InstructionTime, RowChecks, _Clock, _drain
+from .kernels import DivisionKernel, get_kernel
+from .reduce import add_rows, put_rows, take_rows
+from .transport import Collective, TransferError, Transport, located
+
+__all__ = ["AllGatherExecutor", "COLLECTIVE_PHASES", "gathered_rows"]
+
+#: transport phases of the collectives (above the head all-to-alls' phases)
+COLLECTIVE_PHASES = {(False, "all-gather"): (1 << 20) + 8, (True, "all-gather"): (1 << 20) + 9,
+                     (True, "reduce-scatter"): (1 << 20) + 10}
+
+
+def gathered_rows(plan: Plan, members: tuple[int, ...]) -> tuple[np.ndarray, int]:
+    """``(row [n_blocks], R)``: the first row of every block of the CP group ``members`` in the
+    gathered buffer (member ``i``'s rows at ``[i R, i R + its tokens)``, in its local order;
+    ``R``: the group's most tokens on one rank), -1 for blocks outside the group."""
+    pl, blen = plan.placement, plan.workload.block_len
+    br = pl.block_rank
+    tokens = np.bincount(br, weights=blen, minlength=plan.world_size).astype(np.int64)
+    order = np.argsort(br, kind="stable")  # blocks by rank, each rank's in its (global) order
+    first = np.concatenate(([0], np.cumsum(tokens)[:-1]))
+    local = np.empty(len(br), np.int64)
+    local[order] = np.cumsum(blen[order]) - blen[order] - first[br[order]]
+    r = int(tokens[list(members)].max(initial=0))
+    inside = (br >= members[0]) & (br <= members[-1])
+    return np.where(inside, (br - members[0]) * r + local, -1), r
+
+
+class _Meta(NamedTuple):
+    """The rank's call on a device: rows as slices or index tensors, the kernel's metadata."""
+
+    device: torch.device
+    q: Any  # packed query rows of the local tensors
+    kv: Any  # packed key/value rows of the gathered buffer (kernel order, padding included)
+    out: Any  # local rows of the kernel's query results
+    kv_out: Any  # gathered rows of the kernel's dK/dV results
+    meta: Any
+    n_out: int
+
+
+def _rows(idx: np.ndarray, device: torch.device) -> Any:
+    """``idx`` as a slice where contiguous, else an int64 tensor on ``device``."""
+    n = len(idx)
+    if n == 0 or (idx[-1] - idx[0] + 1 == n and np.all(np.diff(idx) == 1)):
+        a = int(idx[0]) if n else 0
+        return slice(a, a + n)
+    return host_to_device(torch.from_numpy(np.ascontiguousarray(idx, np.int64)), device)
+
+
+class AllGatherExecutor(RowChecks):
+    """Runs rank ``rank``'s part of an all-gather CP plan (see the module).
+
+    Args:
+        plan: a plan whose placement runs on ``Runtime.ALLGATHER`` with every tile on its
+            query's rank.
+        rank: this rank in the DCP group.
+        transport: the DCP group's transport (its collectives on the CP group).
+        kernel: attention kernel (as for :class:`~torch_dcp.executor.executor.RankExecutor`).
+        scale: softmax scale; default ``1 / sqrt(head_dim)``.
+        timings: record the attention call's time (:attr:`timings`).
+        device_plan: must be ``None`` (this runtime builds its own metadata).
+
+    Raises:
+        ValueError: a plan of another runtime, a tile away from its query's rank, ``rank``
+            outside the plan, a transport group of another size, or a device plan.
+    """
+
+    def __init__(self, plan: Plan, rank: int, transport: Transport, kernel: str | DivisionKernel | None = None,
+                 scale: float | None = None, timings: bool = False, device_plan: Any = None):
+        pl = plan.placement
+        if pl.runtime is not Runtime.ALLGATHER:
+            raise ValueError(f"AllGatherExecutor runs plans of runtime {Runtime.ALLGATHER.value!r}, got "
+                             f"{pl.runtime.value!r}")
+        if device_plan is not None:
+            raise ValueError("AllGatherExecutor builds its own metadata: device_plan must be None (a DevicePlan is "
+                             "the general executor's)")
+        group_size = getattr(transport, "world_size", None)
+        if group_size is not None and group_size != plan.world_size:
+            raise ValueError(f"the plan is for {plan.world_size} ranks, the transport's group has {group_size}")
+        if not 0 <= int(rank) < plan.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {plan.world_size})")
+        wl = plan.workload
+        if np.any(pl.tile_rank != pl.block_rank[wl.tile_q]):
+            raise ValueError("AllGatherExecutor: every tile must run on its query block's rank")
+        self.plan, self.rank, self.transport = plan, int(rank), transport
+        self.members = pl.cp_group(self.rank)
+        self.row, self.shard_rows = gathered_rows(plan, self.members)
+        if np.any(self.row[wl.tile_kv[pl.tile_rank == self.rank]] < 0):
+            raise ValueError(f"AllGatherExecutor: rank {self.rank} has tiles on keys outside its CP group "
+                             f"{list(self.members)}")
+        self._kernel_spec = kernel
+        self.kernel: DivisionKernel | None = None if kernel is None or kernel == "auto" else get_kernel(kernel)
+        self.device_plan = None
+        b = plan.batch
+        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(b.head_dim)
+        self.dtype = _TORCH_DTYPES[b.dtype]
+        self.acc = _TORCH_DTYPES[b.acc_dtype]
+        self.local_rows = plan.local_tokens(self.rank)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.record_timings = bool(timings)
+        self._clock = _Clock()
+        self._meta: _Meta | None = None
+
+    # ------------------------------------------------------------------ preparation
+    def _instruction(self) -> BlockwiseAttention | None:
+        """The rank's tiles as one division over the gathered rows (None: no tiles)."""
+        wl, pl = self.plan.workload, self.plan.placement
+        tiles = np.flatnonzero(pl.tile_rank == self.rank)
+        if tiles.size == 0:
+            return None
+        tiles = tiles[np.lexsort((wl.tile_kv[tiles], wl.tile_q[tiles]))]
+        q_block, counts = np.unique(wl.tile_q[tiles], return_counts=True)
+        local = self.row[q_block] - self.members.index(self.rank) * self.shard_rows
+        kv_block = wl.tile_kv[tiles]
+        return BlockwiseAttention(0, q_block, local, local, np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
+                                  kv_block, self.row[kv_block], tiles)
+
+    def prepare(self, device: torch.device | str) -> _Meta:
+        """Choose the kernel for ``device``, build the call's rows and the kernel's metadata
+        on the host and upload them (once per device)."""
+        device = torch.device(device)
+        if self._meta is not None and self._meta.device == device:
+            return self._meta
+        if self._kernel_spec in (None, "auto") and (self._meta is None or self._meta.device.type != device.type):
+            self.kernel = get_kernel(self._kernel_spec, device=device, dtype=self.dtype, head_dim=self.plan.batch.head_dim)
+        ins = self._instruction()
+        if ins is None:
+            self._meta = _Meta(device, None, None, None, None, None, 0)
+            return self._meta
+        div = build_division(ins, self.plan.workload)
+        lay = self.kernel.prepare(div)
+        kv_rows = div.kv_rows if lay.kv_order is None else div.kv_rows[lay.kv_order]
+        q_rows = div.q_rows if lay.q_order is None else div.q_rows[lay.q_order]
+        q_idx = np.concatenate([q_rows, np.full(lay.q_rows - len(q_rows), q_rows[0] if len(q_rows) else 0)])
+        kv_idx = np.concatenate([kv_rows, np.full(lay.k_rows - len(kv_rows), kv_rows[0] if len(kv_rows) else 0)])
+        arrays = {k: host_to_device(torch.from_numpy(np.ascontiguousarray(a)), device) for k, a in lay.arrays.items()}
+        self._meta = _Meta(device, _rows(q_idx, device), _rows(kv_idx, device), _rows(q_rows, device),
+                           _rows(kv_rows, device), self.kernel.bind(arrays, lay.static), len(q_rows))
+        return self._meta
+
+    # ------------------------------------------------------------------ collectives
+    def _collective(self, c: Collective, backward: bool, what: str) -> Generator[None, None, None]:
+        try:
+            yield from self.transport.finish(c)
+        except TransferError as err:
+            where = "backward" if backward else "forward"
+            raise located(err, f"torch_dcp (plan {self.plan.digest()[:12]}): {where} pass, {what} on the CP group "
+                               f"{list(self.members)}") from None
+
+    def _gather(self, backward: bool, k: torch.Tensor, v: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """K and V of the CP group: ``[G R, 2 H_kv D]`` (member ``i``'s rows at ``i R``)."""
+        r, n = self.shard_rows, len(self.members)
+        shard = torch.empty(r, 2 * k.shape[1] * k.shape[2], dtype=k.dtype, device=k.device)
+        torch.cat((k.flatten(1), v.flatten(1)), 1, out=shard[:self.local_rows])
+        shard[self.local_rows:].zero_()  # padding rows: never read
+        if n == 1:
+            return shard
+        out = torch.empty(n * r, shard.shape[1], dtype=shard.dtype, device=shard.device)
+        phase = COLLECTIVE_PHASES[(backward, "all-gather")]
+        try:
+            c = self.transport.all_gather(phase, shard, out, self.members)
+        except TransferError as err:
+            raise located(err, f"torch_dcp: all-gather on the CP group {list(self.members)}") from None
+        nbytes = (n - 1) * shard.numel() * shard.element_size()
+        self.bytes_sent += nbytes
+        self.bytes_received += nbytes
+        yield from self._collective(c, backward, "all-gather")
+        return out
+
+    def _scatter(self, dkv: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """This rank's rows of the CP group's summed ``dkv`` (``[G R, F]``): ``[R, F]``."""
+        r, n = self.shard_rows, len(self.members)
+        if n == 1 or r == 0:
+            return dkv
+        out = torch.empty(r, dkv.shape[1], dtype=dkv.dtype, device=dkv.device)
+        phase = COLLECTIVE_PHASES[(True, "reduce-scatter")]
+        try:
+            c = self.transport.reduce_scatter(phase, dkv, out, self.members)
+        except TransferError as err:
+            raise located(err, f"torch_dcp: reduce-scatter on the CP group {list(self.members)}") from None
+        nbytes = (n - 1) * out.numel() * out.element_size()
+        self.bytes_sent += nbytes
+        self.bytes_received += nbytes
+        yield from self._collective(c, True, "reduce-scatter")
+        return out
+
+    # ------------------------------------------------------------------ passes
+    def _kv(self, gathered: torch.Tensor, m: _Meta, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = take_rows(gathered, m.kv).unflatten(1, (2 * hkv, d))
+        return kv[:, :hkv], kv[:, hkv:]
+
+    def _timed(self, backward: bool, fn: Any) -> Any:
+        if not self.record_timings:
+            return fn()
+        dev = self._meta.device
+        t0 = self._clock.start(dev)
+        out = fn()
+        self._clock.stop(dev, t0, 0, "attention", backward)
+        return out
+
+    def forward_steps(self, q, k, v, scale: float | None = None, keep: bool = False) -> Generator[None, None, tuple]:
+        """:meth:`forward` as a generator that yields while the collective is not complete."""
+        self._check_inputs(q, k, v)
+        m = self.prepare(q.device)
+        s, h, d, hkv = self.local_rows, q.shape[1], q.shape[2], k.shape[1]
+        gathered = (yield from self._gather(False, k, v)) if self.shard_rows else None
+        scale = self.scale if scale is None else float(scale)
+        if m.meta is not None:
+            kp, vp = self._kv(gathered, m, hkv, d)
+            o, lse = self._timed(False, lambda: self.kernel.forward(take_rows(q, m.q), kp, vp, m.meta, scale, self.acc))
+        if m.meta is not None and m.out == slice(0, s):
+            out, lse = o.to(q.dtype), lse.to(self.acc)
+        else:  # rows that see no key: output 0, LSE -inf
+            out = q.new_zeros(s, h, d)
+            lse_all = torch.full((s, h), -math.inf, dtype=self.acc, device=q.device)
+            if m.meta is not None:
+                put_rows(out, m.out, o)
+                put_rows(lse_all, m.out, lse)
+            lse = lse_all
+        result = (out, lse)
+        return result + (torch.empty(0, dtype=torch.uint8, device=q.device),) if keep else result
+
+    def backward_steps(self, q, k, v, out, lse, dout, scale: float | None = None,
+                       state: torch.Tensor | None = None) -> Generator[None, None, tuple]:
+        """:meth:`backward` as a generator that yields while a collective is not complete."""
+        b = self.plan.batch
+        self._check_inputs(q, k, v)
+        self._check("out", out, b.n_heads, q.device)
+        self._check("dout", dout, b.n_heads, q.device)
+        if tuple(lse.shape) != (self.local_rows, b.n_heads) or not lse.is_floating_point() or lse.device != q.device:
+            raise ValueError(f"lse: expected a floating [S_local, heads] = {[self.local_rows, b.n_heads]} tensor on "
+                             f"{q.device} (the forward's), got {lse.dtype} {list(lse.shape)} on {lse.device}")
+        m = self.prepare(q.device)
+        s, h, d, hkv = self.local_rows, q.shape[1], q.shape[2], k.shape[1]
+        scale = self.scale if scale is None else float(scale)
+        gathered = (yield from self._gather(True, k, v)) if self.shard_rows else None
+        dq_all = torch.zeros(s, h, d, dtype=self.acc, device=q.device)
+        dkv = torch.zeros(len(self.members) * self.shard_rows, 2 * hkv * d, dtype=self.acc, device=q.device)
+        if m.meta is not None:
+            delta = torch.sum(dout.to(self.acc) * out, -1)
+            kp, vp = self._kv(gathered, m, hkv, d)
+            qp, dop, lsep, deltap = (take_rows(t, m.q) for t in (q, dout, lse.to(self.acc), delta))
+            dq, dk, dv = self._timed(True, lambda: self.kernel.backward(qp, kp, vp, dop, lsep, deltap, m.meta, scale,
+                                                                        self.acc))
+            add_rows(dq_all, m.out, dq)
+            add_rows(dkv, m.kv_out, torch.cat((dk.flatten(1), dv.flatten(1)), 1))
+        # dK and dV reduced in the K/V dtype, as TransformerEngine's all-gather CP returns them
+        mine = yield from self._scatter(dkv.to(k.dtype))
+        kv = mine[:s].unflatten(1, (2 * hkv, d))
+        return dq_all.to(q.dtype), kv[:, :hkv].contiguous(), kv[:, hkv:].contiguous()
+
+    # ------------------------------------------------------------------ public API
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward attention of this rank's tokens (as
+        :meth:`~torch_dcp.executor.executor.RankExecutor.forward`): ``(out [S_local, H, D],
+        lse [S_local, H])``.
+
+        Raises:
+            ValueError: inputs that do not match the plan and this rank (the message names what).
+            TransferError: the all-gather failed or timed out (:class:`TransferTimeoutError`).
+        """
+        return _drain(self.forward_steps(q, k, v, scale))
+
+    def forward_keeping(self, q, k, v, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward` plus an empty state (the backward gathers K and V again)."""
+        return _drain(self.forward_steps(q, k, v, scale, keep=True))
+
+    def state_nbytes(self, kv_heads: int, every_rank: bool = False) -> int:
+        """Bytes of :meth:`forward_keeping`'s state: 0."""
+        return 0
+
+    def backward(self, q, k, v, out, lse, dout, scale: float | None = None,
+                 state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Complete gradients of this rank's Q, K, V (``(dq, dk, dv)`` in the input dtype).
+
+        Raises:
+            ValueError: as :meth:`forward`, for ``q, k, v, out, dout``, or a bad ``lse``.
+            TransferError: a collective failed or timed out.
+        """
+        return _drain(self.backward_steps(q, k, v, out, lse, dout, scale, state))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Differentiable forward (:func:`~torch_dcp.executor.executor.dcp_attention`)."""
+        from .executor import dcp_attention
+
+        return dcp_attention(q, k, v, self)
+
+    @property
+    def timings(self) -> list[InstructionTime]:
+        """The attention calls' times recorded with ``timings=True``."""
+        return self._clock.results()
+
+    def reset_timings(self) -> None:
+        """Forget the recorded timings."""
+        self._clock.clear()
