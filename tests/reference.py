@@ -78,7 +78,8 @@ def needs_cuda(reason: str = "needs a CUDA device"):
 
 def context_step_errors(mesh, batch: BatchSpec, rank: int, q, k, v, go, ref, **context_args) -> dict[str, float]:
     """One SDPA forward + backward of the global ``q, k, v: [T, H(_kv), D]`` (upstream gradient
-    ``go``) inside ``torch_dcp.context_parallel(mesh, ..., batch=batch, **context_args)`` on
+    ``go``) inside ``torch_dcp.context_parallel(mesh, ..., batch=batch, **context_args)`` (a
+    ``plan`` in ``context_args`` instead of ``batch``) on
     this rank: the max abs error of its out, dq, dk, dv against ``ref`` (from
     :func:`reference_with_grads`) on the tokens it holds (0.0 for a rank without tokens)."""
     import torch.nn.functional as F
@@ -86,7 +87,9 @@ def context_step_errors(mesh, batch: BatchSpec, rank: int, q, k, v, go, ref, **c
     import torch_dcp
 
     qb, kb, vb, gb = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v, go))
-    with torch_dcp.context_parallel(mesh, buffers=[qb, kb, vb, gb], buffer_seq_dims=[2, 2, 2, 2], batch=batch,
+    if "plan" not in context_args:  # a plan given is the batch's
+        context_args = {**context_args, "batch": batch}
+    with torch_dcp.context_parallel(mesh, buffers=[qb, kb, vb, gb], buffer_seq_dims=[2, 2, 2, 2],
                                     **context_args) as ctx:
         ql, kl, vl = (t.clone().requires_grad_(True) for t in (qb, kb, vb))
         out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, enable_gqa=True)

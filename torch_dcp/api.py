@@ -13,7 +13,7 @@ import numpy as np
 from .batch import BatchSpec
 from .plan import Plan
 from .plan.heads import HeadLayout, HeadParallelPlan, head_parallel_sizes
-from .planners import CANDIDATES, HEAD_PLANNERS, Placement, Routing, get_planner
+from .planners import CANDIDATES, HEAD_PLANNERS, Placement, Routing, Runtime, get_planner
 from .schedule import assign_divisions, mixes_nodes
 from .topology import Topology
 from .workload import check_block_size
@@ -300,6 +300,8 @@ def _plans_at(batch: BatchSpec, topology: Topology, planner: str, n: int, block_
     offer = CANDIDATES.get(planner)
     if offer and n > 1 and "shortlist" not in options:
         options = {**options, "shortlist": HEAD_PARALLEL_SHORTLIST}
+    if offer and n > 1:  # a static runtime runs whole plans, not a head group's outer plan
+        options = {**options, "static_runtimes": False}
     placements = offer(ob, ot, block_size, **options) if offer else [get_planner(planner)(ob, ot, block_size, **options)]
     if relabel:
         placements = [dataclasses.replace(p, planner=relabel) for p in placements]
@@ -339,7 +341,7 @@ def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple
     pl, topo = outer.placement, outer.topology
     rounds = pl.tile_round
     per_round = outer.divisions // (1 if rounds is None or rounds.size == 0 else int(rounds.max()) + 1)
-    if pl.routing is Routing.RING:
+    if pl.routing is Routing.RING or pl.runtime is not Runtime.EXECUTOR:  # its own steps, or none
         return []
     variants: list[tuple[str, Plan]] = [(f"T={t}", divide(pl, topo, t)) for t in FEWER_DIVISIONS
                                         if deeper and t < per_round]

@@ -12,6 +12,7 @@ from .batch import BatchSpec
 from .cost import CostModel
 from .plan import Plan
 from .plan.heads import HeadParallelPlan
+from .planners.base import Runtime
 from .workload import Workload
 
 __all__ = ["link_floor_seconds", "compute_floor_seconds", "division_launch_seconds", "kernel_floor_seconds",
@@ -87,9 +88,12 @@ def floor_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = 
     (:func:`torch_dcp.plan`). Each pass: the larger of :func:`kernel_floor_seconds` and
     :func:`link_floor_seconds`, so at least ``max(compute_floor_seconds, link_floor_seconds)``:
     a pass bound by its links and another by its compute add up. A head-parallel plan: its
-    outer plan's floor plus its all-to-alls."""
+    outer plan's floor plus its all-to-alls. A plan on the all-gather runtime (collectives, not
+    its routes' transfers; one launch per pass, not one per division): its compute floor."""
     if isinstance(plan, HeadParallelPlan):
         return floor_seconds(plan.outer, cost_model) + sum(plan.all_to_all_seconds(bw) for bw in (False, True))
+    if plan.placement.runtime is Runtime.ALLGATHER:
+        return compute_floor_seconds(plan, cost_model)
     return sum(max(kernel_floor_seconds(plan, cost_model, backward), link_floor_seconds(plan, backward))
                for backward in (False, True))
 

@@ -24,12 +24,15 @@ one per step. Its closed form, ``sum_s max(compute_s, transfer_{s+1})`` per pass
 
 **All-gather CP** (``Runtime.ALLGATHER``; PyTorch's ``context_parallel`` with its all-gather
 rotation, ``torch/distributed/tensor/experimental/_attention.py``, and TransformerEngine's
-``AttnFuncWithCPAndKVAllGather``): K/V are gathered from every rank by one NCCL all-gather
-before the attention, which then runs as one call per local zig-zag half over the gathered keys;
-the backward gathers K/V again, runs one attention-backward call per half and returns dK/dV by
-an NCCL reduce-scatter in the K/V dtype (TransformerEngine's backward: PyTorch's passes dK/dV
-around the ring in float32, the slower of the two). The collectives are costed as NCCL runs them
-on the topology (:mod:`torch_dcp.cost.collectives`); compute does not overlap them.
+``AttnFuncWithCPAndKVAllGather``): K/V are gathered from every rank of the CP group by one NCCL
+all-gather before the attention, which then runs as one call over the gathered keys (torch_dcp's
+:class:`~torch_dcp.executor.allgather.AllGatherExecutor`; TransformerEngine makes one call per
+local zig-zag half, one launch more); the backward gathers K/V again, runs one
+attention-backward call and returns dK/dV by an NCCL reduce-scatter in the K/V dtype
+(TransformerEngine's backward: PyTorch's passes dK/dV around the ring in float32, the slower of
+the two). With CP groups smaller than the world (``Placement.cp_size``) every group gathers on
+its own ranks. The collectives are costed as NCCL runs them on the topology
+(:mod:`torch_dcp.cost.collectives`); compute does not overlap them.
 """
 
 from __future__ import annotations
@@ -136,39 +139,47 @@ def te_ring_step_seconds(plan: Plan, cost_model: CostModel | None = None) -> flo
     return float(total)
 
 
-def allgather_pass_seconds(plan: Plan, cm: CostModel, backward: bool) -> tuple[float, float, np.ndarray]:
-    """One pass of all-gather CP (module docstring): ``(gather seconds, reduce-scatter seconds
-    (0 forward), compute seconds per rank float64 [W])``. The shards are the ranks' K/V rows
-    (the largest rank's, as NCCL pads them); each rank's compute is one call per zig-zag half
-    of its queries, the kernels alone."""
+def allgather_pass_seconds(plan: Plan, cm: CostModel, backward: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One pass of all-gather CP (module docstring), per rank: ``(gather seconds, reduce-scatter
+    seconds (0 forward), compute seconds)``, float64 ``[W]`` each. Every CP group
+    (:meth:`~torch_dcp.planners.base.Placement.cp_group`) gathers on its own ranks (the
+    topology of :func:`~torch_dcp.planners.static.group_topology`); its shards are its ranks'
+    K/V rows (its largest rank's, as NCCL pads them). Each rank's compute is one attention call
+    over its queries and the gathered keys, the kernels alone."""
+    from .planners.static import group_topology
+
     kern = cm.with_executor(None)
     wl, pl, topo, w = plan.workload, plan.placement, plan.topology, plan.world_size
     itb = pl.token_bytes()
-    rows = float(pl.rank_tokens().max(initial=0))
-    gather = allgather_seconds(rows * itb[(backward, Buf.KV)], topo)
-    scatter = reduce_scatter_seconds(rows * itb[(True, Buf.DKV)], topo) if backward else 0.0
-    q = wl.tile_q
-    second_half = 2 * wl.block_start[q] >= wl.batch.doc_lens[wl.block_doc[q]]
-    cell = pl.tile_rank.astype(np.int64) * 2 + second_half
-    compute = kern.launch_seconds(wl, np.arange(wl.n_tiles), cell, 2 * w, backward).reshape(w, 2).sum(axis=1)
-    return gather, scatter, compute
+    tokens = pl.rank_tokens()
+    c = pl.cp_size or w
+    gtopo = topo if c == w else group_topology(topo, c)
+    rows = tokens.reshape(w // c, c).max(axis=1).astype(np.float64)
+    gather = np.array([allgather_seconds(r * itb[(backward, Buf.KV)], gtopo) if c > 1 and r else 0.0 for r in rows])
+    scatter = np.array([reduce_scatter_seconds(r * itb[(True, Buf.DKV)], gtopo) if c > 1 and r and backward else 0.0
+                        for r in rows])
+    compute = kern.launch_seconds(wl, np.arange(wl.n_tiles), pl.tile_rank.astype(np.int64), w, backward)
+    return np.repeat(gather, c), np.repeat(scatter, c), compute
 
 
 def simulate_allgather(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult:
-    """All-gather CP's forward and backward (module docstring): each pass takes the all-gather,
-    then the slowest rank's compute, then (backward) the reduce-scatter. ``bound`` is not used
-    (the passes are closed forms)."""
+    """All-gather CP's forward and backward (module docstring): in each pass every CP group
+    takes its all-gather, then its slowest rank's compute, then (backward) its reduce-scatter;
+    the pass ends with the slowest group. ``bound`` is not used (the passes are closed forms)."""
     passes = []
+    w = plan.world_size
+    c = plan.placement.cp_size or w
     for backward in (False, True):
         gather, scatter, compute = allgather_pass_seconds(plan, cm, backward)
         finish = gather + compute
-        span = float(finish.max(initial=0.0)) + scatter
-        events = [[("all-gather", 0.0, gather), ("attention", gather, float(f))]
-                  + ([("reduce-scatter", span - scatter, span)] if scatter else []) for f in finish]
-        exposed = np.full(plan.world_size, gather + scatter)
-        passes.append(PassResult(span, compute.copy(), exposed, span - finish - scatter, np.full(plan.world_size, span),
-                                 events))
-    ideal = float(sum(p.busy_s.sum() for p in passes)) / plan.world_size
+        group_end = np.repeat(finish.reshape(w // c, c).max(axis=1), c) + scatter
+        span = float(group_end.max(initial=0.0))
+        events = [[("all-gather", 0.0, float(g)), ("attention", float(g), float(f))]
+                  + ([("reduce-scatter", float(e - s), float(e))] if s else []) for g, f, s, e in
+                  zip(gather, finish, scatter, group_end)]
+        passes.append(PassResult(span, compute.copy(), gather + scatter, group_end - finish - scatter,
+                                 np.full(w, span), events))
+    ideal = float(sum(p.busy_s.sum() for p in passes)) / w
     return SimResult(passes[0], passes[1], passes[0].makespan_s + passes[1].makespan_s, ideal)
 
 

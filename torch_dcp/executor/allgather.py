@@ -42,7 +42,7 @@ from .kernels import DivisionKernel, get_kernel
 from .reduce import add_rows, put_rows, take_rows
 from .transport import Collective, TransferError, Transport, located
 
-__all__ = ["AllGatherExecutor", "COLLECTIVE_PHASES", "gathered_rows"]
+__all__ = ["AllGatherExecutor", "COLLECTIVE_PHASES", "gathered_rows", "group_sizes"]
 
 #: transport phases of the collectives (above the head all-to-alls' phases)
 COLLECTIVE_PHASES = {(False, "all-gather"): (1 << 20) + 8, (True, "all-gather"): (1 << 20) + 9,
@@ -63,6 +63,20 @@ def gathered_rows(plan: Plan, members: tuple[int, ...]) -> tuple[np.ndarray, int
     r = int(tokens[list(members)].max(initial=0))
     inside = (br >= members[0]) & (br <= members[-1])
     return np.where(inside, (br - members[0]) * r + local, -1), r
+
+
+def group_sizes(plan: Any) -> list[int]:
+    """The CP sizes whose process groups a context creates once, at entry, on every rank
+    (:func:`~torch_dcp.executor.groups.cp_subgroups`): every size a user of all-gather CP could
+    pick on the plan's topology (:func:`~torch_dcp.planners.static.cp_sizes`: the sizes dcp's
+    candidates run at), and the plan's own."""
+    from ..planners.static import cp_sizes
+
+    placement = plan.attention_part(0)[0].placement
+    sizes = set(cp_sizes("allgather", plan.batch, plan.topology))
+    if placement.cp_size is not None:
+        sizes.add(placement.cp_size)
+    return sorted(sizes)
 
 
 class _Meta(NamedTuple):

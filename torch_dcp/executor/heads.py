@@ -22,6 +22,7 @@ from typing import Any, Generator, Sequence
 import torch
 
 from ..plan.heads import HeadParallelPlan
+from ..planners.base import Runtime
 from .executor import RankExecutor, _drain, dcp_attention
 from .transport import Message, Transport, TransferError, located
 
@@ -91,6 +92,9 @@ class HeadParallelExecutor:
         group_size = getattr(transport, "world_size", None)
         if group_size is not None and group_size != plan.world_size:
             raise ValueError(f"the plan is for {plan.world_size} ranks, the transport's group has {group_size}")
+        if plan.outer.placement.runtime is Runtime.ALLGATHER:
+            raise ValueError("HeadParallelExecutor: the outer plan runs on the all-gather runtime, which runs whole "
+                             "plans only")
         self.plan, self.rank, self.transport = plan, int(rank), transport
         self.group, self.inner = plan.group_of(rank)
         lay = plan.layout

@@ -253,6 +253,7 @@ def dcp_candidates(
     node_routes: bool = True,
     shortlist: int | None = None,
     rivals: tuple[str, ...] = ("ring", "megatron", "allgather", "documents"),
+    static_runtimes: bool = True,
 ) -> list[Placement]:
     """DCP hypergraph placements, best first (see module docstring).
 
@@ -287,6 +288,13 @@ def dcp_candidates(
             times every candidate with the simulator and keeps the fastest, so dcp's plan is
             never slower than theirs as torch_dcp's executor runs them (on the simulator's cost
             model; their own implementations: ``benchmarks compare``).
+        static_runtimes: with ``"time"``, also all-gather CP run as its authors run it
+            (``Runtime.ALLGATHER``, :class:`~torch_dcp.executor.allgather.AllGatherExecutor`)
+            at every CP size a user could pick (:func:`~torch_dcp.planners.static.cp_sizes`,
+            whole documents split over the CP groups), labelled ``"dcp:allgather/cpC"``,
+            under the same memory and tile bounds as the rivals: so the plan
+            :func:`torch_dcp.plan` keeps is never slower on the simulator than that static
+            configuration.
 
     Returns:
         Placements (at least one), the planner's own best first.
@@ -412,6 +420,24 @@ def dcp_candidates(
             if tokens.max() <= (1.0 + eps_memory) * tokens.mean():
                 # run by torch_dcp's executor, not by the rival's own implementation
                 out.append(dataclasses.replace(rival, planner=f"dcp:{name}", runtime=Runtime.EXECUTOR))
+        if static_runtimes:
+            out += _static_runtimes(batch, topology, eps_memory)
+    return out
+
+
+def _static_runtimes(batch: BatchSpec, topology: Topology, eps_memory: float) -> list[Placement]:
+    """All-gather CP on its own runtime at every CP size a user could pick (see
+    :func:`dcp_candidates`' ``static_runtimes``)."""
+    from .static import cp_sizes
+
+    out = []
+    for c in cp_sizes("allgather", batch, topology):
+        if zigzag_tiles_bound(batch, c) > RIVAL_TILE_BUDGET:
+            continue
+        p = plan_allgather(batch, topology, cp_size=c)
+        tokens = p.rank_tokens()
+        if tokens.max() <= (1.0 + eps_memory) * tokens.mean():
+            out.append(dataclasses.replace(p, planner=f"dcp:allgather/cp{c}"))
     return out
 
 

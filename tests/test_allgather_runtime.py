@@ -1,0 +1,148 @@
+"""All-gather CP run as its authors run it (``torch_dcp.executor.allgather``): exact against the
+dense float64 reference in one process and on gloo, priced as it runs, among dcp's candidates."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import torch_dcp
+from torch_dcp import BatchSpec, Causal, Lambda, Topology
+from torch_dcp.plan import load_plan
+from torch_dcp.api import divide
+from torch_dcp.benchmarks.static_cp import static_cp_seconds
+from torch_dcp.executor import InProcessTransport, Mailbox, TransferTimeoutError, make_executor
+from torch_dcp.executor.allgather import AllGatherExecutor, group_sizes
+from torch_dcp.planners import Runtime, plan_allgather
+from torch_dcp.planners.static import cp_sizes
+from torch_dcp.runtimes import on_executor
+from torch_dcp.simulate import simulate
+from reference import context_step_errors, random_qkv, reference_with_grads
+from spawn import run_ranks
+from test_exact import DOC_LENS, HEADS, MASKS, _batch, _check
+
+#: (world size, CP size): the whole group at 2, 3 and 8 ranks, CP groups of 2 and 4, and of 1
+#: (every rank its own documents: no collective)
+GROUPS = [(2, None), (3, None), (4, 2), (8, 4), (8, None), (4, 1)]
+
+
+def _plan(batch, world, cp, divisions=2):
+    topo = Topology.single_node(world)
+    return divide(plan_allgather(batch, topo, cp_size=cp), topo, divisions)
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("world,cp", GROUPS)
+def test_exact_every_mask_and_group(mask, world, cp):
+    heads = list(HEADS)[GROUPS.index((world, cp)) % len(HEADS)]  # GQA and MHA over the groups
+    batch = _batch(mask, heads)
+    plan = _plan(batch, world, cp)
+    assert plan.placement.runtime is Runtime.ALLGATHER and plan.placement.cp_size == cp
+    _check(plan, batch)
+
+
+def test_a_cp_group_without_documents_and_a_rank_without_tokens():
+    # one document over 4 ranks in CP groups of 2: the second group holds nothing; and a
+    # 3-token document zig-zag over 4 ranks: a rank of the first group holds nothing either
+    for lens, world, cp in (([40], 4, 2), ([3], 4, 4), ([40, 1], 8, 2)):
+        batch = BatchSpec(lens, Causal(), n_heads=4, n_kv_heads=2, head_dim=16, dtype="float64")
+        plan = _plan(batch, world, cp, divisions=1)
+        assert min(plan.local_tokens(r) for r in range(world)) == 0
+        _check(plan, batch)
+
+
+def test_runs_on_its_own_executor_with_collectives_only():
+    batch = _batch("causal", "gqa8/2-d32")
+    plan = _plan(batch, 4, 2)
+    mailbox = Mailbox()
+    ex = make_executor(plan, 1, InProcessTransport(mailbox, 1))
+    assert isinstance(ex, AllGatherExecutor) and ex.members == (0, 1)
+    with pytest.raises(ValueError, match="device_plan must be None"):
+        make_executor(plan, 1, InProcessTransport(mailbox, 1), device_plan=object())
+    other = divide(plan_allgather(batch, Topology.single_node(4)), Topology.single_node(4), 2)
+    with pytest.raises(ValueError, match="runs plans of runtime"):
+        AllGatherExecutor(on_executor(other), 0, InProcessTransport(mailbox, 0))
+    # the plan carries its CP size through serialisation and into its digest
+    back = load_plan(plan.to_bytes())
+    assert back.placement.cp_size == 2 and back.placement.runtime is Runtime.ALLGATHER
+    assert back.digest() == plan.digest() != _plan(batch, 4, 4).digest()
+    with pytest.raises(ValueError, match="dividing the world size"):
+        plan_allgather(batch, Topology.single_node(4), cp_size=3)
+
+
+def test_bf16_dk_dv_reduced_in_the_kv_dtype_stay_close():
+    batch = _batch("causal", "gqa8/2-d32", dtype="bfloat16")
+    plan = _plan(batch, 4, None)
+    q, k, v, go = random_qkv(batch, torch.float64, 3)
+    got = torch_dcp.emulate(plan, *(t.bfloat16() for t in (q, k, v, go)))
+    ref = reference_with_grads(batch, q, k, v, go)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        err = (a.double() - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
+        assert err < 0.05, f"{name}: relative error {err:.3f}"
+
+
+def test_priced_per_cp_group_as_the_static_configuration():
+    batch = BatchSpec([30000, 9000, 7000, 5000, 3000, 2000, 1000, 500], Causal(), n_heads=8, n_kv_heads=2,
+                      head_dim=128, dtype="bfloat16")
+    topo = Topology.preset("h100", n_nodes=2)
+    cm = torch_dcp.CostModel.load("h100-executor")
+    static = static_cp_seconds("allgather", batch, topo, cm)
+    assert sorted(static) == cp_sizes("allgather", batch, topo) == [8, 16]
+    for c, want in static.items():
+        got = simulate(divide(plan_allgather(batch, topo, cp_size=c), topo, 4), cm).makespan_s
+        assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_among_dcp_candidates_and_chosen_where_fastest():
+    # a corpus-like causal batch on 2 x 8 H100s: all-gather CP on its runtime at some CP size is
+    # among the candidates, always simulated, and the plan returned is never slower than it
+    batch = BatchSpec([6000, 5000, 4000] + [700] * 20, Causal(), n_heads=8, n_kv_heads=2, head_dim=128,
+                      dtype="bfloat16")
+    topo = Topology.preset("h100", n_nodes=2)
+    plan = torch_dcp.plan(batch, topo, cost_model="h100-executor")
+    times = dict(plan.candidates)
+    static = [label for label in times if label.startswith("dcp:allgather/cp")]
+    assert static and all(np.isfinite(times[label]) for label in static)
+    best = simulate(plan).makespan_s
+    assert best <= min(times[label] for label in static) * (1 + 1e-9)
+    assert group_sizes(plan) == [8, 16]
+
+
+# ---------------------------------------------------------------------- gloo
+def _gloo_worker(rank: int, world: int, mesh) -> None:
+    for mask, cp in ((None, 2), (Lambda(sink=3, window=9), None)):
+        batch = BatchSpec([1, 19, 50, 6, 33, 2], mask, n_heads=8, n_kv_heads=2, head_dim=16, dtype="float32")
+        plan = _plan(batch, world, cp)
+        q, k, v, go = random_qkv(batch, torch.float32, seed=2)
+        ref = reference_with_grads(batch, q.double(), k.double(), v.double(), go.double())
+        errs = context_step_errors(mesh, batch, rank, q, k, v, go, ref, plan=plan)
+        assert max(errs.values()) <= 1e-5, f"rank {rank} cp {cp}: {errs}"
+
+
+def test_gloo_context_parallel_exact(tmp_path):
+    run_ranks(_gloo_worker, 4, tmp_path)
+
+
+def _stalled_worker(rank: int, world: int, mesh) -> None:
+    batch = BatchSpec([40, 24], Causal(), n_heads=4, n_kv_heads=2, head_dim=16, dtype="float32")
+    plan = _plan(batch, world, None)
+    transport = torch_dcp.executor.TorchDistributedTransport(None, timeout=datetime.timedelta(seconds=3))
+    ex = AllGatherExecutor(plan, rank, transport)
+    n = plan.local_tokens(rank)
+    q, k, v = torch.randn(n, 4, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16)
+    if rank == 1:  # never joins the all-gather
+        time.sleep(6)
+        return
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeoutError, match="all-gather"):
+        ex.forward(q, k, v)
+    assert time.monotonic() - t0 < 3 + 5
+
+
+def test_a_stalled_peer_times_out_on_every_waiting_rank(tmp_path):
+    run_ranks(_stalled_worker, 3, tmp_path, barrier=False)
