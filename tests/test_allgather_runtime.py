@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import time
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -105,11 +104,12 @@ def test_among_dcp_candidates_and_chosen_where_fastest():
                       dtype="bfloat16")
     topo = Topology.preset("h100", n_nodes=2)
     plan = torch_dcp.plan(batch, topo, cost_model="h100-executor")
-    times = dict(plan.candidates)
-    static = [label for label in times if label.startswith("dcp:allgather/cp")]
-    assert static and all(np.isfinite(times[label]) for label in static)
+    static = [label for label, _ in plan.candidates if label.startswith("dcp:allgather/cp")]
+    assert static == ["dcp:allgather/cp8", "dcp:allgather/cp16"]
     best = simulate(plan).makespan_s
-    assert best <= min(times[label] for label in static) * (1 + 1e-9)
+    for c in (8, 16):  # simulated, or skipped because its floor lies above a faster candidate
+        assert best <= simulate(divide(plan_allgather(batch, topo, cp_size=c), topo, 4), plan.cost_model_object
+                                ).makespan_s * (1 + 1e-9)
     assert group_sizes(plan) == [8, 16]
 
 

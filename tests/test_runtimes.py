@@ -128,13 +128,13 @@ def test_simulate_uses_the_model_the_plan_was_made_with():
     assert simulate(ring).makespan_s == simulate(ring, "h100").makespan_s != simulate(ring, "a100").makespan_s
 
 
-def test_full_mask_allgather_computes_each_half_once():
+def test_full_mask_allgather_computes_its_queries_in_one_call():
     batch = BatchSpec([4096], Full(), n_heads=8, n_kv_heads=2, head_dim=128, dtype="bfloat16")
     plan = torch_dcp.plan(batch, Topology(n_nodes=1, ranks_per_node=2), planner="allgather")
     cm = CostModel.a100()
     _, scatter, compute = allgather_pass_seconds(plan, cm, False)
-    assert scatter == 0
-    # each rank: two query halves of 1024 rows against all 4096 keys, one call each
-    pairs = 1024.0 * 4096
+    assert not scatter.any()
+    # each rank: its two query halves (2048 rows) against all 4096 keys, one call
+    pairs = 2048.0 * 4096
     one = cm.attention_seconds(pairs * 8, pairs * 4 * 8 * 128, False, False, 128, "bfloat16")
-    assert np.allclose(compute, 2 * one)
+    assert np.allclose(compute, one)

@@ -13,6 +13,7 @@ import numpy as np
 from .batch import BatchSpec
 from .plan import Plan
 from .plan.heads import HeadLayout, HeadParallelPlan, head_parallel_sizes
+from .planners.dcp import DEFAULT_RIVALS
 from .planners import CANDIDATES, HEAD_PLANNERS, Placement, Routing, Runtime, get_planner
 from .schedule import assign_divisions, mixes_nodes
 from .topology import Topology
@@ -301,7 +302,7 @@ def _plans_at(batch: BatchSpec, topology: Topology, planner: str, n: int, block_
     if offer and n > 1 and "shortlist" not in options:
         options = {**options, "shortlist": HEAD_PARALLEL_SHORTLIST}
     if offer and n > 1:  # a static runtime runs whole plans, not a head group's outer plan
-        options = {**options, "static_runtimes": False}
+        options = {**options, "rivals": tuple(r for r in options.get("rivals", DEFAULT_RIVALS) if r != "static")}
     placements = offer(ob, ot, block_size, **options) if offer else [get_planner(planner)(ob, ot, block_size, **options)]
     if relabel:
         placements = [dataclasses.replace(p, planner=relabel) for p in placements]

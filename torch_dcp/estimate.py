@@ -34,6 +34,7 @@ from .cost import CostModel
 from .plan import Plan
 from .plan.heads import HeadParallelPlan
 from .floors import division_launch_seconds
+from .planners.base import Runtime
 from .workload import Buf, item_token_bytes
 
 __all__ = ["estimate_seconds", "pass_estimate_seconds"]
@@ -42,7 +43,8 @@ __all__ = ["estimate_seconds", "pass_estimate_seconds"]
 def estimate_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None) -> float:
     """Estimated forward + backward time of ``plan`` (seconds; see the module docstring), a
     head-parallel plan's as its outer plan's plus its all-to-alls (as :func:`simulate` adds
-    them).
+    them), a plan on the all-gather runtime's as its closed form
+    (:func:`torch_dcp.runtimes.simulate_allgather`).
 
     Args:
         plan: a :class:`Plan` or :class:`~torch_dcp.plan.heads.HeadParallelPlan`.
@@ -51,6 +53,10 @@ def estimate_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None
     cm = cost_model or CostModel.a100()
     if isinstance(plan, HeadParallelPlan):
         return estimate_seconds(plan.outer, cm) + sum(plan.all_to_all_seconds(bw) for bw in (False, True))
+    if plan.placement.runtime is Runtime.ALLGATHER:  # its closed form is the estimate
+        from .runtimes import simulate_allgather
+
+        return simulate_allgather(plan, cm).makespan_s
     return sum(pass_estimate_seconds(plan, cm, backward) for backward in (False, True))
 
 

@@ -24,12 +24,14 @@ def link_floor_seconds(plan: Plan, backward: bool | None = None) -> float:
     sender's outgoing and the receiver's incoming NVLink port (inside a node) or rail (between
     nodes) for ``bytes / bandwidth``; the floor is the largest total over ports and rails. No
     schedule of the plan is shorter (the simulator runs one transfer at a time per port and
-    rail).
+    rail). 0 for a plan on the all-gather runtime (its collectives move no route's transfers).
 
     Args:
         backward: ``None`` (default): both passes' transfers together; ``False`` / ``True``:
             the forward's or the backward's only.
     """
+    if plan.placement.runtime is Runtime.ALLGATHER:  # collectives, priced in closed form: no route's transfers
+        return 0.0
     src, dst, nbytes, forward = plan.transfers()
     if backward is not None:
         keep = forward != backward
@@ -60,9 +62,12 @@ def division_launch_seconds(plan: Plan, cost_model: CostModel | None = None, bac
     """Seconds of every rank's attention launch in every division of one pass, as
     :func:`torch_dcp.simulate.simulate` times them (a division's tiles' FLOPs at the throughput of its work per
     launch, plus the launch overhead; 0 for a division without tiles): float64
-    ``[world_size, divisions]``."""
+    ``[world_size, divisions]`` (``[world_size, 1]`` on the all-gather runtime: one launch per rank)."""
     cm = cost_model or CostModel.a100()
     wl, w, t = plan.workload, plan.world_size, plan.divisions
+    if plan.placement.runtime is Runtime.ALLGATHER:  # one launch per rank: [W, 1]
+        return cm.launch_seconds(wl, np.arange(wl.n_tiles), plan.placement.tile_rank.astype(np.int64), w,
+                                 backward).reshape(w, 1)
     cell = plan.placement.tile_rank.astype(np.int64) * t + np.asarray(plan.tile_division, np.int64)
     return cm.launch_seconds(wl, np.arange(wl.n_tiles), cell, w * t, backward).reshape(w, t)
 
@@ -88,12 +93,9 @@ def floor_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = 
     (:func:`torch_dcp.plan`). Each pass: the larger of :func:`kernel_floor_seconds` and
     :func:`link_floor_seconds`, so at least ``max(compute_floor_seconds, link_floor_seconds)``:
     a pass bound by its links and another by its compute add up. A head-parallel plan: its
-    outer plan's floor plus its all-to-alls. A plan on the all-gather runtime (collectives, not
-    its routes' transfers; one launch per pass, not one per division): its compute floor."""
+    outer plan's floor plus its all-to-alls."""
     if isinstance(plan, HeadParallelPlan):
         return floor_seconds(plan.outer, cost_model) + sum(plan.all_to_all_seconds(bw) for bw in (False, True))
-    if plan.placement.runtime is Runtime.ALLGATHER:
-        return compute_floor_seconds(plan, cost_model)
     return sum(max(kernel_floor_seconds(plan, cost_model, backward), link_floor_seconds(plan, backward))
                for backward in (False, True))
 

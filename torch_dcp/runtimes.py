@@ -177,8 +177,10 @@ def simulate_allgather(plan: Plan, cm: CostModel, bound: float = float("inf")) -
         events = [[("all-gather", 0.0, float(g)), ("attention", float(g), float(f))]
                   + ([("reduce-scatter", float(e - s), float(e))] if s else []) for g, f, s, e in
                   zip(gather, finish, scatter, group_end)]
-        passes.append(PassResult(span, compute.copy(), gather + scatter, group_end - finish - scatter,
-                                 np.full(w, span), events))
+        # a rank ends with its attention, or (backward) with its group's reduce-scatter, which
+        # waits for the group's slowest rank: the wait is exposed communication
+        done = group_end if backward else finish
+        passes.append(PassResult(span, compute.copy(), done - compute, span - done, done, events))
     ideal = float(sum(p.busy_s.sum() for p in passes)) / w
     return SimResult(passes[0], passes[1], passes[0].makespan_s + passes[1].makespan_s, ideal)
 

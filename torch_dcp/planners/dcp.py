@@ -75,11 +75,14 @@ from .ring import plan_ring
 #: planners whose placements dcp's time objective also offers (:func:`dcp_candidates`)
 _RIVALS = {"ring": plan_ring, "megatron": plan_megatron, "allgather": plan_allgather, "documents": plan_documents}
 
-__all__ = ["plan_dcp", "dcp_candidates", "DCPHypergraph", "estimate_seconds", "zigzag_tiles_bound", "RIVAL_TILE_BUDGET",
+__all__ = ["plan_dcp", "dcp_candidates", "DEFAULT_RIVALS", "DCPHypergraph", "estimate_seconds", "zigzag_tiles_bound", "RIVAL_TILE_BUDGET",
            "CONTIGUOUS_NODES"]
 
 #: compute bounds (max/mean - 1) of the extra greedy layouts the time objective starts from
 _GREEDY_BOUNDS = (0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
+
+#: the rivals :func:`dcp_candidates` offers when not told otherwise
+DEFAULT_RIVALS = ("ring", "megatron", "allgather", "documents", "static")
 
 #: rivals laid out zig-zag (every document cut into ``2W`` chunks), and the most tiles such a
 #: rival may hold to be built among the candidates (:func:`zigzag_tiles_bound`): ring attention
@@ -252,8 +255,7 @@ def dcp_candidates(
     flops_per_second: float = 1.6e14,
     node_routes: bool = True,
     shortlist: int | None = None,
-    rivals: tuple[str, ...] = ("ring", "megatron", "allgather", "documents"),
-    static_runtimes: bool = True,
+    rivals: tuple[str, ...] = DEFAULT_RIVALS,
 ) -> list[Placement]:
     """DCP hypergraph placements, best first (see module docstring).
 
@@ -288,13 +290,12 @@ def dcp_candidates(
             times every candidate with the simulator and keeps the fastest, so dcp's plan is
             never slower than theirs as torch_dcp's executor runs them (on the simulator's cost
             model; their own implementations: ``benchmarks compare``).
-        static_runtimes: with ``"time"``, also all-gather CP run as its authors run it
-            (``Runtime.ALLGATHER``, :class:`~torch_dcp.executor.allgather.AllGatherExecutor`)
-            at every CP size a user could pick (:func:`~torch_dcp.planners.static.cp_sizes`,
-            whole documents split over the CP groups), labelled ``"dcp:allgather/cpC"``,
-            under the same memory and tile bounds as the rivals: so the plan
-            :func:`torch_dcp.plan` keeps is never slower on the simulator than that static
-            configuration.
+            ``"static"``: all-gather CP run as its authors run it (``Runtime.ALLGATHER``,
+            :class:`~torch_dcp.executor.allgather.AllGatherExecutor`) at every CP size a user
+            could pick (:func:`~torch_dcp.planners.static.cp_sizes`, whole documents split over
+            the CP groups), labelled ``"dcp:allgather/cpC"``, under the same memory and tile
+            bounds: so the plan :func:`torch_dcp.plan` keeps is never slower on the simulator
+            than that static configuration.
 
     Returns:
         Placements (at least one), the planner's own best first.
@@ -316,9 +317,9 @@ def dcp_candidates(
     if shortlist is not None and (isinstance(shortlist, bool) or not isinstance(shortlist, (int, np.integer))
                                   or shortlist < 1):
         raise ValueError(f"shortlist must be None or an integer >= 1, got {shortlist!r}")
-    unknown = [r for r in rivals if r not in _RIVALS]
+    unknown = [r for r in rivals if r not in _RIVALS and r != "static"]
     if unknown:
-        raise ValueError(f"rivals must be among {sorted(_RIVALS)}, got {unknown}")
+        raise ValueError(f"rivals must be among {sorted(_RIVALS) + ['static']}, got {unknown}")
     wl = Workload.uniform(batch, block_size)
     hg = DCPHypergraph(wl)
     w = topology.world_size
@@ -412,7 +413,7 @@ def dcp_candidates(
     out = [Placement(wl, w, p[blocks], p[tiles], planner=bytes_label if np.array_equal(p, fewest) else "dcp",
                      routing=routing) for p in chosen]
     if objective == "time":
-        for name in rivals:
+        for name in (r for r in rivals if r != "static"):
             if name in _ZIGZAG_RIVALS and zigzag_tiles_bound(batch, w) > RIVAL_TILE_BUDGET:
                 continue  # ring / all-gather CP at hundreds of ranks: a plan of minutes and GBs
             rival = megatron if name == "megatron" else _RIVALS[name](batch, topology, block_size)
@@ -420,14 +421,14 @@ def dcp_candidates(
             if tokens.max() <= (1.0 + eps_memory) * tokens.mean():
                 # run by torch_dcp's executor, not by the rival's own implementation
                 out.append(dataclasses.replace(rival, planner=f"dcp:{name}", runtime=Runtime.EXECUTOR))
-        if static_runtimes:
+        if "static" in rivals:
             out += _static_runtimes(batch, topology, eps_memory)
     return out
 
 
 def _static_runtimes(batch: BatchSpec, topology: Topology, eps_memory: float) -> list[Placement]:
-    """All-gather CP on its own runtime at every CP size a user could pick (see
-    :func:`dcp_candidates`' ``static_runtimes``)."""
+    """All-gather CP on its own runtime at every CP size a user could pick (the ``"static"``
+    rival of :func:`dcp_candidates`)."""
     from .static import cp_sizes
 
     out = []
