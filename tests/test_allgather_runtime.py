@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch_dcp
 from torch_dcp import BatchSpec, Causal, Lambda, Topology
 from torch_dcp.plan import load_plan
+from torch_dcp.plan.heads import HeadLayout, HeadParallelPlan
 from torch_dcp.api import divide
 from torch_dcp.benchmarks.static_cp import static_cp_seconds
 from torch_dcp.executor import InProcessTransport, Mailbox, TransferTimeoutError, make_executor
@@ -53,6 +54,21 @@ def test_a_cp_group_without_documents_and_a_rank_without_tokens():
         plan = _plan(batch, world, cp, divisions=1)
         assert min(plan.local_tokens(r) for r in range(world)) == 0
         _check(plan, batch)
+
+
+@pytest.mark.parametrize("mask", ["causal", "lambda", "ranges"])
+@pytest.mark.parametrize("nodes,rpn,n,cp", [(2, 4, 4, 1), (2, 4, 4, 2), (1, 4, 2, 1), (2, 2, 2, 2)])
+def test_exact_as_the_outer_plan_of_head_parallelism(mask, nodes, rpn, n, cp):
+    # Ulysses' shape (head groups trading heads, each rank one attention call over its group's
+    # documents: CP groups of one outer rank) and all-gather across the head groups
+    batch = _batch(mask, "gqa8/2-d32")
+    topo = Topology(n_nodes=nodes, ranks_per_node=rpn)
+    lay = HeadLayout.of(batch, n)
+    ob, ot = lay.outer_batch(batch), lay.outer_topology(topo)
+    plan = HeadParallelPlan(divide(plan_allgather(ob, ot, cp_size=cp), ot, 1), batch, topo, n, f"allgather/hp{n}")
+    ex = make_executor(plan, 0, InProcessTransport(Mailbox(), 0))
+    assert isinstance(ex.outer, AllGatherExecutor)
+    _check(plan, batch)
 
 
 def test_runs_on_its_own_executor_with_collectives_only():
@@ -105,7 +121,8 @@ def test_among_dcp_candidates_and_chosen_where_fastest():
     topo = Topology.preset("h100", n_nodes=2)
     plan = torch_dcp.plan(batch, topo, cost_model="h100-executor")
     static = [label for label, _ in plan.candidates if label.startswith("dcp:allgather/cp")]
-    assert static == ["dcp:allgather/cp8", "dcp:allgather/cp16"]
+    assert static[:2] == ["dcp:allgather/cp8", "dcp:allgather/cp16"]
+    assert "dcp:allgather/cp1/hp8" in static  # Ulysses' shape, one node per head group
     best = simulate(plan).makespan_s
     for c in (8, 16):  # simulated, or skipped because its floor lies above a faster candidate
         assert best <= simulate(divide(plan_allgather(batch, topo, cp_size=c), topo, 4), plan.cost_model_object

@@ -60,7 +60,7 @@ def _planned(dcp: list[dict], ref: list[dict]) -> list[dict]:
 # and resumes; the others replicate them (DDP)
 SHORT = {3: ["--max-doc-len", "200", "--max-length", "200"], 4: ["--max-doc-len", "128", "--max-length", "128"],
          5: ["--max-doc-len", "300", "--max-length", "300"]}
-CASES = [(3, 1, "sft", "qwen2", SHORT[3], ["--plan-workers", "1"]),
+CASES = [(3, 1, "sft", "qwen2", SHORT[3], ["--plan-workers", "1", "--planner", "greedy"]),
          (4, 2, "sft", "qwen2", SHORT[4], ["--fsdp", "--save-steps", "2", "--resume-check", "--planner", "greedy"]),
          (5, 1, "sft", "qwen2", SHORT[5], []),
          (2, 1, "hf", "llama", [], []), pytest.param(4, 2, "hf", "qwen2", [], [], marks=pytest.mark.slow)]
@@ -96,8 +96,10 @@ def test_trainer_matches_one_process(world, shards, trainer, model, shape, extra
     dcp = _planned(dcp, ref)
     for row in dcp:
         assert 0 <= row["dcp_bytes_vs_ring"] < 1.0 or shape  # documents kept whole move less than ring attention
-    if shape:  # a rank held no tokens in some micro-batch of every step
-        assert all(row["dcp_empty_ranks"] > 0 for row in dcp), dcp
+    if shape:  # a rank held no tokens in some micro-batch of every step (unless dcp ran the step as
+        # all-gather CP on its own runtime, which spreads every document over its CP group)
+        assert all(row["dcp_empty_ranks"] > 0 or row["dcp_static_runtime"] == 1 for row in dcp), dcp
+        assert any(row["dcp_empty_ranks"] > 0 for row in dcp) or "--planner" not in extra, dcp
     if saving:
         _check_saved(tmp_path, dcp, resumed)
 

@@ -13,7 +13,6 @@ import numpy as np
 from .batch import BatchSpec
 from .plan import Plan
 from .plan.heads import HeadLayout, HeadParallelPlan, head_parallel_sizes
-from .planners.dcp import DEFAULT_RIVALS
 from .planners import CANDIDATES, HEAD_PLANNERS, Placement, Routing, Runtime, get_planner
 from .schedule import assign_divisions, mixes_nodes
 from .topology import Topology
@@ -250,13 +249,15 @@ def _head_parallel(p: "Plan | HeadParallelPlan") -> int:
 def _rival(p: "Plan | HeadParallelPlan", widest: int) -> bool:
     """Whether ``p`` is a rival's plan that :func:`_fastest` always simulates: at ``N = 1``
     every labelled one (``"dcp:ring"``, ``"dcp:allgather"``, ``"dcp:megatron"``,
-    ``"dcp:documents"``, ``"dcp:bytes"``), and at the widest head parallelism tried ring
+    ``"dcp:documents"``, ``"dcp:bytes"``), all-gather CP on its runtime at every ``N``
+    (``"dcp:allgather/cpC"``, a closed form), and at the widest head parallelism tried ring
     attention (HCP; Ulysses on one node) and whole documents per head group (Ulysses at that CP
     size with data parallelism across the groups). The rivals' plans at the other ``N`` compete
     by estimate like dcp's own."""
     n = _head_parallel(p)
     widest_rival = p.planner.startswith(("dcp:ring", "dcp:documents"))
-    return ":" in p.planner and (n == 1 or (n == widest and widest_rival))
+    static = p.planner.startswith("dcp:allgather/cp")  # a closed form: simulated at every N
+    return ":" in p.planner and (n == 1 or static or (n == widest and widest_rival))
 
 
 def _head_sizes(batch: BatchSpec, topology: Topology, planner: str, head_parallel: Any,
@@ -301,8 +302,6 @@ def _plans_at(batch: BatchSpec, topology: Topology, planner: str, n: int, block_
     offer = CANDIDATES.get(planner)
     if offer and n > 1 and "shortlist" not in options:
         options = {**options, "shortlist": HEAD_PARALLEL_SHORTLIST}
-    if offer and n > 1:  # a static runtime runs whole plans, not a head group's outer plan
-        options = {**options, "rivals": tuple(r for r in options.get("rivals", DEFAULT_RIVALS) if r != "static")}
     placements = offer(ob, ot, block_size, **options) if offer else [get_planner(planner)(ob, ot, block_size, **options)]
     if relabel:
         placements = [dataclasses.replace(p, planner=relabel) for p in placements]

@@ -41,6 +41,7 @@ import torch
 from ..batch import BatchSpec
 from ..executor.device_plan import DevicePlan
 from ..executor.kernels import DivisionKernel, get_kernel
+from ..executor.make import RUNTIME_EXECUTORS
 from ..plan import Plan, PlanError, load_plan
 from .plan_store import PlanningError, PlanningTimeoutError, PlanStore, decode_record, encode_error
 from .plan_worker import PlanningConfig, _worker_job, failure_cause, plan_batch, planning_pool
@@ -418,7 +419,8 @@ class PlanningLoader(Generic[T]):
 
     def _device_plan(self, plan: Plan) -> tuple[DevicePlan | None, float]:
         """This rank's device plan of ``plan``, uploaded to the loader's device, and the seconds it took."""
-        if not self.device_plans or self.device is None:
+        own = plan.attention_part(self.rank)[0].placement.runtime in RUNTIME_EXECUTORS  # builds its own metadata
+        if not self.device_plans or self.device is None or own:
             return None, 0.0
         t0 = time.perf_counter()
         b = plan.batch

@@ -23,6 +23,7 @@ import torch
 
 from ..plan.heads import HeadParallelPlan
 from ..planners.base import Runtime
+from .allgather import AllGatherExecutor
 from .executor import RankExecutor, _drain, dcp_attention
 from .transport import Message, Transport, TransferError, located
 
@@ -38,10 +39,11 @@ A2A_NAMES = {phase: f"{'backward' if backward else 'forward'} pass, head all-to-
 
 class _InnerTransport(Transport):
     """The outer plan's transport of inner index ``inner``: outer rank ``g`` is rank
-    ``g * N + inner`` of the DCP group."""
+    ``g * N + inner`` of the DCP group (collectives as point-to-point messages on it,
+    :meth:`Transport.all_gather`)."""
 
-    def __init__(self, base: Transport, n: int, inner: int, outer_world: int):
-        self.base, self.n, self.inner, self.world_size = base, n, inner, outer_world
+    def __init__(self, base: Transport, n: int, inner: int, outer_world: int, outer_rank: int):
+        self.base, self.n, self.inner, self.world_size, self.rank = base, n, inner, outer_world, outer_rank
 
     def _map(self, msgs: Sequence[Message]) -> list[Message]:
         return [(peer * self.n + self.inner, tag, t) for peer, tag, t in msgs]
@@ -92,17 +94,17 @@ class HeadParallelExecutor:
         group_size = getattr(transport, "world_size", None)
         if group_size is not None and group_size != plan.world_size:
             raise ValueError(f"the plan is for {plan.world_size} ranks, the transport's group has {group_size}")
-        if plan.outer.placement.runtime is Runtime.ALLGATHER:
-            raise ValueError("HeadParallelExecutor: the outer plan runs on the all-gather runtime, which runs whole "
-                             "plans only")
         self.plan, self.rank, self.transport = plan, int(rank), transport
         self.group, self.inner = plan.group_of(rank)
         lay = plan.layout
         self.n = lay.size
         self.members = [self.group * self.n + j for j in range(self.n)]
-        self.outer = RankExecutor(plan.outer, self.group, _InnerTransport(transport, self.n, self.inner,
-                                                                          plan.outer.world_size),
-                                  kernel=kernel, scale=scale, timings=timings, device_plan=device_plan)
+        # the outer plan on its runtime: the general executor, or all-gather CP's (Ulysses' one
+        # attention call per rank where every outer rank keeps its documents: CP groups of 1)
+        outer = AllGatherExecutor if plan.outer.placement.runtime is Runtime.ALLGATHER else RankExecutor
+        self.outer = outer(plan.outer, self.group, _InnerTransport(transport, self.n, self.inner, plan.outer.world_size,
+                                                                   self.group),
+                           kernel=kernel, scale=scale, timings=timings, device_plan=device_plan)
         self.chunks = lay.chunks(plan.outer.local_tokens(self.group))
         self.local_rows = int(self.chunks[self.inner + 1] - self.chunks[self.inner])
         self.scale = self.outer.scale

@@ -65,6 +65,7 @@ import torch_dcp
 from torch_dcp.data.plan_store import decode_record
 from torch_dcp.data.plan_worker import PlanningConfig, _worker_job, plan_batch, planning_pool
 from torch_dcp.plan import load_plan
+from torch_dcp.planners import Runtime
 
 from . import hf, hf_saving
 
@@ -501,7 +502,9 @@ def _plan_figures(header: dict[str, Any], plan: Any) -> dict[str, float]:
     stats = header["stats"]
     out = {"comm_bytes": float(stats["comm_bytes"]), "compute_imbalance": float(stats["compute_imbalance"]),
            "plan_seconds": float(header["plan_seconds"]),
-           "empty_ranks": float(sum(plan.local_tokens(r) == 0 for r in range(plan.world_size)))}
+           "empty_ranks": float(sum(plan.local_tokens(r) == 0 for r in range(plan.world_size))),
+           # 1: the step ran as a static CP configuration on its own runtime (dcp's candidate)
+           "static_runtime": float(plan.attention_part(0)[0].placement.runtime is not Runtime.EXECUTOR)}
     ring = header.get("compare", {}).get("ring", {})
     if ring.get("comm_bytes"):
         out["bytes_vs_ring"] = stats["comm_bytes"] / ring["comm_bytes"]

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..batch import BatchSpec
-from ..planners.base import Placement
+from ..planners.base import Placement, Runtime
 from ..topology import Topology
 from ..workload import Buf, Workload
 from .compiler import compile_program
@@ -186,8 +186,13 @@ class Plan:
         """Every block transfer of the plan, forward and backward.
 
         Returns ``(src, dst, nbytes, forward)``: int64 ranks, float64 bytes and a bool
-        forward flag, one entry per (fetched or returned block, rank pair, pass).
+        forward flag, one entry per (fetched or returned block, rank pair, pass). A plan on the
+        all-gather runtime moves no blocks of its own: its collectives' bytes as NCCL's ring
+        algorithm moves them, one entry per (rank, its successor in its CP group's ring,
+        collective): ``G - 1`` shards of the group's largest rank (:func:`_ring_collectives`).
         """
+        if self.placement.runtime is Runtime.ALLGATHER:
+            return _ring_collectives(self)
         wl, t = self.workload, self.tables
         itb = self.placement.token_bytes()
         src, dst, nbytes, fwd = [], [], [], []
@@ -296,4 +301,21 @@ class Plan:
         return (f"Plan(planner={self.planner!r}, world_size={self.world_size}, divisions={self.divisions}, "
                 f"n_blocks={self.workload.n_blocks}, n_tiles={self.workload.n_tiles})")
 
+
+def _ring_collectives(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:meth:`Plan.transfers` of a plan on the all-gather runtime: per CP group of ``G`` ranks
+    (shards of ``R`` rows, its largest rank's), the forward's all-gather of K/V and the
+    backward's all-gather and reduce-scatter of dK/dV (K/V dtype), each sending ``(G - 1) R``
+    rows from every rank to the next in the group's ring (NCCL's ring algorithm)."""
+    pl, w = plan.placement, plan.world_size
+    c = pl.cp_size or w
+    itb = pl.token_bytes()
+    rows = np.repeat(pl.rank_tokens().reshape(w // c, c).max(axis=1), c).astype(np.float64)
+    ranks = np.arange(w)
+    succ = ranks // c * c + (ranks % c + 1) % c
+    keep = (rows > 0) & (c > 1)
+    src, dst, rows = ranks[keep], succ[keep], rows[keep] * (c - 1)
+    per_row = ((False, itb[(False, Buf.KV)]), (True, itb[(True, Buf.KV)]), (True, itb[(True, Buf.DKV)]))
+    return (np.tile(src, 3).astype(np.int64), np.tile(dst, 3).astype(np.int64),
+            np.concatenate([rows * b for _, b in per_row]), np.repeat([not bw for bw, _ in per_row], len(src)))
 
