@@ -22,7 +22,7 @@ from torch_dcp.planners import Runtime, plan_allgather
 from torch_dcp.planners.static import cp_sizes
 from torch_dcp.runtimes import on_executor
 from torch_dcp.simulate import simulate
-from reference import context_step_errors, random_qkv, reference_with_grads
+from reference import context_step_errors, random_qkv, reference_attention, reference_with_grads
 from spawn import run_ranks
 from test_exact import DOC_LENS, HEADS, MASKS, _batch, _check
 
@@ -139,6 +139,28 @@ def _gloo_worker(rank: int, world: int, mesh) -> None:
         ref = reference_with_grads(batch, q.double(), k.double(), v.double(), go.double())
         errs = context_step_errors(mesh, batch, rank, q, k, v, go, ref, plan=plan)
         assert max(errs.values()) <= 1e-5, f"rank {rank} cp {cp}: {errs}"
+
+
+    # B > 1: the rank's tokens in two rows of one SDPA call ([B, H, S_local / B, D])
+    batch = BatchSpec([8, 12, 4, 8], Causal(), n_heads=2, n_kv_heads=2, head_dim=4, dtype="float64")
+    plan = _plan(batch, world, 2)
+    q, k, v = (torch.randn(1, 2, 32, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(s))
+               for s in range(3))
+    with torch_dcp.context_parallel(mesh, plan=plan) as ctx:
+        idx = torch.from_numpy(ctx.plan.token_indices(rank))
+        n = len(idx)
+        ql, kl, vl = (t[:, :, idx].clone().requires_grad_(True) for t in (q, k, v))
+        b = 2 if n % 2 == 0 and n else 1
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *(t[0].unflatten(1, (b, n // b)).transpose(0, 1) for t in (ql, kl, vl)), is_causal=True)
+        out.square().sum().backward()
+    qg, kg, vg = (t[0].transpose(0, 1).clone().requires_grad_(True) for t in (q, k, v))
+    ref = reference_attention(batch, qg, kg, vg)
+    ref.square().sum().backward()
+    got = out.detach().transpose(0, 1).flatten(1, 2).transpose(0, 1)
+    assert torch.allclose(got, ref.detach()[idx], atol=1e-10)
+    for grad, want in ((ql.grad, qg.grad), (kl.grad, kg.grad), (vl.grad, vg.grad)):
+        assert torch.allclose(grad[0].transpose(0, 1), want[idx], atol=1e-10)
 
 
 def test_gloo_context_parallel_exact(tmp_path):

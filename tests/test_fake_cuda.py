@@ -141,6 +141,26 @@ def test_emulate_forward_backward(kernel, mask, dtype, world):
         assert seen[MERGE]  # the long document's partials from several ranks, merged by the Triton op
 
 
+@pytest.mark.parametrize("mask,n", [("causal", 1), ("lambda", 1), ("causal", 2)])
+def test_allgather_runtime_on_the_cuda_path(mask, n):
+    """All-gather CP on its own runtime (CP groups of 2 of 4 ranks; as the outer plan of 2-way
+    head parallelism): one attention call per rank and pass, no host read of device data."""
+    from torch_dcp.api import divide
+    from torch_dcp.plan.heads import HeadLayout, HeadParallelPlan
+    from torch_dcp.planners import plan_allgather
+
+    batch = BatchSpec(list(LENS), MASKS[mask], n_heads=H, n_kv_heads=HKV, head_dim=D, dtype="bfloat16")
+    topo = Topology(n_nodes=1, ranks_per_node=4)
+    lay = HeadLayout.of(batch, n)
+    ob, ot = lay.outer_batch(batch), lay.outer_topology(topo)
+    plan = divide(plan_allgather(ob, ot, cp_size=2 if n == 1 else 1), ot, 1)
+    plan = plan if n == 1 else HeadParallelPlan(plan, batch, topo, n, "allgather/cp1/hp2")
+    _, seen = _dry_run(plan, None, torch.bfloat16)
+    calls = seen[FLASH] + seen["flex_attention"]
+    assert calls == 4  # one forward call per rank
+    assert seen[MERGE] == 0  # every query's tiles on its rank: nothing to merge
+
+
 def test_emulate_4x8_with_head_parallelism():
     """A 4 x 8 plan (dcp's default: head parallelism chosen by simulation), every rank emulated:
     all-to-alls, outer plan and kernels on CUDA with no host read."""

@@ -12,7 +12,7 @@ from torch_dcp import BatchSpec, Causal, Full, Lambda, Topology
 from torch_dcp.cost import CostModel
 from torch_dcp.plan import CommLaunch, Plan, PlanError
 from torch_dcp.plan.routes import check_routes, direct_routes
-from torch_dcp.planners import Routing
+from torch_dcp.planners import Routing, Runtime
 from torch_dcp.simulate import ring_step_seconds, simulate
 from torch_dcp.workload import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, Buf, item_token_bytes
 
@@ -151,7 +151,7 @@ def test_node_routes_spread_gateways_and_reducers_over_rails():
     batch = _batch([4096], Full())
     topo = Topology(n_nodes=2, ranks_per_node=4, nics_per_node=4)
     ag = torch_dcp.plan(batch, topo, planner="allgather", block_size=128, divisions=2)
-    plan = divide(dataclasses.replace(ag.placement, routing=Routing.NODE), topo, 2)
+    plan = divide(dataclasses.replace(ag.placement, routing=Routing.NODE, runtime=Runtime.EXECUTOR), topo, 2)
     plan.validate()
     t = plan.tables
     assert (t["fetch_src"] != plan.placement.block_rank[t["fetch_block"]]).any()  # relays

@@ -92,7 +92,8 @@ def test_timed_plans_also_time_a_node_first_schedule():
     # fastest of all it timed
     topo = torch_dcp.Topology(n_nodes=2, ranks_per_node=4)
     batch = BatchSpec([24000, 3000, 2000, 1500, 1000, 500], Causal(), n_heads=8, n_kv_heads=2, head_dim=64)
-    plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=512, head_parallel=1, cost_model="a100")
+    own = ("ring", "megatron", "allgather", "documents")  # dcp's own placements win: no static runtime
+    plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=512, head_parallel=1, cost_model="a100", rivals=own)
     labels = [name for name, _ in plan.candidates]
     assert any(label.endswith("(node first, T=6)") for label in labels), labels
     assert labels[-1].endswith("(local tail)")
@@ -101,6 +102,6 @@ def test_timed_plans_also_time_a_node_first_schedule():
     assert plan.divisions == 6 and np.array_equal(plan.tile_division,
                                                   assign_divisions(plan.placement, 6, topo, node_first=True))
     # divisions given: node first at that T, not more
-    fixed = torch_dcp.plan(batch, topo, planner="dcp", block_size=512, head_parallel=1, divisions=4)
+    fixed = torch_dcp.plan(batch, topo, planner="dcp", block_size=512, head_parallel=1, divisions=4, rivals=own)
     assert any(label.endswith("(node first, T=4)") for label, _ in fixed.candidates)
     assert fixed.divisions == 4

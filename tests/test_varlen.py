@@ -146,7 +146,8 @@ def test_varlen_left_window_longer_query_segment_exact():
     # lambda output off by 0.1 in bf16); the CPU path applies flash's own window rewrite
     batch = BatchSpec([700, 90, 1500, 33], Lambda(sink=4, window=200), n_heads=2, n_kv_heads=1, head_dim=8,
                       dtype="float64")
-    plan = torch_dcp.plan(batch, 8, planner="dcp", block_size=64, divisions=2, head_parallel=1)
+    plan = torch_dcp.plan(batch, 8, planner="dcp", block_size=64, divisions=2, head_parallel=1,
+                          rivals=("ring", "megatron", "allgather", "documents"))
     hit = 0
     for div in _divisions(plan):
         segs = plan_segments(div)

@@ -53,10 +53,6 @@ def estimate_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None
     cm = cost_model or CostModel.a100()
     if isinstance(plan, HeadParallelPlan):
         return estimate_seconds(plan.outer, cm) + sum(plan.all_to_all_seconds(bw) for bw in (False, True))
-    if plan.placement.runtime is Runtime.ALLGATHER:  # its closed form is the estimate
-        from .runtimes import simulate_allgather
-
-        return simulate_allgather(plan, cm).makespan_s
     return sum(pass_estimate_seconds(plan, cm, backward) for backward in (False, True))
 
 
@@ -79,7 +75,13 @@ def _transfers(plan: Plan, backward: bool) -> tuple[np.ndarray, ...]:
 
 
 def pass_estimate_seconds(plan: Plan, cost_model: CostModel, backward: bool) -> float:
-    """Estimated makespan of one pass of ``plan`` (seconds; see the module docstring)."""
+    """Estimated makespan of one pass of ``plan`` (seconds; see the module docstring; on the
+    all-gather runtime its closed form, :func:`torch_dcp.runtimes.simulate_allgather`)."""
+    if plan.placement.runtime is Runtime.ALLGATHER:
+        from .runtimes import simulate_allgather
+
+        result = simulate_allgather(plan, cost_model)
+        return (result.backward if backward else result.forward).makespan_s
     cm, topo = cost_model, plan.topology
     w, n_div = plan.world_size, plan.divisions
     launch = division_launch_seconds(plan, cm, backward)  # [W, T]

@@ -52,9 +52,15 @@ class Runtime(enum.Enum):
       layout: per ring step one attention call and one output merge (forward) or gradient sum
       (backward), the kernels alone; dK/dV partials travel in the K/V dtype.
     * ``ALLGATHER``: an NCCL all-gather of K/V (PyTorch's ``context_parallel``,
-      TransformerEngine's ``AttnFuncWithCPAndKVAllGather``) before the attention and, in the
-      backward, TransformerEngine's reduce-scatter of dK/dV in the K/V dtype, costed as NCCL's
-      collectives on the topology, compute not overlapped with them.
+      TransformerEngine's ``AttnFuncWithCPAndKVAllGather``) on the CP group before the
+      attention and, in the backward, TransformerEngine's reduce-scatter of dK/dV in the K/V
+      dtype, costed as NCCL's collectives on the topology, compute not overlapped with them.
+      torch_dcp runs it so too (:class:`~torch_dcp.executor.allgather.AllGatherExecutor`, one
+      attention call per rank), which makes it one of dcp's candidates.
+
+    The executor of a plan follows its runtime
+    (:data:`~torch_dcp.executor.make.RUNTIME_EXECUTORS`); a runtime without one of its own
+    (``TE_RING``) runs on torch_dcp's executor.
     """
 
     EXECUTOR = "executor"

@@ -41,8 +41,11 @@ compute-balanced one with the fewest bytes (the ``"bytes"`` objective's choice, 
 ``"dcp:bytes"``), followed by ring attention's, Megatron's and all-gather CP's own plans and
 whole documents per rank (data parallelism; inside head groups, Ulysses at that CP size with
 data parallelism across the groups) (``rivals``, labelled ``"dcp:ring"`` etc., when their
-resident tokens meet the same memory bound), all run by torch_dcp's executor.
-:func:`torch_dcp.plan` estimates every candidate's time division by division
+resident tokens meet the same memory bound), all run by torch_dcp's executor, and all-gather CP
+at every CP size a user could pick run as its authors run it (``"static"``, labelled
+``"dcp:allgather/cpC"``: one NCCL all-gather of K/V per CP group and one attention call per
+rank, :class:`~torch_dcp.executor.allgather.AllGatherExecutor`; inside head groups at CP groups
+of one head group, Ulysses' own shape). :func:`torch_dcp.plan` estimates every candidate's time division by division
 (:func:`torch_dcp.estimate.estimate_seconds`, which sees the phases and the links), simulates
 the best few by that estimate and every labelled rival (skipping those whose floor is above the
 fastest so far), and keeps the fastest, so a dcp plan is never slower than the rivals' (as
