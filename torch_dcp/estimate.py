@@ -77,7 +77,7 @@ def _transfers(plan: Plan, backward: bool) -> tuple[np.ndarray, ...]:
 def pass_estimate_seconds(plan: Plan, cost_model: CostModel, backward: bool) -> float:
     """Estimated makespan of one pass of ``plan`` (seconds; see the module docstring; on the
     all-gather runtime its closed form, :func:`torch_dcp.runtimes.simulate_allgather`)."""
-    if plan.placement.runtime is Runtime.ALLGATHER:
+    if plan.placement.runtime.gathers:
         from .runtimes import simulate_allgather
 
         result = simulate_allgather(plan, cost_model)

@@ -30,7 +30,7 @@ def link_floor_seconds(plan: Plan, backward: bool | None = None) -> float:
         backward: ``None`` (default): both passes' transfers together; ``False`` / ``True``:
             the forward's or the backward's only.
     """
-    if plan.placement.runtime is Runtime.ALLGATHER:  # collectives, priced in closed form: no route's transfers
+    if plan.placement.runtime.gathers:  # collectives, priced in closed form: no route's transfers
         return 0.0
     src, dst, nbytes, forward = plan.transfers()
     if backward is not None:
@@ -65,8 +65,8 @@ def division_launch_seconds(plan: Plan, cost_model: CostModel | None = None, bac
     ``[world_size, divisions]`` (``[world_size, 1]`` on the all-gather runtime: one launch per rank)."""
     cm = cost_model or CostModel.a100()
     wl, w, t = plan.workload, plan.world_size, plan.divisions
-    if plan.placement.runtime is Runtime.ALLGATHER:  # one launch per rank: [W, 1]
-        return cm.launch_seconds(wl, np.arange(wl.n_tiles), plan.placement.tile_rank.astype(np.int64), w,
+    if plan.placement.runtime.gathers:  # one launch per rank, the kernels alone: [W, 1]
+        return cm.with_executor(None).launch_seconds(wl, np.arange(wl.n_tiles), plan.placement.tile_rank.astype(np.int64), w,
                                  backward).reshape(w, 1)
     cell = plan.placement.tile_rank.astype(np.int64) * t + np.asarray(plan.tile_division, np.int64)
     return cm.launch_seconds(wl, np.arange(wl.n_tiles), cell, w * t, backward).reshape(w, t)

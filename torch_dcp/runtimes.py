@@ -22,7 +22,7 @@ overhead per call), transfers sized with dK/dV in the K/V dtype and the output m
 one per step. Its closed form, ``sum_s max(compute_s, transfer_{s+1})`` per pass, is
 :func:`te_ring_step_seconds`.
 
-**All-gather CP** (``Runtime.ALLGATHER``; PyTorch's ``context_parallel`` with its all-gather
+**All-gather CP** (``Runtime.ALLGATHER``, and torch_dcp's own, ``Runtime.DCP_ALLGATHER``; PyTorch's ``context_parallel`` with its all-gather
 rotation, ``torch/distributed/tensor/experimental/_attention.py``, and TransformerEngine's
 ``AttnFuncWithCPAndKVAllGather``): K/V are gathered from every rank of the CP group by one NCCL
 all-gather before the attention, which then runs as one call over the gathered keys (torch_dcp's
@@ -47,7 +47,7 @@ from .cost.collectives import allgather_seconds, reduce_scatter_seconds
 from .plan import BlockwiseReduction, Plan, ReduceOp
 from .plan.heads import HeadParallelPlan
 from .planners.base import Routing, Runtime
-from .simulate import PassResult, SimResult, _Pass, simulate_programs
+from .simulate import PassResult, SimResult, _Pass, pass_local_bytes, simulate_programs
 from .workload import Buf
 
 __all__ = ["RUNTIMES", "te_ring_step_seconds", "simulate_allgather", "allgather_pass_seconds", "on_executor"]
@@ -145,7 +145,12 @@ def allgather_pass_seconds(plan: Plan, cm: CostModel, backward: bool) -> tuple[n
     (:meth:`~torch_dcp.planners.base.Placement.cp_group`) gathers on its own ranks (the
     topology of :func:`~torch_dcp.planners.static.group_topology`); its shards are its ranks'
     K/V rows (its largest rank's, as NCCL pads them). Each rank's compute is one attention call
-    over its queries and the gathered keys, the kernels alone."""
+    over its queries and the gathered keys: the kernels alone (``Runtime.ALLGATHER``), or, as
+    torch_dcp's :class:`~torch_dcp.executor.allgather.AllGatherExecutor` runs it
+    (``Runtime.DCP_ALLGATHER``), plus that runtime's own device operations per pass
+    (:attr:`~torch_dcp.cost.executor.ExecutorCosts.allgather`: counted, on a GPU preset), or,
+    for a model without that count (a CPU calibration), charged as one division and one pass
+    of the executor."""
     from .planners.static import group_topology
 
     kern = cm.with_executor(None)
@@ -158,7 +163,15 @@ def allgather_pass_seconds(plan: Plan, cm: CostModel, backward: bool) -> tuple[n
     gather = np.array([allgather_seconds(r * itb[(backward, Buf.KV)], gtopo) if c > 1 and r else 0.0 for r in rows])
     scatter = np.array([reduce_scatter_seconds(r * itb[(True, Buf.DKV)], gtopo) if c > 1 and r and backward else 0.0
                         for r in rows])
-    compute = kern.launch_seconds(wl, np.arange(wl.n_tiles), pl.tile_rank.astype(np.int64), w, backward)
+    ex = cm.executor if pl.runtime is Runtime.DCP_ALLGATHER else None
+    tiles, cell = np.arange(wl.n_tiles), pl.tile_rank.astype(np.int64)
+    if ex is not None and ex.allgather is None:  # as one division and one pass of the executor
+        compute = cm.launch_seconds(wl, tiles, cell, w, backward)
+        compute = compute + np.atleast_1d(ex.pass_seconds(pass_local_bytes(plan, backward), backward))
+    else:  # the kernels alone, plus the runtime's own counted operations
+        compute = kern.launch_seconds(wl, tiles, cell, w, backward)
+        if ex is not None:
+            compute = compute + ex.allgather[2 * (c > 1) + int(backward)]
     return np.repeat(gather, c), np.repeat(scatter, c), compute
 
 
@@ -190,4 +203,5 @@ RUNTIMES: dict[Runtime, Callable[..., SimResult | None]] = {
     Runtime.EXECUTOR: _simulate_executor,
     Runtime.TE_RING: _simulate_te_ring,
     Runtime.ALLGATHER: simulate_allgather,
+    Runtime.DCP_ALLGATHER: simulate_allgather,
 }

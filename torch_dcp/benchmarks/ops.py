@@ -38,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_dcp
-from torch_dcp.executor import InProcessTransport, Mailbox, RankExecutor, get_kernel
+from torch_dcp.executor import InProcessTransport, Mailbox, get_kernel, make_executor
 
 __all__ = ["count_ops", "device_plan_seconds", "per_division", "count_preset_cases", "write_preset", "PRESET_CASES",
            "add_arguments", "run", "main"]
@@ -142,6 +142,31 @@ class _CountedTransport(InProcessTransport):
         finally:
             self.counter.where = "executor"
 
+    def all_gather(self, phase, shard, out, members):
+        return self._as_transport(super().all_gather, phase, shard, out, members)
+
+    def reduce_scatter(self, phase, inp, out, members):
+        return self._as_transport(super().reduce_scatter, phase, inp, out, members)
+
+    def _as_transport(self, fn, *args):
+        self.counter.where = "transport"
+        try:
+            return fn(*args)
+        finally:
+            self.counter.where = "executor"
+
+    def finish(self, collective):  # the point-to-point emulation's own copies and sums are NCCL's work
+        gen = super().finish(collective)
+        while True:
+            self.counter.where = "transport"
+            try:
+                next(gen)
+            except StopIteration:
+                return
+            finally:
+                self.counter.where = "executor"
+            yield
+
     def wait(self, handle):
         gen = super().wait(handle)
         while True:
@@ -217,7 +242,7 @@ def _count_ops(plan: torch_dcp.Plan, device: str, kernel: str | None, seed: int)
     mailbox = Mailbox()
     kern = _CountedKernel(get_kernel(kernel, device=device, dtype=dt, head_dim=b.head_dim), counter)
     ranks = range(plan.world_size)
-    execs = [RankExecutor(plan, r, _CountedTransport(mailbox, r, counter), kernel=kern) for r in ranks]
+    execs = [make_executor(plan, r, _CountedTransport(mailbox, r, counter), kernel=kern) for r in ranks]
     idx = [torch.from_numpy(plan.token_indices(r)).to(device) for r in ranks]
     local = [(q[i], k[i], v[i]) for i in idx]
     for e in execs:
@@ -235,7 +260,8 @@ def _count_ops(plan: torch_dcp.Plan, device: str, kernel: str | None, seed: int)
         b_counts = dict(counter.counts)
     for r in ranks:
         for name, counts, backward in (("forward", f_counts, False), ("backward", b_counts, True)):
-            divs = len(plan.program(r, backward).divisions)
+            # the all-gather runtime: one attention call per rank and pass
+            divs = 1 if plan.placement.runtime.gathers else len(plan.program(r, backward).divisions)
             row = {"rank": r, "pass": name, "divisions": divs}
             for cat in ("ops", "views", "allocs", "kernel_calls", "kernel_ops", "transport_ops"):
                 row[cat] = counts.get((r, cat), 0)
@@ -287,8 +313,20 @@ def _plan(args: argparse.Namespace) -> torch_dcp.Plan:
     # the flat plan: one RankExecutor per rank; --fake counts a GPU's plan (without a GPU "auto" would
     # plan for this CPU): the a100 kernel model, which the documented counts were taken with
     cost = "a100" if getattr(args, "fake", False) else "auto"
+    cp_size = getattr(args, "cp_size", None)
+    if cp_size is not None:  # all-gather CP on torch_dcp's own runtime, CP groups of cp_size ranks
+        import dataclasses
+
+        from torch_dcp.api import divide
+        from torch_dcp.planners import Runtime, plan_allgather
+
+        topo = torch_dcp.Topology.coerce(topo)
+        placement = dataclasses.replace(plan_allgather(batch, topo, cp_size=cp_size), runtime=Runtime.DCP_ALLGATHER)
+        return divide(placement, topo, 1)
+    # dcp's own placements: the general executor's divisions (its static runtimes are counted apart)
+    own = {"rivals": ("ring", "megatron", "allgather", "documents")} if args.planner == "dcp" else {}
     return torch_dcp.plan(batch, topo, planner=args.planner, block_size=args.block_size, divisions=args.divisions,
-                          head_parallel=1, cost_model=cost)
+                          head_parallel=1, cost_model=cost, **own)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -296,6 +334,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=int, default=3)
     p.add_argument("--divisions", type=int, default=2)
     p.add_argument("--planner", default="dcp")
+    p.add_argument("--cp-size", type=int, default=None,
+                   help="count all-gather CP on torch_dcp's own runtime at this CP size instead of --planner's plan")
     p.add_argument("--batch", choices=["corpus", "longtail"], default="corpus")
     p.add_argument("--mask", choices=["causal", "lambda", "blockwise", "shared_question"], default="causal")
     p.add_argument("--tokens", type=int, default=8192)
@@ -322,6 +362,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 PRESET_CASES = {
     "fast": {"mask": "causal", "divisions": 6},
     "general": {"mask": "lambda", "divisions": 4},
+    # torch_dcp's all-gather runtime (one call per rank and pass): alone (CP groups of one rank,
+    # as the outer plan of Ulysses' shape) and gathering (CP groups of one node)
+    "alone": {"mask": "causal", "divisions": 1, "cp_size": 1},
+    "gathered": {"mask": "causal", "divisions": 1, "cp_size": 8},
 }
 _PRESET_BASE = {"ranks": 32, "topology": "4x8", "batch": "longtail", "tokens": 131072, "block_size": 1024,
                 "heads": 8, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16", "kernel": None, "device": "cuda",

@@ -165,6 +165,11 @@ class ExecutorCosts:
             outputs; a sum of gradients), ``CommLaunch`` (:func:`memory_kind`).
         pass_fixed: seconds per pass, ``(forward, backward)``.
         pass_byte: seconds per byte of the rank's local rows in a pass.
+        allgather: seconds per pass of torch_dcp's all-gather runtime's own device operations
+            besides the attention kernel's work (:class:`~torch_dcp.executor.allgather.AllGatherExecutor`),
+            ``(alone forward, alone backward, gathering forward, gathering backward)``: a rank
+            that is its CP group alone, and one that gathers; None: charged as one division
+            and one pass of the executor.
     """
 
     general: KernelCosts
@@ -175,6 +180,7 @@ class ExecutorCosts:
     pack: MemoryCosts = MemoryCosts()
     pass_fixed: tuple[float, float] = (0.0, 0.0)
     pass_byte: float = 0.0
+    allgather: tuple[float, float, float, float] | None = None
 
     def kernels(self) -> tuple[KernelCosts, ...]:
         return (self.general,) if self.fast is None else (self.general, self.fast)
@@ -192,7 +198,8 @@ class ExecutorCosts:
 
         return cls(kernel(d["general"]), kernel(d.get("fast")), MemoryCosts(**d["copy"]),
                    MemoryCosts(**d["merge"]), MemoryCosts(**d["sum"]), MemoryCosts(**d["pack"]),
-                   tuple(float(x) for x in d["pass_fixed"]), float(d["pass_byte"]))
+                   tuple(float(x) for x in d["pass_fixed"]), float(d["pass_byte"]),
+                   None if d.get("allgather") is None else tuple(float(x) for x in d["allgather"]))
 
     def memory(self, kind: str) -> MemoryCosts | None:
         """The costs of a memory-bound instruction of ``kind`` (:func:`memory_kind`); None:

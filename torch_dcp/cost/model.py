@@ -118,7 +118,8 @@ def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
     """The executor's fixed costs per division on a GPU from a counted preset (its JSON, see
     :data:`GPU_EXECUTOR_PRESET`): each pass's operations per division x the seconds per
     operation; the ``fast`` kernel (varlen) from the causal count, the ``general`` one
-    (FlexAttention) from the λ count.
+    (FlexAttention) from the λ count; the all-gather runtime's operations per pass (its
+    ``alone`` and ``gathered`` counts, where the preset has them) likewise.
 
     Raises:
         ValueError: a file without the counts or the seconds per operation.
@@ -132,7 +133,12 @@ def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
             return KernelCosts(name, LaunchCosts(fixed=float(c["forward"]) * per_op),
                                LaunchCosts(fixed=float(c["backward"]) * per_op))
 
-        return ExecutorCosts(general=costs("flex", general), fast=costs("varlen", fast))
+        counted = d["counted"]
+        allgather = None
+        if "alone" in counted and "gathered" in counted:  # torch_dcp's all-gather runtime, per pass
+            allgather = tuple(float(counted[case][name]) * per_op for case in ("alone", "gathered")
+                              for name in ("forward", "backward"))
+        return ExecutorCosts(general=costs("flex", general), fast=costs("varlen", fast), allgather=allgather)
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a GPU executor preset (counted.fast/general forward and backward, "
                          f"seconds_per_op): {e}") from e

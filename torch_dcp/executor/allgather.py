@@ -1,5 +1,6 @@
 """All-gather context parallelism as its authors run it: the runtime of a plan whose placement
-runs on :attr:`~torch_dcp.planners.base.Runtime.ALLGATHER`.
+runs on :attr:`~torch_dcp.planners.base.Runtime.DCP_ALLGATHER` (dcp's candidates) or
+:attr:`~torch_dcp.planners.base.Runtime.ALLGATHER` (the baseline's plan).
 
 PyTorch's ``context_parallel`` with its all-gather rotation
 (``torch/distributed/tensor/experimental/_attention.py``) and TransformerEngine's
@@ -72,10 +73,9 @@ def group_sizes(plan: Any) -> list[int]:
     candidates run at), and the plan's own."""
     from ..planners.static import cp_sizes
 
-    placement = plan.attention_part(0)[0].placement
     sizes = set(cp_sizes("allgather", plan.batch, plan.topology))
-    if placement.cp_size is not None:
-        sizes.add(placement.cp_size)
+    if type(plan) is Plan and plan.placement.cp_size is not None:  # a head-parallel plan's outer
+        sizes.add(plan.placement.cp_size)  # groups trade on the DCP group's own transport
     return sorted(sizes)
 
 
@@ -104,7 +104,7 @@ class AllGatherExecutor(RowChecks):
     """Runs rank ``rank``'s part of an all-gather CP plan (see the module).
 
     Args:
-        plan: a plan whose placement runs on ``Runtime.ALLGATHER`` with every tile on its
+        plan: a plan whose placement runs as all-gather CP (``Runtime.gathers``) with every tile on its
             query's rank.
         rank: this rank in the DCP group.
         transport: the DCP group's transport (its collectives on the CP group).
@@ -121,9 +121,9 @@ class AllGatherExecutor(RowChecks):
     def __init__(self, plan: Plan, rank: int, transport: Transport, kernel: str | DivisionKernel | None = None,
                  scale: float | None = None, timings: bool = False, device_plan: Any = None):
         pl = plan.placement
-        if pl.runtime is not Runtime.ALLGATHER:
-            raise ValueError(f"AllGatherExecutor runs plans of runtime {Runtime.ALLGATHER.value!r}, got "
-                             f"{pl.runtime.value!r}")
+        if not pl.runtime.gathers:
+            raise ValueError(f"AllGatherExecutor runs plans of runtime {Runtime.DCP_ALLGATHER.value!r} or "
+                             f"{Runtime.ALLGATHER.value!r}, got {pl.runtime.value!r}")
         if device_plan is not None:
             raise ValueError("AllGatherExecutor builds its own metadata: device_plan must be None (a DevicePlan is "
                              "the general executor's)")
@@ -206,9 +206,8 @@ class AllGatherExecutor(RowChecks):
         r, n = self.shard_rows, len(self.members)
         shard = torch.empty(r, 2 * k.shape[1] * k.shape[2], dtype=k.dtype, device=k.device)
         torch.cat((k.flatten(1), v.flatten(1)), 1, out=shard[:self.local_rows])
-        shard[self.local_rows:].zero_()  # padding rows: never read
-        if n == 1:
-            return shard
+        if r > self.local_rows:
+            shard[self.local_rows:].zero_()  # padding rows: never read
         out = torch.empty(n * r, shard.shape[1], dtype=shard.dtype, device=shard.device)
         phase = COLLECTIVE_PHASES[(backward, "all-gather")]
         try:
@@ -224,8 +223,6 @@ class AllGatherExecutor(RowChecks):
     def _scatter(self, dkv: torch.Tensor) -> Generator[None, None, torch.Tensor]:
         """This rank's rows of the CP group's summed ``dkv`` (``[G R, F]``): ``[R, F]``."""
         r, n = self.shard_rows, len(self.members)
-        if n == 1 or r == 0:
-            return dkv
         out = torch.empty(r, dkv.shape[1], dtype=dkv.dtype, device=dkv.device)
         phase = COLLECTIVE_PHASES[(True, "reduce-scatter")]
         try:
@@ -239,7 +236,16 @@ class AllGatherExecutor(RowChecks):
         return out
 
     # ------------------------------------------------------------------ passes
-    def _kv(self, gathered: torch.Tensor, m: _Meta, hkv: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _keys(self, backward: bool, k: torch.Tensor, v: torch.Tensor,
+              m: _Meta) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor]]:
+        """The kernel's packed K and V: rows of the CP group's gathered K/V (of this rank's own
+        where it is its group alone: no copy, no collective)."""
+        hkv, d = k.shape[1], k.shape[2]
+        if len(self.members) == 1:
+            return (None, None) if m.kv is None else (take_rows(k, m.kv), take_rows(v, m.kv))
+        gathered = yield from self._gather(backward, k, v)  # every member joins, with tiles or without
+        if m.kv is None:
+            return None, None
         kv = take_rows(gathered, m.kv).unflatten(1, (2 * hkv, d))
         return kv[:, :hkv], kv[:, hkv:]
 
@@ -256,11 +262,11 @@ class AllGatherExecutor(RowChecks):
         """:meth:`forward` as a generator that yields while the collective is not complete."""
         self._check_inputs(q, k, v)
         m = self.prepare(q.device)
-        s, h, d, hkv = self.local_rows, q.shape[1], q.shape[2], k.shape[1]
-        gathered = (yield from self._gather(False, k, v)) if self.shard_rows else None
+        s, h, d = self.local_rows, q.shape[1], q.shape[2]
         scale = self.scale if scale is None else float(scale)
+        if self.shard_rows:  # a group without tokens gathers nothing
+            kp, vp = yield from self._keys(False, k, v, m)
         if m.meta is not None:
-            kp, vp = self._kv(gathered, m, hkv, d)
             o, lse = self._timed(False, lambda: self.kernel.forward(take_rows(q, m.q), kp, vp, m.meta, scale, self.acc))
         if m.meta is not None and m.out == slice(0, s):
             out, lse = o.to(q.dtype), lse.to(self.acc)
@@ -287,21 +293,31 @@ class AllGatherExecutor(RowChecks):
         m = self.prepare(q.device)
         s, h, d, hkv = self.local_rows, q.shape[1], q.shape[2], k.shape[1]
         scale = self.scale if scale is None else float(scale)
-        gathered = (yield from self._gather(True, k, v)) if self.shard_rows else None
-        dq_all = torch.zeros(s, h, d, dtype=self.acc, device=q.device)
-        dkv = torch.zeros(len(self.members) * self.shard_rows, 2 * hkv * d, dtype=self.acc, device=q.device)
+        if self.shard_rows:
+            kp, vp = yield from self._keys(True, k, v, m)
+        alone = len(self.members) == 1
         if m.meta is not None:
             delta = torch.sum(dout.to(self.acc) * out, -1)
-            kp, vp = self._kv(gathered, m, hkv, d)
             qp, dop, lsep, deltap = (take_rows(t, m.q) for t in (q, dout, lse.to(self.acc), delta))
             dq, dk, dv = self._timed(True, lambda: self.kernel.backward(qp, kp, vp, dop, lsep, deltap, m.meta, scale,
                                                                         self.acc))
-            add_rows(dq_all, m.out, dq)
+            if m.out == slice(0, s):  # every row's gradient, in order
+                dq_all = dq.to(q.dtype)
+            else:
+                dq_all = torch.zeros(s, h, d, dtype=self.acc, device=q.device)
+                add_rows(dq_all, m.out, dq)
+                dq_all = dq_all.to(q.dtype)
+            if alone and m.kv_out == slice(0, s):  # its own keys, every row in order: nothing to reduce
+                return dq_all, dk.to(k.dtype), dv.to(v.dtype)
+        else:
+            dq_all = q.new_zeros(s, h, d)
+        dkv = torch.zeros(len(self.members) * self.shard_rows, 2 * hkv * d, dtype=self.acc, device=q.device)
+        if m.meta is not None:
             add_rows(dkv, m.kv_out, torch.cat((dk.flatten(1), dv.flatten(1)), 1))
         # dK and dV reduced in the K/V dtype, as TransformerEngine's all-gather CP returns them
-        mine = yield from self._scatter(dkv.to(k.dtype))
+        mine = dkv.to(k.dtype) if alone else (yield from self._scatter(dkv.to(k.dtype)))
         kv = mine[:s].unflatten(1, (2 * hkv, d))
-        return dq_all.to(q.dtype), kv[:, :hkv].contiguous(), kv[:, hkv:].contiguous()
+        return dq_all, kv[:, :hkv].contiguous(), kv[:, hkv:].contiguous()
 
     # ------------------------------------------------------------------ public API
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

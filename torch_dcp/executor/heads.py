@@ -101,7 +101,7 @@ class HeadParallelExecutor:
         self.members = [self.group * self.n + j for j in range(self.n)]
         # the outer plan on its runtime: the general executor, or all-gather CP's (Ulysses' one
         # attention call per rank where every outer rank keeps its documents: CP groups of 1)
-        outer = AllGatherExecutor if plan.outer.placement.runtime is Runtime.ALLGATHER else RankExecutor
+        outer = AllGatherExecutor if plan.outer.placement.runtime.gathers else RankExecutor
         self.outer = outer(plan.outer, self.group, _InnerTransport(transport, self.n, self.inner, plan.outer.world_size,
                                                                    self.group),
                            kernel=kernel, scale=scale, timings=timings, device_plan=device_plan)

@@ -191,7 +191,7 @@ class Plan:
         algorithm moves them, one entry per (rank, its successor in its CP group's ring,
         collective): ``G - 1`` shards of the group's largest rank (:func:`_ring_collectives`).
         """
-        if self.placement.runtime is Runtime.ALLGATHER:
+        if self.placement.runtime.gathers:
             return _ring_collectives(self)
         wl, t = self.workload, self.tables
         itb = self.placement.token_bytes()

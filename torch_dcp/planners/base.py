@@ -55,8 +55,11 @@ class Runtime(enum.Enum):
       TransformerEngine's ``AttnFuncWithCPAndKVAllGather``) on the CP group before the
       attention and, in the backward, TransformerEngine's reduce-scatter of dK/dV in the K/V
       dtype, costed as NCCL's collectives on the topology, compute not overlapped with them.
-      torch_dcp runs it so too (:class:`~torch_dcp.executor.allgather.AllGatherExecutor`, one
-      attention call per rank), which makes it one of dcp's candidates.
+    * ``DCP_ALLGATHER``: torch_dcp's own all-gather CP
+      (:class:`~torch_dcp.executor.allgather.AllGatherExecutor`): the same collectives, one
+      attention call per rank, charged as torch_dcp's executor charges one division and one
+      pass (the cost model's executor costs: its gathers, writes and allocations), how dcp's
+      candidates run a static configuration; a plan of ``ALLGATHER`` runs on it too.
 
     The executor of a plan follows its runtime
     (:data:`~torch_dcp.executor.make.RUNTIME_EXECUTORS`); a runtime without one of its own
@@ -66,6 +69,13 @@ class Runtime(enum.Enum):
     EXECUTOR = "executor"
     TE_RING = "te-ring"
     ALLGATHER = "nccl-allgather"
+    DCP_ALLGATHER = "dcp-allgather"
+
+    @property
+    def gathers(self) -> bool:
+        """Whether the plan runs as all-gather CP (its collectives, not its routes' transfers;
+        one attention call per rank and pass)."""
+        return self in (Runtime.ALLGATHER, Runtime.DCP_ALLGATHER)
 
     @property
     def kv_dtype_gradients(self) -> bool:

@@ -293,7 +293,7 @@ def dcp_candidates(
             times every candidate with the simulator and keeps the fastest, so dcp's plan is
             never slower than theirs as torch_dcp's executor runs them (on the simulator's cost
             model; their own implementations: ``benchmarks compare``).
-            ``"static"``: all-gather CP run as its authors run it (``Runtime.ALLGATHER``,
+            ``"static"``: all-gather CP run as its authors run it (``Runtime.DCP_ALLGATHER``,
             :class:`~torch_dcp.executor.allgather.AllGatherExecutor`) at every CP size a user
             could pick (:func:`~torch_dcp.planners.static.cp_sizes`, whole documents split over
             the CP groups), labelled ``"dcp:allgather/cpC"``, under the same memory and tile
@@ -441,7 +441,7 @@ def _static_runtimes(batch: BatchSpec, topology: Topology, eps_memory: float) ->
         p = plan_allgather(batch, topology, cp_size=c)
         tokens = p.rank_tokens()
         if tokens.max() <= (1.0 + eps_memory) * tokens.mean():
-            out.append(dataclasses.replace(p, planner=f"dcp:allgather/cp{c}"))
+            out.append(dataclasses.replace(p, planner=f"dcp:allgather/cp{c}", runtime=Runtime.DCP_ALLGATHER))
     return out
 
 
