@@ -206,9 +206,9 @@ def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel", simulated:
              deeper: bool = False) -> "tuple[Plan | HeadParallelPlan, list[tuple[str, float]]]":
     """The fastest of ``plans`` on the simulator, and ``(label, simulated seconds)`` of every
     candidate (NaN: not simulated). Every candidate is estimated
-    (:func:`torch_dcp.estimate.estimate_seconds`); the ``simulated`` best by estimate are
-    simulated, and so are the rivals' plans and the bytes objective's (:func:`_rival`), so the
-    plan returned is never slower than theirs; a candidate whose floor
+    (:func:`torch_dcp.estimate.estimate_seconds`); the ``simulated`` best by estimate of those
+    that are not rivals are simulated, and so are the rivals' plans and the bytes objective's
+    (:func:`_rival`), so the plan returned is never slower than theirs; a candidate whose floor
     (:func:`torch_dcp.floors.floor_seconds`) lies above a simulated time is skipped, since
     it cannot win, and so is the backward of one whose forward and backward floor do
     (:func:`torch_dcp.simulate.simulate_within`). The winner is then also timed with other
@@ -233,8 +233,12 @@ def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel", simulated:
     # best estimate first (a tie keeps the earlier); the protected ones after the shortlist
     order = sorted(range(len(plans)), key=estimates.__getitem__)
     widest = max(_head_parallel(p) for p in plans)
-    for k, i in enumerate(order):
-        if k < simulated or _rival(plans[i], widest):
+    own = 0  # the shortlist counts dcp's own placements: the rivals are simulated anyway
+    for i in order:
+        if _rival(plans[i], widest):
+            times[i] = consider(plans[i], floors[i])
+        elif own < simulated:
+            own += 1
             times[i] = consider(plans[i], floors[i])
     timed = [(p.planner, t) for p, t in zip(plans, times)]
     for name, other in _reschedules(chosen, deeper):
