@@ -19,6 +19,7 @@ from torch_dcp.api import divide
 from torch_dcp.benchmarks.static_cp import static_cp_seconds
 from torch_dcp.executor import InProcessTransport, Mailbox, TransferTimeoutError, make_executor
 from torch_dcp.executor.allgather import AllGatherExecutor, group_sizes
+from torch_dcp.executor.replay import EagerRecorder
 from torch_dcp.planners import Runtime, plan_allgather
 from torch_dcp.planners.static import cp_sizes
 from torch_dcp.runtimes import on_executor
@@ -162,6 +163,27 @@ def _gloo_worker(rank: int, world: int, mesh) -> None:
     assert torch.allclose(got, ref.detach()[idx], atol=1e-10)
     for grad, want in ((ql.grad, qg.grad), (kl.grad, kg.grad), (vl.grad, vg.grad)):
         assert torch.allclose(grad[0].transpose(0, 1), want[idx], atol=1e-10)
+
+
+    # layer replay records the runtime like any plan: every layer after the first replayed, bit
+    # for bit the eager result
+    batch = BatchSpec([70, 13, 41, 90], Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype="float32")
+    plan = _plan(batch, world, 2)
+    q, k, v, go = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in random_qkv(batch, torch.float32, seed=5))
+    runs = []
+    for replay in (EagerRecorder(), False):
+        with torch_dcp.context_parallel(mesh, buffers=[q.clone(), k.clone(), v.clone(), go.clone()],
+                                        buffer_seq_dims=[2, 2, 2, 2], plan=plan, replay=replay) as ctx:
+            idx = torch.from_numpy(ctx.plan.token_indices(rank))
+            ql, kl, vl = (t[:, :, idx].clone().requires_grad_(True) for t in (q, k, v))
+            outs = [torch.nn.functional.scaled_dot_product_attention(ql * (i + 1), kl, vl, is_causal=True,
+                                                                     enable_gqa=True) for i in range(3)]
+            torch.stack(outs).sum(0).backward(go[:, :, idx])
+            runs.append([o.detach() for o in outs] + [ql.grad, kl.grad, vl.grad])
+            if replay:
+                assert replay.records == 2 and ctx.replay.replays == 6
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 def test_gloo_context_parallel_exact(tmp_path):
