@@ -311,11 +311,12 @@ class AllGatherExecutor(RowChecks):
                 return dq_all, dk.to(k.dtype), dv.to(v.dtype)
         else:
             dq_all = q.new_zeros(s, h, d)
-        dkv = torch.zeros(len(self.members) * self.shard_rows, 2 * hkv * d, dtype=self.acc, device=q.device)
+        # dK and dV in the K/V dtype, as TransformerEngine's all-gather CP reduces them; every
+        # gathered row the division reads once (its distinct key rows): written, not added
+        dkv = torch.zeros(len(self.members) * self.shard_rows, 2 * hkv * d, dtype=k.dtype, device=q.device)
         if m.meta is not None:
-            add_rows(dkv, m.kv_out, torch.cat((dk.flatten(1), dv.flatten(1)), 1))
-        # dK and dV reduced in the K/V dtype, as TransformerEngine's all-gather CP returns them
-        mine = dkv.to(k.dtype) if alone else (yield from self._scatter(dkv.to(k.dtype)))
+            put_rows(dkv, m.kv_out, torch.cat((dk.flatten(1), dv.flatten(1)), 1))
+        mine = dkv if alone else (yield from self._scatter(dkv))
         kv = mine[:s].unflatten(1, (2 * hkv, d))
         return dq_all, kv[:, :hkv].contiguous(), kv[:, hkv:].contiguous()
 
