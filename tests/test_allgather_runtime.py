@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import torch_dcp
 from torch_dcp import BatchSpec, Causal, Lambda, Topology
@@ -26,7 +25,7 @@ from torch_dcp.runtimes import on_executor
 from torch_dcp.simulate import simulate
 from reference import context_step_errors, random_qkv, reference_attention, reference_with_grads
 from spawn import run_ranks
-from test_exact import DOC_LENS, HEADS, MASKS, _batch, _check
+from test_exact import HEADS, MASKS, _batch, _check
 
 #: (world size, CP size): the whole group at 2, 3 and 8 ranks, CP groups of 2 and 4, and of 1
 #: (every rank its own documents: no collective)

@@ -34,7 +34,6 @@ from .cost import CostModel
 from .plan import Plan
 from .plan.heads import HeadParallelPlan
 from .floors import division_launch_seconds
-from .planners.base import Runtime
 from .workload import Buf, item_token_bytes
 
 __all__ = ["estimate_seconds", "pass_estimate_seconds"]

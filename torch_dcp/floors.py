@@ -12,7 +12,6 @@ from .batch import BatchSpec
 from .cost import CostModel
 from .plan import Plan
 from .plan.heads import HeadParallelPlan
-from .planners.base import Runtime
 from .workload import Workload
 
 __all__ = ["link_floor_seconds", "compute_floor_seconds", "division_launch_seconds", "kernel_floor_seconds",

@@ -156,19 +156,12 @@ class _CountedTransport(InProcessTransport):
             self.counter.where = "executor"
 
     def finish(self, collective):  # the point-to-point emulation's own copies and sums are NCCL's work
-        gen = super().finish(collective)
-        while True:
-            self.counter.where = "transport"
-            try:
-                next(gen)
-            except StopIteration:
-                return
-            finally:
-                self.counter.where = "executor"
-            yield
+        return self._transport_steps(super().finish(collective))
 
     def wait(self, handle):
-        gen = super().wait(handle)
+        return self._transport_steps(super().wait(handle))
+
+    def _transport_steps(self, gen):
         while True:
             self.counter.where = "transport"
             try:

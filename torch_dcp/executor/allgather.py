@@ -40,6 +40,7 @@ from .device_plan import host_to_device
 from .division import build_division
 from .executor import _TORCH_DTYPES, InstructionTime, RowChecks, _Clock, _drain
 from .kernels import DivisionKernel, get_kernel
+from .kernels.base import kernel_rows
 from .reduce import add_rows, put_rows, take_rows
 from .transport import Collective, TransferError, Transport, located
 
@@ -183,10 +184,7 @@ class AllGatherExecutor(RowChecks):
             return self._meta
         div = build_division(ins, self.plan.workload)
         lay = self.kernel.prepare(div)
-        kv_rows = div.kv_rows if lay.kv_order is None else div.kv_rows[lay.kv_order]
-        q_rows = div.q_rows if lay.q_order is None else div.q_rows[lay.q_order]
-        q_idx = np.concatenate([q_rows, np.full(lay.q_rows - len(q_rows), q_rows[0] if len(q_rows) else 0)])
-        kv_idx = np.concatenate([kv_rows, np.full(lay.k_rows - len(kv_rows), kv_rows[0] if len(kv_rows) else 0)])
+        q_rows, kv_rows, q_idx, kv_idx = kernel_rows(div, lay)
         arrays = {k: host_to_device(torch.from_numpy(np.ascontiguousarray(a)), device) for k, a in lay.arrays.items()}
         self._meta = _Meta(device, _rows(q_idx, device), _rows(kv_idx, device), _rows(q_rows, device),
                            _rows(kv_rows, device), self.kernel.bind(arrays, lay.static), len(q_rows))
@@ -283,13 +281,7 @@ class AllGatherExecutor(RowChecks):
     def backward_steps(self, q, k, v, out, lse, dout, scale: float | None = None,
                        state: torch.Tensor | None = None) -> Generator[None, None, tuple]:
         """:meth:`backward` as a generator that yields while a collective is not complete."""
-        b = self.plan.batch
-        self._check_inputs(q, k, v)
-        self._check("out", out, b.n_heads, q.device)
-        self._check("dout", dout, b.n_heads, q.device)
-        if tuple(lse.shape) != (self.local_rows, b.n_heads) or not lse.is_floating_point() or lse.device != q.device:
-            raise ValueError(f"lse: expected a floating [S_local, heads] = {[self.local_rows, b.n_heads]} tensor on "
-                             f"{q.device} (the forward's), got {lse.dtype} {list(lse.shape)} on {lse.device}")
+        self._check_backward(q, k, v, out, lse, dout)
         m = self.prepare(q.device)
         s, h, d, hkv = self.local_rows, q.shape[1], q.shape[2], k.shape[1]
         scale = self.scale if scale is None else float(scale)

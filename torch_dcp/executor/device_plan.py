@@ -36,6 +36,8 @@ from ..plan import (
 from ..workload import Buf, spans_to_indices
 from .division import build_division
 
+from .kernels.base import kernel_rows
+
 if TYPE_CHECKING:  # pragma: no cover
     from .kernels.base import DivisionKernel
 
@@ -235,10 +237,7 @@ class _Builder:
             div = build_division(ins, self.plan.workload)
             layout = self.kernel.prepare(div)
             # the kernel's own row orders composed with the division's rows: one gather each
-            kv_rows = div.kv_rows if layout.kv_order is None else div.kv_rows[layout.kv_order]
-            q_rows = div.q_rows if layout.q_order is None else div.q_rows[layout.q_order]
-            q_idx = np.concatenate([q_rows, np.full(layout.q_rows - len(q_rows), q_rows[0] if len(q_rows) else 0)])
-            kv_idx = np.concatenate([kv_rows, np.full(layout.k_rows - len(kv_rows), kv_rows[0] if len(kv_rows) else 0)])
+            _, kv_rows, q_idx, kv_idx = kernel_rows(div, layout)
             names = [(key, self.add(a)) for key, a in layout.arrays.items()]
             self.divisions[d] = (div, layout.q_order, kv_rows, self.rows(q_idx), self.rows(kv_idx), tuple(names),
                                  layout.static)

@@ -207,6 +207,16 @@ class RowChecks:
         if k.shape[1] != v.shape[1]:
             raise ValueError(f"k and v have {k.shape[1]} and {v.shape[1]} heads; they must have the same")
 
+    def _check_backward(self, q, k, v, out, lse, dout) -> None:
+        """:meth:`_check_inputs`, and ``out``, ``dout`` like ``q``, ``lse`` the forward's."""
+        b = self.plan.batch
+        self._check_inputs(q, k, v)
+        self._check("out", out, b.n_heads, q.device)
+        self._check("dout", dout, b.n_heads, q.device)
+        if tuple(lse.shape) != (self.local_rows, b.n_heads) or not lse.is_floating_point() or lse.device != q.device:
+            raise ValueError(f"lse: expected a floating [S_local, heads] = {[self.local_rows, b.n_heads]} tensor on "
+                             f"{q.device} (the forward's), got {lse.dtype} {list(lse.shape)} on {lse.device}")
+
 
 class RankExecutor(RowChecks):
     """Executes rank ``rank``'s programs of ``plan``.
@@ -388,13 +398,7 @@ class RankExecutor(RowChecks):
                        state: torch.Tensor | None = None) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """:meth:`backward` as a generator that yields while waiting for messages (``state``:
         :meth:`forward_keeping`'s, not needed here)."""
-        b = self.plan.batch
-        self._check_inputs(q, k, v)
-        self._check("out", out, b.n_heads, q.device)
-        self._check("dout", dout, b.n_heads, q.device)
-        if tuple(lse.shape) != (self.local_rows, b.n_heads) or not lse.is_floating_point() or lse.device != q.device:
-            raise ValueError(f"lse: expected a floating [S_local, heads] = {[self.local_rows, b.n_heads]} tensor on "
-                             f"{q.device} (the forward's), got {lse.dtype} {list(lse.shape)} on {lse.device}")
+        self._check_backward(q, k, v, out, lse, dout)
         up = self.prepare(q.device)
         run = _Run(True)
         h, hkv, d = q.shape[1], k.shape[1], q.shape[2]

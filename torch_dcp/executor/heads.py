@@ -22,7 +22,6 @@ from typing import Any, Generator, Sequence
 import torch
 
 from ..plan.heads import HeadParallelPlan
-from ..planners.base import Runtime
 from .allgather import AllGatherExecutor
 from .executor import RankExecutor, _drain, dcp_attention
 from .transport import Message, Transport, TransferError, located

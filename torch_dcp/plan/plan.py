@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..batch import BatchSpec
-from ..planners.base import Placement, Runtime
+from ..planners.base import Placement
 from ..topology import Topology
 from ..workload import Buf, Workload
 from .compiler import compile_program

@@ -34,7 +34,7 @@ import torch
 from ..division import Division
 from ..reduce import triton_runs_on
 
-__all__ = ["KernelLayout", "DivisionKernel", "GroupKernel", "ReferenceKernel", "out_with_delta", "flash_backward_inputs"]
+__all__ = ["KernelLayout", "kernel_rows", "DivisionKernel", "GroupKernel", "ReferenceKernel", "out_with_delta", "flash_backward_inputs"]
 
 
 class KernelLayout(NamedTuple):
@@ -64,6 +64,18 @@ class KernelLayout(NamedTuple):
     static: Any
     kv_order: np.ndarray | None = None
     q_order: np.ndarray | None = None
+
+
+def kernel_rows(div: Division, layout: KernelLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The kernel's rows of ``div`` composed with its own orders (one gather each):
+    ``(q_rows, kv_rows, q_idx, kv_idx)``: the division's query / key-value rows in the kernel's
+    order, and the same padded to ``layout.q_rows`` / ``layout.k_rows`` by repeating the first
+    (int64)."""
+    kv_rows = div.kv_rows if layout.kv_order is None else div.kv_rows[layout.kv_order]
+    q_rows = div.q_rows if layout.q_order is None else div.q_rows[layout.q_order]
+    q_idx = np.concatenate([q_rows, np.full(layout.q_rows - len(q_rows), q_rows[0] if len(q_rows) else 0)])
+    kv_idx = np.concatenate([kv_rows, np.full(layout.k_rows - len(kv_rows), kv_rows[0] if len(kv_rows) else 0)])
+    return q_rows, kv_rows, q_idx.astype(np.int64), kv_idx.astype(np.int64)
 
 
 class DivisionKernel(Protocol):
