@@ -108,8 +108,9 @@ class _DryRun(TorchDispatchMode):
 @functools.lru_cache(maxsize=None)
 def _plan(mask: str, dtype: str, world: int):
     batch = BatchSpec(list(LENS), MASKS[mask], n_heads=H, n_kv_heads=HKV, head_dim=D, dtype=dtype)
+    # dcp's own placements (its divisions and merges; the static runtime has its own test below)
     return torch_dcp.plan(batch, Topology(n_nodes=1, ranks_per_node=world), planner="dcp", block_size=1024,
-                          cost_model=GPU_MODEL)
+                          cost_model=GPU_MODEL, rivals=("ring", "megatron", "allgather", "documents"))
 
 
 def _dry_run(plan, kernel, dtype: torch.dtype):
