@@ -47,6 +47,16 @@ def test_exact_every_mask_and_group(mask, world, cp):
     _check(plan, batch)
 
 
+@pytest.mark.parametrize("mask", ["causal", "lambda"])
+def test_exact_with_the_varlen_kernel(mask):
+    # the varlen kernel reads some key rows several times (its segments): their dK/dV add up
+    from torch_dcp.executor import AutoKernel, ReferenceKernel, VarlenKernel
+
+    batch = _batch(mask, "gqa8/2-d32")
+    for world, cp in ((4, None), (4, 1), (8, 4)):
+        _check(_plan(batch, world, cp), batch, kernel=AutoKernel(ReferenceKernel(), VarlenKernel(), min_rows=1))
+
+
 def test_a_cp_group_without_documents_and_a_rank_without_tokens():
     # one document over 4 ranks in CP groups of 2: the second group holds nothing; and a
     # 3-token document zig-zag over 4 ranks: a rank of the first group holds nothing either

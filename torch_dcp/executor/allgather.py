@@ -90,6 +90,7 @@ class _Meta(NamedTuple):
     kv_out: Any  # gathered rows of the kernel's dK/dV results
     meta: Any
     n_out: int
+    kv_once: bool = True  # every gathered row read once (a kernel may read one several times)
 
 
 def _rows(idx: np.ndarray, device: torch.device) -> Any:
@@ -187,7 +188,8 @@ class AllGatherExecutor(RowChecks):
         q_rows, kv_rows, q_idx, kv_idx = kernel_rows(div, lay)
         arrays = {k: host_to_device(torch.from_numpy(np.ascontiguousarray(a)), device) for k, a in lay.arrays.items()}
         self._meta = _Meta(device, _rows(q_idx, device), _rows(kv_idx, device), _rows(q_rows, device),
-                           _rows(kv_rows, device), self.kernel.bind(arrays, lay.static), len(q_rows))
+                           _rows(kv_rows, device), self.kernel.bind(arrays, lay.static), len(q_rows),
+                           len(np.unique(kv_rows)) == len(kv_rows))
         return self._meta
 
     # ------------------------------------------------------------------ collectives
@@ -303,11 +305,14 @@ class AllGatherExecutor(RowChecks):
                 return dq_all, dk.to(k.dtype), dv.to(v.dtype)
         else:
             dq_all = q.new_zeros(s, h, d)
-        # dK and dV in the K/V dtype, as TransformerEngine's all-gather CP reduces them; every
-        # gathered row the division reads once (its distinct key rows): written, not added
-        dkv = torch.zeros(len(self.members) * self.shard_rows, 2 * hkv * d, dtype=k.dtype, device=q.device)
+        # dK and dV in the K/V dtype, as TransformerEngine's all-gather CP reduces them: written
+        # where the kernel read every gathered row once, else added up in the accumulation dtype
+        once = m.meta is None or m.kv_once
+        dkv = torch.zeros(len(self.members) * self.shard_rows, 2 * hkv * d, dtype=k.dtype if once else self.acc,
+                          device=q.device)
         if m.meta is not None:
-            put_rows(dkv, m.kv_out, torch.cat((dk.flatten(1), dv.flatten(1)), 1))
+            (put_rows if once else add_rows)(dkv, m.kv_out, torch.cat((dk.flatten(1), dv.flatten(1)), 1))
+        dkv = dkv.to(k.dtype)
         mine = dkv if alone else (yield from self._scatter(dkv))
         kv = mine[:s].unflatten(1, (2 * hkv, d))
         return dq_all, kv[:, :hkv].contiguous(), kv[:, hkv:].contiguous()
