@@ -17,7 +17,7 @@ from torch_dcp.plan.heads import HeadLayout, HeadParallelPlan
 from torch_dcp.api import divide
 from torch_dcp.benchmarks.static_cp import static_cp_seconds
 from torch_dcp.executor import InProcessTransport, Mailbox, TransferTimeoutError, make_executor
-from torch_dcp.executor.allgather import AllGatherExecutor, group_sizes
+from torch_dcp.executor.allgather import AllGatherExecutor, collective_groups
 from torch_dcp.executor.replay import EagerRecorder
 from torch_dcp.planners import Runtime, plan_allgather
 from torch_dcp.planners.static import cp_sizes
@@ -138,7 +138,11 @@ def test_among_dcp_candidates_and_chosen_where_fastest():
     for c in (8, 16):  # simulated, or skipped because its floor lies above a faster candidate
         ours = dataclasses.replace(plan_allgather(batch, topo, cp_size=c), runtime=Runtime.DCP_ALLGATHER)
         assert best <= simulate(divide(ours, topo, 1), plan.cost_model_object).makespan_s * (1 + 1e-9)
-    assert group_sizes(plan) == [8, 16]
+    # the CP groups created at context entry for rank 0: CP size 8 at N = 1; outer CP groups of
+    # 4 and 8 head groups at N = 2, 2 and 4 at N = 4, 2 at N = 8 (ranks of inner index 0)
+    assert collective_groups(plan, 0) == [tuple(range(8)), (0, 2, 4, 6), tuple(range(0, 16, 2)), (0, 4),
+                                          (0, 4, 8, 12), (0, 8)]
+    assert collective_groups(plan, 5)[:2] == [tuple(range(8)), (1, 3, 5, 7)]
 
 
 # ---------------------------------------------------------------------- gloo
@@ -151,6 +155,18 @@ def _gloo_worker(rank: int, world: int, mesh) -> None:
         errs = context_step_errors(mesh, batch, rank, q, k, v, go, ref, plan=plan)
         assert max(errs.values()) <= 1e-5, f"rank {rank} cp {cp}: {errs}"
 
+
+    # all-gather across head groups: 2-way head parallelism, the two head groups one CP group
+    # (the collectives on the ranks of one inner index: {0, 2} and {1, 3}, created at entry)
+    batch = BatchSpec([1, 19, 50, 6, 33, 2], None, n_heads=8, n_kv_heads=2, head_dim=16, dtype="float32")
+    lay = HeadLayout.of(batch, 2)
+    topo = Topology.single_node(world)
+    ob, ot = lay.outer_batch(batch), lay.outer_topology(topo)
+    plan = HeadParallelPlan(divide(plan_allgather(ob, ot, cp_size=2), ot, 1), batch, topo, 2, "allgather/cp2/hp2")
+    q, k, v, go = random_qkv(batch, torch.float32, seed=3)
+    ref = reference_with_grads(batch, q.double(), k.double(), v.double(), go.double())
+    errs = context_step_errors(mesh, batch, rank, q, k, v, go, ref, plan=plan)
+    assert max(errs.values()) <= 1e-5, f"rank {rank} hp2/cp2: {errs}"
 
     # B > 1: the rank's tokens in two rows of one SDPA call ([B, H, S_local / B, D])
     batch = BatchSpec([8, 12, 4, 8], Causal(), n_heads=2, n_kv_heads=2, head_dim=4, dtype="float64")

@@ -260,7 +260,8 @@ def _rival(p: "Plan | HeadParallelPlan", widest: int) -> bool:
     by estimate like dcp's own."""
     n = _head_parallel(p)
     widest_rival = p.planner.startswith(("dcp:ring", "dcp:documents"))
-    static = p.planner.startswith("dcp:allgather/cp")  # a closed form: simulated at every N
+    outer = p.outer if isinstance(p, HeadParallelPlan) else p
+    static = outer.placement.runtime.gathers  # a closed form: simulated at every N
     return ":" in p.planner and (n == 1 or static or (n == widest and widest_rival))
 
 

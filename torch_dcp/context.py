@@ -45,7 +45,7 @@ from .batch import BatchSpec, canonical_dtype
 from .buffers import RowLayout, context_parallel_unshard, remember, rows_batch, unshard
 from .cost import CostModel
 from .executor import RankExecutor, TorchDistributedTransport, make_executor
-from .executor.allgather import group_sizes
+from .executor.allgather import collective_groups
 from .executor.groups import cp_subgroups, host_group, transfer_group
 from .executor.transport import RefusalChannel, TransferError, TransferTimeoutError, as_timedelta, is_timeout
 from .executor.device_plan import DevicePlan, host_to_device
@@ -387,8 +387,9 @@ def context_parallel(
     _entries[members] = entry = _entries.get(members, 0) + 1
     refusals = RefusalChannel(dist.distributed_c10d._get_default_store(),
                               f"torch_dcp/refusal/{'-'.join(map(str, members))}/{entry}", rank)
+    cp_groups = cp_subgroups(group, collective_groups(plan, rank), wait_limit)  # once per group, then cached
     transport = TorchDistributedTransport(group, device=device, timeout=wait_limit, comm_group=comm,
-                                          refusals=refusals, subgroups=cp_subgroups(group, group_sizes(plan), wait_limit))
+                                          refusals=refusals, subgroups=cp_groups)
     teardown.track_transport(transport)  # released at interpreter exit (teardown.release_at_exit)
 
     def build(p: Plan) -> "tuple[Any, LayerReplay | None]":

@@ -52,6 +52,10 @@ def estimate_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None
     cm = cost_model or CostModel.a100()
     if isinstance(plan, HeadParallelPlan):
         return estimate_seconds(plan.outer, cm) + sum(plan.all_to_all_seconds(bw) for bw in (False, True))
+    if plan.placement.runtime.gathers:  # both passes at once
+        from .runtimes import simulate_allgather
+
+        return simulate_allgather(plan, cm).makespan_s
     return sum(pass_estimate_seconds(plan, cm, backward) for backward in (False, True))
 
 

@@ -65,8 +65,8 @@ def division_launch_seconds(plan: Plan, cost_model: CostModel | None = None, bac
     cm = cost_model or CostModel.a100()
     wl, w, t = plan.workload, plan.world_size, plan.divisions
     if plan.placement.runtime.gathers:  # one launch per rank, the kernels alone: [W, 1]
-        return cm.with_executor(None).launch_seconds(wl, np.arange(wl.n_tiles), plan.placement.tile_rank.astype(np.int64), w,
-                                 backward).reshape(w, 1)
+        tile_rank = plan.placement.tile_rank.astype(np.int64)
+        return cm.with_executor(None).launch_seconds(wl, np.arange(wl.n_tiles), tile_rank, w, backward).reshape(w, 1)
     cell = plan.placement.tile_rank.astype(np.int64) * t + np.asarray(plan.tile_division, np.int64)
     return cm.launch_seconds(wl, np.arange(wl.n_tiles), cell, w * t, backward).reshape(w, t)
 

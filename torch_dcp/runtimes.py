@@ -22,8 +22,9 @@ overhead per call), transfers sized with dK/dV in the K/V dtype and the output m
 one per step. Its closed form, ``sum_s max(compute_s, transfer_{s+1})`` per pass, is
 :func:`te_ring_step_seconds`.
 
-**All-gather CP** (``Runtime.ALLGATHER``, and torch_dcp's own, ``Runtime.DCP_ALLGATHER``; PyTorch's ``context_parallel`` with its all-gather
-rotation, ``torch/distributed/tensor/experimental/_attention.py``, and TransformerEngine's
+**All-gather CP** (``Runtime.ALLGATHER``, and torch_dcp's own, ``Runtime.DCP_ALLGATHER``;
+PyTorch's ``context_parallel`` with its all-gather rotation,
+``torch/distributed/tensor/experimental/_attention.py``, and TransformerEngine's
 ``AttnFuncWithCPAndKVAllGather``): K/V are gathered from every rank of the CP group by one NCCL
 all-gather before the attention, which then runs as one call over the gathered keys (torch_dcp's
 :class:`~torch_dcp.executor.allgather.AllGatherExecutor`; TransformerEngine makes one call per

@@ -15,7 +15,8 @@ on that card; ``kernels`` for its ``<preset>`` model, the kernels alone, without
 fixed costs; or any name or file :meth:`torch_dcp.CostModel.load` takes):
 
 * ``dcp``: ``torch_dcp.plan(planner="dcp", head_parallel="auto")``, its best over
-  ``--block-sizes``, as torch_dcp's executor runs it;
+  ``--block-sizes``, on the runtime its plan names (torch_dcp's executor, or its own all-gather
+  runtime for the static configurations among dcp's candidates);
 * ``ring`` (TransformerEngine's P2P ring), ``allgather`` (an NCCL all-gather of K/V, TE's
   reduce-scatter of dK/dV), ``ulysses`` and ``hcp``, each at its best CP size with data
   parallelism across the CP groups (:mod:`torch_dcp.benchmarks.static_cp`), as their own
@@ -24,15 +25,16 @@ fixed costs; or any name or file :meth:`torch_dcp.CostModel.load` takes):
 * the best of those baselines, and ``dcp / best`` (below 1: dcp is faster).
 
 A batch where dcp takes more than :data:`TARGET` times the best baseline is an exception, listed
-with its cause: ``runtime costs`` where the baseline is all-gather CP and dcp ran that
-configuration (or a faster one) on torch_dcp's own all-gather runtime (``Runtime.DCP_ALLGATHER``,
-among dcp's candidates), whose own device operations per pass the baseline's implementation
-is not charged (it pays its kernels alone); ``executor`` where the baseline's own layout at its
-CP size, run by torch_dcp's executor, is no faster than dcp (within 1 %; the gap is how the
-baseline's implementation runs it: one attention call per step without the executor's costs
-per division, for which dcp has no runtime of its own); ``memory`` where the baseline's CP groups hold more tokens than dcp's memory bound
-lets any rank hold; ``executor costs`` where dcp's plan, timed with the kernels alone (the model
-without its executor costs), is within the target; else ``placement``. Each cluster ends with
+with its cause, the first that holds: ``memory`` where the baseline's CP groups hold more tokens
+than dcp's memory bound lets any rank hold; ``runtime costs`` where the baseline is all-gather CP
+and dcp ran that configuration (or a faster one) on torch_dcp's own all-gather runtime
+(``Runtime.DCP_ALLGATHER``, among dcp's candidates), whose own device operations per pass the
+baseline's implementation is not charged (it pays its kernels alone); ``executor`` where the
+baseline's own layout at its CP size, run by torch_dcp's executor, is no faster than dcp (within
+1 %; the gap is how the baseline's implementation runs it: one attention call per step without
+the executor's costs per division, for which dcp has no runtime of its own); ``executor costs``
+where dcp's plan, timed with the kernels alone (the model without its executor costs), is within
+the target; else ``placement``. Each cluster ends with
 the range (min-median-max) of ``dcp / best`` and of the speedup over each family at its best CP
 size, and over ring attention across the whole world (CP size ``W``, the configuration the
 paper benchmark's ``ring`` column runs).

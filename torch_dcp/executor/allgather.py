@@ -38,13 +38,13 @@ from ..plan import BlockwiseAttention, Plan
 from ..planners.base import Runtime
 from .device_plan import host_to_device
 from .division import build_division
-from .executor import _TORCH_DTYPES, InstructionTime, RowChecks, _Clock, _drain
+from .executor import InstructionTime, RowChecks, _Clock, _drain
 from .kernels import DivisionKernel, get_kernel
 from .kernels.base import kernel_rows
 from .reduce import add_rows, put_rows, take_rows
-from .transport import Collective, TransferError, Transport, located
+from .transport import TransferError, Transport, located
 
-__all__ = ["AllGatherExecutor", "COLLECTIVE_PHASES", "gathered_rows", "group_sizes"]
+__all__ = ["AllGatherExecutor", "COLLECTIVE_PHASES", "gathered_rows", "collective_groups"]
 
 #: transport phases of the collectives (above the head all-to-alls' phases)
 COLLECTIVE_PHASES = {(False, "all-gather"): (1 << 20) + 8, (True, "all-gather"): (1 << 20) + 9,
@@ -67,17 +67,37 @@ def gathered_rows(plan: Plan, members: tuple[int, ...]) -> tuple[np.ndarray, int
     return np.where(inside, (br - members[0]) * r + local, -1), r
 
 
-def group_sizes(plan: Any) -> list[int]:
-    """The CP sizes whose process groups a context creates once, at entry, on every rank
-    (:func:`~torch_dcp.executor.groups.cp_subgroups`): every size a user of all-gather CP could
-    pick on the plan's topology (:func:`~torch_dcp.planners.static.cp_sizes`: the sizes dcp's
-    candidates run at), and the plan's own."""
+def collective_groups(plan: Any, rank: int) -> list[tuple[int, ...]]:
+    """The CP groups holding ``rank`` whose process groups a context creates once, at entry
+    (:func:`~torch_dcp.executor.groups.cp_subgroups`), as DCP-group ranks, ascending: for every
+    head parallelism ``N`` dcp's candidates try (1, and those inside a node), every CP size a
+    user of all-gather CP could pick over the ``W / N`` head groups
+    (:func:`~torch_dcp.planners.static.cp_sizes`), and the plan's own; a CP group of outer
+    ranks ``g`` holds the ranks ``g N + i`` of this rank's inner index ``i``. The whole DCP
+    group and groups of one rank need none. Every rank lists its groups in the same order
+    (``N``, then the size), so that members create each group at the same point.
+    """
+    from ..plan.heads import HeadLayout, HeadParallelPlan, head_parallel_sizes
     from ..planners.static import cp_sizes
 
-    sizes = set(cp_sizes("allgather", plan.batch, plan.topology))
-    if type(plan) is Plan and plan.placement.cp_size is not None:  # a head-parallel plan's outer
-        sizes.add(plan.placement.cp_size)  # groups trade on the DCP group's own transport
-    return sorted(sizes)
+    batch, topo, w = plan.batch, plan.topology, plan.world_size
+    wanted: dict[int, set[int]] = {1: set(cp_sizes("allgather", batch, topo))}
+    for n in head_parallel_sizes(batch, topo):
+        if n <= topo.ranks_per_node:
+            lay = HeadLayout.of(batch, n)
+            wanted[n] = set(cp_sizes("allgather", lay.outer_batch(batch), lay.outer_topology(topo)))
+    own = plan.outer if isinstance(plan, HeadParallelPlan) else plan
+    if own.placement.cp_size is not None:
+        wanted.setdefault(w // own.world_size, set()).add(own.placement.cp_size)
+    groups = []
+    for n in sorted(wanted):
+        g, inner = divmod(int(rank), n)
+        for c in sorted(wanted[n]):
+            first = g // c * c
+            members = tuple((first + j) * n + inner for j in range(c))
+            if 1 < len(members) < w:
+                groups.append(members)
+    return groups
 
 
 class _Meta(NamedTuple):
@@ -89,7 +109,6 @@ class _Meta(NamedTuple):
     out: Any  # local rows of the kernel's query results
     kv_out: Any  # gathered rows of the kernel's dK/dV results
     meta: Any
-    n_out: int
     kv_once: bool = True  # every gathered row read once (a kernel may read one several times)
 
 
@@ -129,15 +148,10 @@ class AllGatherExecutor(RowChecks):
         if device_plan is not None:
             raise ValueError("AllGatherExecutor builds its own metadata: device_plan must be None (a DevicePlan is "
                              "the general executor's)")
-        group_size = getattr(transport, "world_size", None)
-        if group_size is not None and group_size != plan.world_size:
-            raise ValueError(f"the plan is for {plan.world_size} ranks, the transport's group has {group_size}")
-        if not 0 <= int(rank) < plan.world_size:
-            raise ValueError(f"rank {rank} is outside [0, {plan.world_size})")
         wl = plan.workload
         if np.any(pl.tile_rank != pl.block_rank[wl.tile_q]):
             raise ValueError("AllGatherExecutor: every tile must run on its query block's rank")
-        self.plan, self.rank, self.transport = plan, int(rank), transport
+        self._bind(plan, rank, transport, scale)
         self.members = pl.cp_group(self.rank)
         self.row, self.shard_rows = gathered_rows(plan, self.members)
         if np.any(self.row[wl.tile_kv[pl.tile_rank == self.rank]] < 0):
@@ -146,13 +160,6 @@ class AllGatherExecutor(RowChecks):
         self._kernel_spec = kernel
         self.kernel: DivisionKernel | None = None if kernel is None or kernel == "auto" else get_kernel(kernel)
         self.device_plan = None
-        b = plan.batch
-        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(b.head_dim)
-        self.dtype = _TORCH_DTYPES[b.dtype]
-        self.acc = _TORCH_DTYPES[b.acc_dtype]
-        self.local_rows = plan.local_tokens(self.rank)
-        self.bytes_sent = 0
-        self.bytes_received = 0
         self.record_timings = bool(timings)
         self._clock = _Clock()
         self._meta: _Meta | None = None
@@ -178,28 +185,39 @@ class AllGatherExecutor(RowChecks):
         if self._meta is not None and self._meta.device == device:
             return self._meta
         if self._kernel_spec in (None, "auto") and (self._meta is None or self._meta.device.type != device.type):
-            self.kernel = get_kernel(self._kernel_spec, device=device, dtype=self.dtype, head_dim=self.plan.batch.head_dim)
+            self.kernel = get_kernel(self._kernel_spec, device=device, dtype=self.dtype,
+                                     head_dim=self.plan.batch.head_dim)
         ins = self._instruction()
         if ins is None:
-            self._meta = _Meta(device, None, None, None, None, None, 0)
+            self._meta = _Meta(device, None, None, None, None, None)
             return self._meta
         div = build_division(ins, self.plan.workload)
         lay = self.kernel.prepare(div)
         q_rows, kv_rows, q_idx, kv_idx = kernel_rows(div, lay)
         arrays = {k: host_to_device(torch.from_numpy(np.ascontiguousarray(a)), device) for k, a in lay.arrays.items()}
         self._meta = _Meta(device, _rows(q_idx, device), _rows(kv_idx, device), _rows(q_rows, device),
-                           _rows(kv_rows, device), self.kernel.bind(arrays, lay.static), len(q_rows),
+                           _rows(kv_rows, device), self.kernel.bind(arrays, lay.static),
                            len(np.unique(kv_rows)) == len(kv_rows))
         return self._meta
 
     # ------------------------------------------------------------------ collectives
-    def _collective(self, c: Collective, backward: bool, what: str) -> Generator[None, None, None]:
+    def _run_collective(self, backward: bool, what: str, post: Any, inp: torch.Tensor,
+                        out: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """Post ``what`` (``"all-gather"`` or ``"reduce-scatter"``: the transport's method
+        ``post``) from ``inp`` into ``out`` on the CP group, count its ring bytes, complete it;
+        a failure says where this rank was."""
+        where = f"torch_dcp (plan {self.plan.digest()[:12]}): {'backward' if backward else 'forward'} pass, {what} " \
+                f"on the CP group {list(self.members)}"
         try:
+            c = post(COLLECTIVE_PHASES[(backward, what)], inp, out, self.members)
             yield from self.transport.finish(c)
         except TransferError as err:
-            where = "backward" if backward else "forward"
-            raise located(err, f"torch_dcp (plan {self.plan.digest()[:12]}): {where} pass, {what} on the CP group "
-                               f"{list(self.members)}") from None
+            raise located(err, where) from None
+        # NCCL's ring: every rank sends and receives G - 1 shards
+        nbytes = (len(self.members) - 1) * min(inp.numel(), out.numel()) * out.element_size()
+        self.bytes_sent += nbytes
+        self.bytes_received += nbytes
+        return out
 
     def _gather(self, backward: bool, k: torch.Tensor, v: torch.Tensor) -> Generator[None, None, torch.Tensor]:
         """K and V of the CP group: ``[G R, 2 H_kv D]`` (member ``i``'s rows at ``i R``)."""
@@ -209,31 +227,12 @@ class AllGatherExecutor(RowChecks):
         if r > self.local_rows:
             shard[self.local_rows:].zero_()  # padding rows: never read
         out = torch.empty(n * r, shard.shape[1], dtype=shard.dtype, device=shard.device)
-        phase = COLLECTIVE_PHASES[(backward, "all-gather")]
-        try:
-            c = self.transport.all_gather(phase, shard, out, self.members)
-        except TransferError as err:
-            raise located(err, f"torch_dcp: all-gather on the CP group {list(self.members)}") from None
-        nbytes = (n - 1) * shard.numel() * shard.element_size()
-        self.bytes_sent += nbytes
-        self.bytes_received += nbytes
-        yield from self._collective(c, backward, "all-gather")
-        return out
+        return (yield from self._run_collective(backward, "all-gather", self.transport.all_gather, shard, out))
 
     def _scatter(self, dkv: torch.Tensor) -> Generator[None, None, torch.Tensor]:
         """This rank's rows of the CP group's summed ``dkv`` (``[G R, F]``): ``[R, F]``."""
-        r, n = self.shard_rows, len(self.members)
-        out = torch.empty(r, dkv.shape[1], dtype=dkv.dtype, device=dkv.device)
-        phase = COLLECTIVE_PHASES[(True, "reduce-scatter")]
-        try:
-            c = self.transport.reduce_scatter(phase, dkv, out, self.members)
-        except TransferError as err:
-            raise located(err, f"torch_dcp: reduce-scatter on the CP group {list(self.members)}") from None
-        nbytes = (n - 1) * out.numel() * out.element_size()
-        self.bytes_sent += nbytes
-        self.bytes_received += nbytes
-        yield from self._collective(c, True, "reduce-scatter")
-        return out
+        out = torch.empty(self.shard_rows, dkv.shape[1], dtype=dkv.dtype, device=dkv.device)
+        return (yield from self._run_collective(True, "reduce-scatter", self.transport.reduce_scatter, dkv, out))
 
     # ------------------------------------------------------------------ passes
     def _keys(self, backward: bool, k: torch.Tensor, v: torch.Tensor,

@@ -169,13 +169,34 @@ class _Run:
 
 
 class RowChecks:
-    """Checks of a rank's input rows against its plan (``plan``, ``rank``, ``local_rows``,
-    ``dtype``): every executor of a plan's rows takes them alike."""
+    """A rank's rows of a plan (``plan``, ``rank``, ``local_rows``, ``dtype``, ``acc``, ``scale``,
+    byte counters; :meth:`_bind`) and the checks of its inputs against them: every executor of a
+    plan's rows takes them alike."""
 
     plan: Plan
     rank: int
     local_rows: int
     dtype: torch.dtype
+
+    def _bind(self, plan: Plan, rank: int, transport: Transport, scale: float | None) -> None:
+        """Take ``plan``'s rows of ``rank`` on ``transport``.
+
+        Raises:
+            ValueError: a transport group of another size, or ``rank`` outside the plan.
+        """
+        group_size = getattr(transport, "world_size", None)
+        if group_size is not None and group_size != plan.world_size:
+            raise ValueError(f"the plan is for {plan.world_size} ranks, the transport's group has {group_size}")
+        if not 0 <= int(rank) < plan.world_size:
+            raise ValueError(f"rank {rank} is outside [0, {plan.world_size})")
+        self.plan, self.rank, self.transport = plan, int(rank), transport
+        b = plan.batch
+        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(b.head_dim)
+        self.dtype = _TORCH_DTYPES[b.dtype]
+        self.acc = _TORCH_DTYPES[b.acc_dtype]
+        self.local_rows = plan.local_tokens(self.rank)
+        self.bytes_sent = 0
+        self.bytes_received = 0
 
     def _check(self, name: str, t: torch.Tensor, heads: int, device: torch.device | None = None) -> None:
         """Raise ``ValueError`` naming what of ``t`` (``[S_local, heads, head_dim]``) differs
@@ -247,14 +268,7 @@ class RankExecutor(RowChecks):
 
     def __init__(self, plan: Plan, rank: int, transport: Transport, kernel: str | DivisionKernel | None = None,
                  scale: float | None = None, timings: bool = False, device_plan: DevicePlan | None = None):
-        group_size = getattr(transport, "world_size", None)
-        if group_size is not None and group_size != plan.world_size:
-            raise ValueError(f"the plan is for {plan.world_size} ranks, the transport's group has {group_size}")
-        if not 0 <= int(rank) < plan.world_size:
-            raise ValueError(f"rank {rank} is outside [0, {plan.world_size})")
-        self.plan = plan
-        self.rank = int(rank)
-        self.transport = transport
+        self._bind(plan, rank, transport, scale)
         self._kernel_spec = kernel
         self.kernel: DivisionKernel | None = None if kernel is None or kernel == "auto" else get_kernel(kernel)
         if device_plan is not None:
@@ -268,13 +282,6 @@ class RankExecutor(RowChecks):
         self._null_row: torch.Tensor | None = None  # the forward's null partial row, built by prepare()
         self.record_timings = bool(timings)
         self._clock = _Clock()
-        b = plan.batch
-        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(b.head_dim)
-        self.dtype = _TORCH_DTYPES[b.dtype]
-        self.acc = _TORCH_DTYPES[b.acc_dtype]
-        self.local_rows = plan.local_tokens(self.rank)
-        self.bytes_sent = 0
-        self.bytes_received = 0
 
     # ------------------------------------------------------------------ preparation
     def prepare(self, device: torch.device | str) -> UploadedPlan:

@@ -76,39 +76,31 @@ def host_group(group: Any) -> Any:
     return _GROUPS[key]
 
 
-def cp_subgroups(group: Any, sizes: "list[int] | tuple[int, ...]",
+def cp_subgroups(group: Any, member_sets: "list[tuple[int, ...]]",
                  timeout: datetime.timedelta | None = None) -> dict[tuple[int, ...], Any]:
-    """Process groups of this rank's static CP group at every CP size in ``sizes``: for ``c``,
-    the ``c`` consecutive ranks of ``group`` holding this rank (ranks ``g c .. g c + c - 1``),
-    as Megatron creates its CP groups once for every size it may use. Every member of
-    ``group`` must call it with the same ``sizes`` (each group is created by its members:
-    collective over them); created on the first call and reused after, with ``timeout`` as
-    their own (on a device backend, the bound on every collective: NCCL's watchdog).
-
-    Args:
-        group: the DCP process group (``None``: the default group).
-        sizes: CP sizes, each dividing the group's size (the whole group and 1 need none).
-        timeout: the groups' timeout (``None``: the default).
+    """Process groups of this rank's static CP groups (``member_sets``: ranks of ``group``,
+    ascending, each holding this rank; :func:`~torch_dcp.executor.allgather.collective_groups`),
+    as Megatron creates its CP groups once for every size it may use. Each group is created by
+    its members (collective over them), in the order given, which must be the same on every
+    member; created on the first call and reused after, with ``timeout`` as their own (on a
+    device backend, the bound on every collective: NCCL's watchdog).
 
     Returns:
-        ``{members (ranks in group, ascending): process group}`` for the sizes ``1 < c <``
-        the group's size.
+        ``{members: process group}``.
 
     Raises:
-        ValueError: a size that is not a positive integer dividing the group's size.
+        ValueError: a set of members that does not hold this rank or leaves the group.
     """
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     members = _members(group)
     out: dict[tuple[int, ...], Any] = {}
-    for c in sizes:
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1 or world % c:
-            raise ValueError(f"CP size {c!r} must be a positive integer dividing the DCP group's {world} ranks")
-        if c in (1, world):
-            continue
-        first = rank // c * c
-        local = tuple(range(first, first + c))
+    for local in member_sets:
+        local = tuple(int(r) for r in local)
+        if rank not in local or min(local) < 0 or max(local) >= world or list(local) != sorted(set(local)):
+            raise ValueError(f"CP group {list(local)}: expected distinct ascending ranks of the DCP group's {world} "
+                             f"holding rank {rank}")
         key = (tuple(members[i] for i in local), "cp", None if timeout is None else timeout.total_seconds())
         if key not in _GROUPS:
             backend = dist.get_backend(group)

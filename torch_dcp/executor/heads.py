@@ -38,8 +38,8 @@ A2A_NAMES = {phase: f"{'backward' if backward else 'forward'} pass, head all-to-
 
 class _InnerTransport(Transport):
     """The outer plan's transport of inner index ``inner``: outer rank ``g`` is rank
-    ``g * N + inner`` of the DCP group (collectives as point-to-point messages on it,
-    :meth:`Transport.all_gather`)."""
+    ``g * N + inner`` of the DCP group; its collectives are the base transport's on those
+    ranks."""
 
     def __init__(self, base: Transport, n: int, inner: int, outer_world: int, outer_rank: int):
         self.base, self.n, self.inner, self.world_size, self.rank = base, n, inner, outer_world, outer_rank
@@ -52,6 +52,16 @@ class _InnerTransport(Transport):
 
     def wait(self, handle):
         return self.base.wait(handle)
+
+    # collectives on the ranks of this inner index: the base transport's (NCCL's on a device)
+    def all_gather(self, phase, shard, out, members):
+        return self.base.all_gather(phase, shard, out, [m * self.n + self.inner for m in members])
+
+    def reduce_scatter(self, phase, inp, out, members):
+        return self.base.reduce_scatter(phase, inp, out, [m * self.n + self.inner for m in members])
+
+    def finish(self, collective):
+        return self.base.finish(collective)
 
 
 def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -19,7 +19,8 @@ __all__ = ["EXECUTORS", "RUNTIME_EXECUTORS", "make_executor"]
 EXECUTORS: dict[type, type] = {Plan: RankExecutor, HeadParallelPlan: HeadParallelExecutor}
 #: a static family's runtime -> the executor that runs a :class:`Plan` of it as its authors do
 #: (a runtime not listed runs on the plan type's executor)
-RUNTIME_EXECUTORS: dict[Runtime, type] = {Runtime.ALLGATHER: AllGatherExecutor, Runtime.DCP_ALLGATHER: AllGatherExecutor}
+RUNTIME_EXECUTORS: dict[Runtime, type] = {Runtime.ALLGATHER: AllGatherExecutor,
+                                          Runtime.DCP_ALLGATHER: AllGatherExecutor}
 
 
 def make_executor(plan: "Plan | HeadParallelPlan", rank: int, transport: Transport, **options: Any) -> Any:
