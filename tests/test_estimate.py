@@ -76,10 +76,10 @@ def test_plan_simulates_the_shortlist_and_every_rival():
     # local tail) are simulated
     rivals = [lab for lab in labels if ":" in lab and " (" not in lab]
     reschedules = [lab for lab in labels if " (" in lab]
-    if plan.placement.runtime is Runtime.EXECUTOR:  # a static runtime's plan has no other schedules
-        assert 1 <= len(reschedules) <= 4 and labels[-len(reschedules):] == reschedules
-    else:
-        assert not reschedules and plan.planner.startswith("dcp:allgather/cp")
+    # the other schedules of the fastest plan on torch_dcp's executor, even where a static
+    # runtime's plan won (it has no other schedules of its own)
+    assert 1 <= len(reschedules) <= 4 and labels[-len(reschedules):] == reschedules
+    assert plan.placement.runtime is Runtime.EXECUTOR or plan.planner.startswith("dcp:allgather/cp")
     assert len(simulated) <= SIMULATED + len(rivals) + len(reschedules)
     assert "dcp:bytes" in rivals and "dcp:ring" in rivals
     # the plan returned is the fastest simulated, never slower than a rival (simulated, or its

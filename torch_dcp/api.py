@@ -212,7 +212,8 @@ def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel", simulated:
     (:func:`torch_dcp.floors.floor_seconds`) lies above a simulated time is skipped, since
     it cannot win, and so is the backward of one whose forward and backward floor do
     (:func:`torch_dcp.simulate.simulate_within`). The winner is then also timed with other
-    schedules of its placement (:func:`_reschedules`; ``deeper``: with more divisions too)."""
+    schedules of its placement (:func:`_reschedules`; ``deeper``: with more divisions too), or,
+    where a static runtime's plan won, the fastest plan on torch_dcp's executor is."""
     from .estimate import estimate_seconds
     from .floors import floor_seconds
     from .simulate import simulate_within
@@ -241,9 +242,19 @@ def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel", simulated:
             own += 1
             times[i] = consider(plans[i], floors[i])
     timed = [(p.planner, t) for p, t in zip(plans, times)]
-    for name, other in _reschedules(chosen, deeper):
-        timed.append((f"{chosen.planner} ({name})", consider(other, floor_seconds(other, cm))))
+    # other schedules of the fastest plan on torch_dcp's executor (by simulated time, else by
+    # estimate): a static runtime's plan may beat its first schedule but not its others
+    on_executor = [i for i, p in enumerate(plans) if _outer(p).placement.runtime is Runtime.EXECUTOR]
+    if on_executor:
+        base = plans[min(on_executor, key=lambda i: (times[i] if times[i] == times[i] else float("inf"),
+                                                     estimates[i]))]
+        for name, other in _reschedules(base, deeper):
+            timed.append((f"{base.planner} ({name})", consider(other, floor_seconds(other, cm))))
     return chosen, timed
+
+
+def _outer(p: "Plan | HeadParallelPlan") -> Plan:
+    return p.outer if isinstance(p, HeadParallelPlan) else p
 
 
 def _head_parallel(p: "Plan | HeadParallelPlan") -> int:
@@ -260,8 +271,7 @@ def _rival(p: "Plan | HeadParallelPlan", widest: int) -> bool:
     by estimate like dcp's own."""
     n = _head_parallel(p)
     widest_rival = p.planner.startswith(("dcp:ring", "dcp:documents"))
-    outer = p.outer if isinstance(p, HeadParallelPlan) else p
-    static = outer.placement.runtime.gathers  # a closed form: simulated at every N
+    static = _outer(p).placement.runtime.gathers  # a closed form: simulated at every N
     return ":" in p.planner and (n == 1 or static or (n == widest and widest_rival))
 
 
@@ -342,7 +352,7 @@ def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple
     else at its ``T``), then a local tail (:data:`LOCAL_TAIL`). Empty where the placement has no
     such variant (ring attention's own steps; node first and local tail need 3 divisions per
     round)."""
-    outer = chosen.outer if isinstance(chosen, HeadParallelPlan) else chosen
+    outer = _outer(chosen)
     pl, topo = outer.placement, outer.topology
     rounds = pl.tile_round
     per_round = outer.divisions // (1 if rounds is None or rounds.size == 0 else int(rounds.max()) + 1)
