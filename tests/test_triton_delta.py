@@ -6,6 +6,7 @@ run in a process started with it (:func:`test_in_the_interpreter`)."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -34,7 +35,7 @@ def test_in_the_interpreter():
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here), "-k",
                           "not test_in_the_interpreter"], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    assert "14 passed" in res.stdout, res.stdout[-500:]
+    assert "20 passed" in res.stdout, res.stdout[-500:]
 
 
 def _case(n: int, h: int, d: int, dtype: torch.dtype, wide: bool = False):
@@ -114,3 +115,26 @@ def test_flex_backward_inputs_match_the_torch_formulas(interpret, dtype):
     assert lse2.shape == (4, 9) and lse2.is_contiguous() and (lse2 - want_lse).abs().max().item() <= 1e-6
     want_g = ((do.float() * out.float()).sum(-1) - delta).t() * math.log(2)
     assert glse.shape == (4, 9) and (glse - want_g).abs().max().item() <= 1e-5 * max(1.0, want_g.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 1e-5)])
+@pytest.mark.parametrize("wide", [False, True])
+def test_output_delta_is_the_rowsum_in_the_accumulation_dtype(interpret, dtype, tol, wide):
+    """torch_dcp::output_delta: rowsum(dO * O) per row and head, written into a strided field,
+    the bf16 products summed in float32 (exact products: the float64 sum to float32's rounding),
+    as the torch version on CPU computes it."""
+    from torch_dcp.executor.kernels.base import output_delta
+    from torch_dcp.executor.triton_delta import output_delta_triton
+
+    do, _ = _case(6, 3, 72, dtype, wide)
+    o = torch.randn(6, 3, 80, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(dtype)[..., 4:76]
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    row = torch.full((6, 5), math.nan, dtype=acc)
+    into = row[:, 1:4]  # a field of a wider row
+    got = output_delta_triton(do, o, into)
+    want = (do.double() * o.double()).sum(-1)
+    assert got is into and torch.isnan(row[:, 0]).all() and torch.isnan(row[:, 4]).all()
+    assert (got.double() - want).abs().max().item() <= tol * want.abs().max().item()
+    assert (output_delta(do, o, acc).double() - want).abs().max().item() <= tol * want.abs().max().item()
+    with pytest.raises(ValueError, match=r"expected do and o \[N, H, D\], delta \[N, H\]"):
+        output_delta_triton(do, o[:, :2], into)

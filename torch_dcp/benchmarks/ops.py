@@ -162,14 +162,16 @@ class _CountedTransport(InProcessTransport):
         return self._transport_steps(super().wait(handle))
 
     def _transport_steps(self, gen):
+        # nested (finish waits through wait): each step restores where it was called from, so
+        # that a collective's last work (a reduce-scatter's sum) stays the transport's
         while True:
-            self.counter.where = "transport"
+            outer, self.counter.where = self.counter.where, "transport"
             try:
                 next(gen)
             except StopIteration:
                 return
             finally:
-                self.counter.where = "executor"
+                self.counter.where = outer
             yield
 
 

@@ -40,7 +40,7 @@ from .device_plan import host_to_device
 from .division import build_division
 from .executor import InstructionTime, RowChecks, _Clock, _drain
 from .kernels import DivisionKernel, get_kernel
-from .kernels.base import kernel_rows
+from .kernels.base import kernel_rows, output_delta
 from .reduce import add_rows, put_rows, take_rows
 from .transport import TransferError, Transport, located
 
@@ -107,7 +107,7 @@ class _Meta(NamedTuple):
     q: Any  # packed query rows of the local tensors
     kv: Any  # packed key/value rows of the gathered buffer (kernel order, padding included)
     out: Any  # local rows of the kernel's query results
-    kv_out: Any  # gathered rows of the kernel's dK/dV results
+    dkv: Any  # rows of the kernel's dK then dV results in the reduce-scatter's buffer
     meta: Any
     kv_once: bool = True  # every gathered row read once (a kernel may read one several times)
 
@@ -195,8 +195,12 @@ class AllGatherExecutor(RowChecks):
         lay = self.kernel.prepare(div)
         q_rows, kv_rows, q_idx, kv_idx = kernel_rows(div, lay)
         arrays = {k: host_to_device(torch.from_numpy(np.ascontiguousarray(a)), device) for k, a in lay.arrays.items()}
+        # the reduce-scatter's buffer is member-major, [G, 2, R, H_kv D] (each member's dK rows, then
+        # its dV rows), so that a member's summed dK and dV are contiguous rows of its shard
+        r = self.shard_rows
+        dk_rows = kv_rows // r * 2 * r + kv_rows % r
         self._meta = _Meta(device, _rows(q_idx, device), _rows(kv_idx, device), _rows(q_rows, device),
-                           _rows(kv_rows, device), self.kernel.bind(arrays, lay.static),
+                           _rows(np.concatenate((dk_rows, dk_rows + r)), device), self.kernel.bind(arrays, lay.static),
                            len(np.unique(kv_rows)) == len(kv_rows))
         return self._meta
 
@@ -230,8 +234,8 @@ class AllGatherExecutor(RowChecks):
         return (yield from self._run_collective(backward, "all-gather", self.transport.all_gather, shard, out))
 
     def _scatter(self, dkv: torch.Tensor) -> Generator[None, None, torch.Tensor]:
-        """This rank's rows of the CP group's summed ``dkv`` (``[G R, F]``): ``[R, F]``."""
-        out = torch.empty(self.shard_rows, dkv.shape[1], dtype=dkv.dtype, device=dkv.device)
+        """This rank's rows of the CP group's summed ``dkv`` (``[G 2 R, F]``): ``[2 R, F]``."""
+        out = torch.empty(2 * self.shard_rows, dkv.shape[1], dtype=dkv.dtype, device=dkv.device)
         return (yield from self._run_collective(True, "reduce-scatter", self.transport.reduce_scatter, dkv, out))
 
     # ------------------------------------------------------------------ passes
@@ -290,7 +294,7 @@ class AllGatherExecutor(RowChecks):
             kp, vp = yield from self._keys(True, k, v, m)
         alone = len(self.members) == 1
         if m.meta is not None:
-            delta = torch.sum(dout.to(self.acc) * out, -1)
+            delta = output_delta(dout, out, self.acc)
             qp, dop, lsep, deltap = (take_rows(t, m.q) for t in (q, dout, lse.to(self.acc), delta))
             dq, dk, dv = self._timed(True, lambda: self.kernel.backward(qp, kp, vp, dop, lsep, deltap, m.meta, scale,
                                                                         self.acc))
@@ -300,21 +304,21 @@ class AllGatherExecutor(RowChecks):
                 dq_all = torch.zeros(s, h, d, dtype=self.acc, device=q.device)
                 add_rows(dq_all, m.out, dq)
                 dq_all = dq_all.to(q.dtype)
-            if alone and m.kv_out == slice(0, s):  # its own keys, every row in order: nothing to reduce
+            if alone and m.dkv == slice(0, 2 * s):  # its own keys, every row in order: nothing to reduce
                 return dq_all, dk.to(k.dtype), dv.to(v.dtype)
         else:
             dq_all = q.new_zeros(s, h, d)
         # dK and dV in the K/V dtype, as TransformerEngine's all-gather CP reduces them: written
         # where the kernel read every gathered row once, else added up in the accumulation dtype
-        once = m.meta is None or m.kv_once
-        dkv = torch.zeros(len(self.members) * self.shard_rows, 2 * hkv * d, dtype=k.dtype if once else self.acc,
-                          device=q.device)
-        if m.meta is not None:
-            (put_rows if once else add_rows)(dkv, m.kv_out, torch.cat((dk.flatten(1), dv.flatten(1)), 1))
+        once, r = m.meta is None or m.kv_once, self.shard_rows
+        dt = k.dtype if once else self.acc
+        dkv = torch.zeros(len(self.members) * 2 * r, hkv * d, dtype=dt, device=q.device)
+        if m.meta is not None:  # the kernel's dK and dV rows, in dkv's dtype (one copy)
+            vals = torch.empty(2 * dk.shape[0], hkv * d, dtype=dt, device=q.device)
+            (put_rows if once else add_rows)(dkv, m.dkv, torch.cat((dk.flatten(1), dv.flatten(1)), 0, out=vals))
         dkv = dkv.to(k.dtype)
-        mine = dkv if alone else (yield from self._scatter(dkv))
-        kv = mine[:s].unflatten(1, (2 * hkv, d))
-        return dq_all, kv[:, :hkv].contiguous(), kv[:, hkv:].contiguous()
+        mine = dkv if alone else (yield from self._scatter(dkv))  # [2 R, H_kv D]: dK rows, then dV rows
+        return dq_all, mine[:s].view(s, hkv, d), mine[r:r + s].view(s, hkv, d)
 
     # ------------------------------------------------------------------ public API
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

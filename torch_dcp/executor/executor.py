@@ -28,6 +28,7 @@ from ..plan import Plan
 from ..workload import Buf
 from .device_plan import AttentionStep, CopyStep, DevicePlan, LaunchStep, ReductionStep, UploadedPlan, WaitStep
 from .kernels import DivisionKernel, get_kernel
+from .kernels.base import output_delta
 from .reduce import add_rows, merge_partials, put_rows, take_rows
 from .transport import TransferError, Transport, located
 
@@ -411,11 +412,7 @@ class RankExecutor(RowChecks):
         h, hkv, d = q.shape[1], k.shape[1], q.shape[2]
         self._alloc(run, True, h, hkv, d, q.dtype, q.device)
         S, acc = self.local_rows, self.acc
-        delta = run.bufs[Buf.Q].fields["delta"][:S]
-        if dout.dtype == acc:
-            torch.sum(dout * out, -1, out=delta)
-        else:  # the product in acc: out is promoted inside the multiplication
-            torch.sum(dout.to(acc) * out, -1, out=delta)
+        output_delta(dout, out, acc, into=run.bufs[Buf.Q].fields["delta"][:S])
         run.local = {Buf.Q: [q, dout, lse], Buf.KV: [k, v]}
         # the gradients in the inputs' dtypes, converted as the final reductions write them (a result
         # that is an accumulator itself is converted below); dK and dV apart: results that share

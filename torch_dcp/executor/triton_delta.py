@@ -32,11 +32,13 @@ import torch
 
 from .triton_merge import _plain, launch, tl, triton, triton_available
 
-__all__ = ["out_with_delta_triton", "flex_backward_inputs_triton", "OP_NAME", "LSE_OP_NAME", "FLEX_OP_NAME"]
+__all__ = ["out_with_delta_triton", "flex_backward_inputs_triton", "output_delta_triton", "OP_NAME", "LSE_OP_NAME",
+           "FLEX_OP_NAME", "DELTA_OP_NAME"]
 
 OP_NAME = "torch_dcp::out_with_delta"
 LSE_OP_NAME = "torch_dcp::out_with_delta_lse"
 FLEX_OP_NAME = "torch_dcp::flex_backward_inputs"
+DELTA_OP_NAME = "torch_dcp::output_delta"
 _TILE = 1024  # elements of one program's [heads, head_dim] tile
 
 
@@ -62,6 +64,36 @@ def _out_with_delta_kernel(do, delta, out, lse, lse_t, glse, N, H, sd_r, sd_h, s
             gl = (tl.sum(g * o.to(ACC), axis=1) - dl) * 0.6931471805599453
             tl.store(glse + at, gl.to(tl.float32), mask=h_ok)
         tl.store(lse_t + at, e, mask=h_ok)
+
+
+def _output_delta_kernel(do, o, delta, H, sd_r, sd_h, sd_d, so_r, so_h, so_d, sl_r, sl_h, ACC: tl.constexpr,
+                         D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ds = tl.arange(0, BLOCK_D)
+    h_ok = hs < H
+    hd_ok = h_ok[:, None] & (ds < D)[None, :]
+    g = tl.load(do + i * sd_r + hs[:, None] * sd_h + ds[None, :] * sd_d, mask=hd_ok, other=0.0).to(ACC)
+    x = tl.load(o + i * so_r + hs[:, None] * so_h + ds[None, :] * so_d, mask=hd_ok, other=0.0).to(ACC)
+    tl.store(delta + i * sl_r + hs * sl_h, tl.sum(g * x, axis=1).to(delta.dtype.element_ty), mask=h_ok)
+
+
+def _launch_delta(do: torch.Tensor, o: torch.Tensor, delta: torch.Tensor, wrap: bool) -> None:
+    n, H, D = do.shape
+    if n == 0:
+        return
+    block_d = triton.next_power_of_2(int(D))
+    block_h = min(triton.next_power_of_2(int(H)), max(1, _TILE // block_d))
+    acc = tl.float64 if torch.float64 in (do.dtype, o.dtype, delta.dtype) else tl.float32
+    consts = dict(ACC=acc, D=int(D), BLOCK_H=block_h, BLOCK_D=block_d,
+                  num_warps=max(1, min(8, block_h * block_d // 256)))
+    launch(_output_delta_kernel, (n, triton.cdiv(H, block_h)), (do, o, delta, H, *do.stride(), *o.stride(),
+                                                               *delta.stride()), consts, wrap, do, DELTA_OP_NAME)
+
+
+def _output_delta(do: torch.Tensor, o: torch.Tensor, delta: torch.Tensor) -> None:
+    """The body of ``torch_dcp::output_delta`` (see :func:`output_delta_triton`)."""
+    _launch_delta(do, o, delta, wrap=True)
 
 
 def _launch(do: torch.Tensor, delta: torch.Tensor, out: torch.Tensor, wrap: bool, lse: torch.Tensor | None = None,
@@ -105,6 +137,36 @@ if triton is not None:
     torch.library.triton_op(OP_NAME, mutates_args={"out"})(_out_with_delta)
     torch.library.triton_op(LSE_OP_NAME, mutates_args={"out", "lse_t"})(_out_with_delta_lse)
     torch.library.triton_op(FLEX_OP_NAME, mutates_args={"out", "lse_t", "glse"})(_flex_backward_inputs)
+    torch.library.triton_op(DELTA_OP_NAME, mutates_args={"delta"})(_output_delta)
+
+
+def output_delta_triton(do: torch.Tensor, o: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``delta = rowsum(dO * O)`` per row and head (FlashAttention-2, arXiv:2307.08691,
+    Algorithm 2, line 4) in one launch, the product and the sum in float32 (float64 where a
+    tensor is), written into ``delta``.
+
+    Args:
+        do, o: ``[N, H, D]`` floating, any strides, one device. delta: ``[N, H]`` floating, any
+            strides (a field of a wider row), written.
+
+    Returns:
+        ``delta``.
+
+    Raises:
+        RuntimeError: Triton is not available for ``do``'s device.
+        ValueError: shapes or devices that do not match.
+    """
+    if not triton_available(do.device):
+        raise RuntimeError(f"output_delta_triton: Triton is not available for {do.device}")
+    if (do.dim() != 3 or tuple(o.shape) != tuple(do.shape) or tuple(delta.shape) != tuple(do.shape[:2])
+            or o.device != do.device or delta.device != do.device):
+        raise ValueError(f"output_delta_triton: expected do and o [N, H, D], delta [N, H] on one device, got "
+                         f"{list(do.shape)}, {list(o.shape)}, {list(delta.shape)}")
+    if not torch.compiler.is_compiling() and _plain(do, o, delta):
+        _launch_delta(do, o, delta, wrap=False)
+    else:
+        torch.ops.torch_dcp.output_delta(do, o, delta)
+    return delta
 
 
 def flex_backward_inputs_triton(do: torch.Tensor, delta: torch.Tensor, lse: torch.Tensor,

@@ -34,7 +34,8 @@ import torch
 from ..division import Division
 from ..reduce import triton_runs_on
 
-__all__ = ["KernelLayout", "kernel_rows", "DivisionKernel", "GroupKernel", "ReferenceKernel", "out_with_delta", "flash_backward_inputs"]
+__all__ = ["KernelLayout", "kernel_rows", "DivisionKernel", "GroupKernel", "ReferenceKernel", "out_with_delta", "output_delta",
+           "flash_backward_inputs"]
 
 
 class KernelLayout(NamedTuple):
@@ -105,6 +106,23 @@ class DivisionKernel(Protocol):
         attention restricted to the division's pairs, given the final LSE and delta (packed like
         ``q``)."""
         ...
+
+
+def output_delta(do: torch.Tensor, out: torch.Tensor, acc_dtype: torch.dtype,
+                 into: torch.Tensor | None = None) -> torch.Tensor:
+    """``delta = rowsum(dO * O)`` per row and head, the backward's input beside the final LSE
+    (FlashAttention-2, arXiv:2307.08691, Algorithm 2, line 4), the product in ``acc_dtype``.
+    Shapes: ``do, out [N, H, D]``; returns ``[N, H]`` (``into``, written, where given; else
+    ``acc_dtype``). On CUDA with Triton: one launch
+    (:func:`~torch_dcp.executor.triton_delta.output_delta_triton`)."""
+    if into is None:
+        into = torch.empty(do.shape[:2], dtype=acc_dtype, device=do.device)
+    if triton_runs_on(do):
+        from ..triton_delta import output_delta_triton
+
+        return output_delta_triton(do, out, into)
+    prod = do * out if do.dtype == acc_dtype else do.to(acc_dtype) * out  # out is promoted in the product
+    return torch.sum(prod, -1, out=into)
 
 
 def out_with_delta(do: torch.Tensor, delta: torch.Tensor, acc_dtype: torch.dtype,
