@@ -38,6 +38,15 @@ the target; else ``placement``. Each cluster ends with
 the range (min-median-max) of ``dcp / best`` and of the speedup over each family at its best CP
 size, and over ring attention across the whole world (CP size ``W``, the configuration the
 paper benchmark's ``ring`` column runs).
+
+Beside the times, every configuration's peak attention memory per rank (MiB: the tokens a rank
+holds plus the keys and values of other ranks it holds at once, as its runtime runs it;
+:func:`~torch_dcp.plan.memory.attention_memory`): ``dcp_peak_mib``, ``<family>_peak_mib`` at the
+family's best CP size (``<family>_peak_by_cp_mib`` at each), ``best_baseline_peak_mib``. Each
+cluster's summary gives the best baseline's peak over dcp's (min-median-max), the tuned
+configuration's, and names the batches where the best baseline holds more than ``1 +
+eps_memory`` times dcp's peak (dcp's own memory tolerance): its speed bought with memory dcp does
+not spend.
 """
 
 from __future__ import annotations
@@ -51,12 +60,14 @@ import numpy as np
 
 from ..topology import Topology
 from .common import MASKS, bench_batch, paper_batches, paper_sources, progress
-from .static_cp import STATIC_FAMILIES, split_documents, static_cp_seconds
+from .static_cp import STATIC_FAMILIES, split_documents, static_cp_runs, static_cp_seconds
 
 __all__ = ["tuned_static", "TARGET", "parse_clusters", "compare_batch", "bench_compare", "summarize"]
 
 #: dcp's time over the best baseline's above which a batch is listed as an exception
 TARGET = 1.03
+#: bytes per MiB (the memory columns)
+MIB = float(1 << 20)
 #: dcp's memory tolerance (``eps_memory``, its default): every candidate holds at most this much
 #: over the mean resident tokens on a rank
 DCP_MEMORY_EPS = 0.1
@@ -93,6 +104,7 @@ def compare_batch(batch, topology: Topology, cm, block_sizes: list[int]) -> dict
     baseline, ``dcp_over_best`` and, past :data:`TARGET`, the ``exception`` and its cause."""
     import torch_dcp
 
+    from ..plan.memory import attention_memory
     from ..simulate import simulate
 
     row: dict[str, Any] = {}
@@ -106,22 +118,27 @@ def compare_batch(batch, topology: Topology, cm, block_sizes: list[int]) -> dict
             best_dcp = (ms, bs, plan, plan_s)
     ms, bs, plan, plan_s = best_dcp
     row.update(dcp_ms=ms, dcp_block_size=bs, dcp_plan=plan.planner, dcp_plan_seconds=plan_s,
-               dcp_kernels_ms=simulate(plan, cm.with_executor(None)).makespan_s * 1e3)
+               dcp_kernels_ms=simulate(plan, cm.with_executor(None)).makespan_s * 1e3,
+               dcp_peak_mib=float(attention_memory(plan).max()) / MIB)
     baselines: dict[str, float] = {}
     for family in STATIC_FAMILIES:
-        times = static_cp_seconds(family, batch, topology, cm)
-        if not times:
+        runs = static_cp_runs(family, batch, topology, cm)
+        if not runs:
             row[f"{family}_ms"] = None
             continue
-        c = min(times, key=lambda k: (times[k], k))
-        row[f"{family}_ms"], row[f"{family}_cp"] = times[c] * 1e3, c
-        row[f"{family}_by_cp_ms"] = {str(k): v * 1e3 for k, v in times.items()}
-        baselines[family] = times[c] * 1e3
+        c = min(runs, key=lambda k: (runs[k].seconds, k))
+        row[f"{family}_ms"], row[f"{family}_cp"] = runs[c].seconds * 1e3, c
+        row[f"{family}_peak_mib"] = runs[c].peak_bytes / MIB
+        row[f"{family}_by_cp_ms"] = {str(k): v.seconds * 1e3 for k, v in runs.items()}
+        row[f"{family}_peak_by_cp_mib"] = {str(k): v.peak_bytes / MIB for k, v in runs.items()}
+        baselines[family] = runs[c].seconds * 1e3
     mega = torch_dcp.plan(batch, topology, planner="megatron", cost_model=cm)
     row["megatron_ms"] = baselines["megatron"] = simulate(mega, cm).makespan_s * 1e3
+    row["megatron_peak_mib"] = float(attention_memory(mega).max()) / MIB
     best = min(baselines, key=baselines.__getitem__)
     row["best_baseline"] = best + (f"@{row[f'{best}_cp']}" if f"{best}_cp" in row else "")
     row["best_baseline_ms"] = baselines[best]
+    row["best_baseline_peak_mib"] = row[f"{best}_peak_mib"]
     row["dcp_over_best"] = ms / baselines[best]
     if row["dcp_over_best"] > TARGET:
         row["exception"] = _cause(row, best, batch, topology, cm)
@@ -229,6 +246,11 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
     out["speedup_vs_ring_world"] = _span(world)
     out["exceptions"] = [{k: r[k] for k in ("scale", "batch", "mask", "dcp_over_best", "best_baseline", "exception")}
                          for r in rows if "exception" in r]
+    peaks = [r for r in rows if "best_baseline_peak_mib" in r]  # rows of runs that measured memory
+    out["best_peak_over_dcp"] = _span([r["best_baseline_peak_mib"] / r["dcp_peak_mib"] for r in peaks])
+    out["more_memory"] = [{"scale": r["scale"], "batch": r["batch"], "mask": r["mask"],
+                           "best_baseline": r["best_baseline"], "peak_over_dcp": r["best_baseline_peak_mib"] / r["dcp_peak_mib"]}
+                          for r in peaks if r["best_baseline_peak_mib"] > r["dcp_peak_mib"] * (1.0 + DCP_MEMORY_EPS)]
     out["total_speedup_vs_best"] = sum(r["best_baseline_ms"] for r in rows) / sum(r["dcp_ms"] for r in rows)
     out["tuned"] = tuned_static(rows)
     out["tuned_by_mask"] = {m: tuned_static([r for r in rows if r["mask"] == m])
@@ -253,7 +275,9 @@ def tuned_static(rows: list[dict]) -> dict[str, Any] | None:
     family, cp, total = best
     return {"family": family, "cp": int(cp), "total_ms": total,
             "total_speedup": total / sum(r["dcp_ms"] for r in rows),
-            "speedup": _span([r[f"{family}_by_cp_ms"][cp] / r["dcp_ms"] for r in rows])}
+            "speedup": _span([r[f"{family}_by_cp_ms"][cp] / r["dcp_ms"] for r in rows]),
+            "peak_over_dcp": _span([r[f"{family}_peak_by_cp_mib"][cp] / r["dcp_peak_mib"] for r in rows
+                                    if f"{family}_peak_by_cp_mib" in r])}
 
 
 def _rounded(x: Any) -> Any:
@@ -274,12 +298,13 @@ def _table(cluster: str, source: str, rows: list[dict], summary: dict, out) -> N
     p = lambda s="": print(s, file=out)  # noqa: E731
     p(f"\n### {cluster}, simulated ({source})\n")
     p("| scale | batch | mask | dcp ms | ring ms (c) | allgather ms (c) | ulysses ms (c) | hcp ms (c) | megatron ms "
-      "| best baseline | dcp / best |")
-    p("|---|---|---|---|---|---|---|---|---|---|---|")
+      "| best baseline | dcp / best | peak MiB dcp / best |")
+    p("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cells = [f"{r[f'{f}_ms']:.2f} ({r[f'{f}_cp']})" if r.get(f"{f}_ms") else "-" for f in STATIC_FAMILIES]
         p(f"| {r['scale']:g} | {r['batch']} | {r['mask']} | {r['dcp_ms']:.2f} | " + " | ".join(cells)
-          + f" | {r['megatron_ms']:.2f} | {r['best_baseline']} | {r['dcp_over_best']:.3f} |")
+          + f" | {r['megatron_ms']:.2f} | {r['best_baseline']} | {r['dcp_over_best']:.3f} | "
+          f"{r['dcp_peak_mib']:.0f} / {r['best_baseline_peak_mib']:.0f} |")
     p(f"\ndcp / best baseline (min-median-max): {_fmt(summary['dcp_over_best'])}; within {TARGET} on "
       f"{summary['within_target']}/{summary['batches']} batches; speedup (baseline / dcp) over the best "
       f"{_fmt(summary['speedup_vs_best'])}, " + ", ".join(
@@ -289,7 +314,11 @@ def _table(cluster: str, source: str, rows: list[dict], summary: dict, out) -> N
     for name, t in (*summary["tuned_by_mask"].items(), ("all masks", summary["tuned"])):
         if t:
             p(f"- {name}: {t['family']}@{t['cp']}, its total / dcp's {t['total_speedup']:.2f}, per batch "
-              f"{_fmt(t['speedup'])}")
+              f"{_fmt(t['speedup'])}; its peak attention memory per rank / dcp's {_fmt(t['peak_over_dcp'])}")
+    p(f"\nPeak attention memory per rank, the best baseline / dcp: {_fmt(summary['best_peak_over_dcp'])}; "
+      f"{len(summary['more_memory'])} batches where the best baseline holds more than {1.0 + DCP_MEMORY_EPS:.2f}x dcp's"
+      + "".join(f"\n- more memory: scale {m['scale']:g} {m['batch']} {m['mask']}: {m['best_baseline']} holds "
+                f"{m['peak_over_dcp']:.2f}x dcp's peak" for m in summary["more_memory"]))
     for e in summary["exceptions"]:
         p(f"- exception: scale {e['scale']:g} {e['batch']} {e['mask']}: dcp / {e['best_baseline']} = "
           f"{e['dcp_over_best']:.3f} ({e['exception']})")
