@@ -17,8 +17,8 @@ Per rank ``r``, in bytes:
   - TransformerEngine's ring (``TE_RING``): two K/V shards of its group's largest rank, the
     step's and the next step's receive buffer (``AttnFuncWithCPAndKVP2P`` double-buffers);
     none on a ring of one rank;
-  - torch_dcp's executor (``EXECUTOR``): the rows of its K/V buffer beyond its own tokens, the
-    larger of the two passes (:meth:`~torch_dcp.plan.Plan.buffer_sizes`);
+  - torch_dcp's executor (``EXECUTOR``): the K/V blocks it fetches (its route table's rows), all
+    held in its K/V buffer during a pass (:meth:`~torch_dcp.plan.Plan.buffer_sizes`);
 
 * a head-parallel plan (Ulysses, HCP, dcp's ``/hpN`` plans): the rank's own tokens (before the
   all-to-all, still held for the backward) plus its outer rank's memory at ``H / N`` heads
@@ -56,13 +56,11 @@ def _ring(plan: Any) -> np.ndarray:
 
 
 def _executor(plan: Any) -> np.ndarray:
-    """Rows of each rank's K/V buffer beyond its own tokens, the larger pass."""
-    out = np.zeros(plan.world_size, np.int64)
-    for r in range(plan.world_size):
-        sizes = plan.buffer_sizes(r)
-        rows = max(sizes.get("fwd_kv", 0), sizes.get("bwd_kv", 0))
-        out[r] = max(0, rows - sizes["local"])
-    return out
+    """Rows of the K/V blocks each rank fetches: its K/V buffer holds every one of a pass beside
+    its own rows (:meth:`~torch_dcp.plan.Plan.buffer_sizes`), relays included."""
+    t, blen = plan.tables, plan.workload.block_len
+    kv = t["fetch_kind"] == 1
+    return np.bincount(t["fetch_rank"][kv], weights=blen[t["fetch_block"][kv]], minlength=plan.world_size)
 
 
 #: rows of other ranks' K/V a rank holds at once, per runtime
