@@ -486,9 +486,12 @@ class RankExecutor(RowChecks):
         kvf = kvb.view_rows(take_rows(kvb.words, bound["kv"]))
         if not run.backward:
             out, lse = self.kernel.forward(qf["q"], kvf["k"], kvf["v"], bound["meta"], scale, self.acc)
-            op = run.bufs[Buf.OPART].fields
-            put_rows(op["o"], bound["out"], out)
-            put_rows(op["lse"], bound["out"], lse)
+            op = run.bufs[Buf.OPART]
+            if isinstance(bound["out"], slice) and op.flat is not None:  # the row is o then lse: one write
+                torch.cat((out.flatten(1), lse), 1, out=op.flat[bound["out"]])
+            else:
+                put_rows(op.fields["o"], bound["out"], out)
+                put_rows(op.fields["lse"], bound["out"], lse)
             return
         dq, dk, dv = self.kernel.backward(qf["q"], kvf["k"], kvf["v"], qf["do"], qf["lse"], qf["delta"], bound["meta"],
                                           scale, self.acc)
@@ -497,8 +500,10 @@ class RankExecutor(RowChecks):
         if isinstance(bound["kv_out"], slice) or dkv.flat is None:
             add_rows(dkv.fields["dk"], bound["kv_out"], dk)
             add_rows(dkv.fields["dv"], bound["kv_out"], dv)
-        else:  # scattered rows: dK and dV side by side, one conversion and one index_add_ for both
-            add_rows(dkv.flat.unflatten(1, (2 * dk.shape[1], dk.shape[2])), bound["kv_out"], torch.cat((dk, dv), 1))
+        else:  # scattered rows: dK and dV side by side, converted as they are concatenated, one index_add_
+            flat = dkv.flat.unflatten(1, (2 * dk.shape[1], dk.shape[2]))
+            both = torch.empty(dk.shape[0], *flat.shape[1:], dtype=flat.dtype, device=dk.device)
+            add_rows(flat, bound["kv_out"], torch.cat((dk, dv), 1, out=both))
 
     def on_reduction(self, step: ReductionStep, bound: dict, run: _Run, scale: float) -> None:
         src = run.bufs[step.src_buf]
