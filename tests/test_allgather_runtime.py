@@ -21,8 +21,8 @@ from torch_dcp.executor.allgather import AllGatherExecutor, collective_groups
 from torch_dcp.executor.replay import EagerRecorder
 from torch_dcp.planners import Runtime, plan_allgather
 from torch_dcp.planners.static import cp_sizes
-from torch_dcp.runtimes import on_executor
-from torch_dcp.simulate import simulate
+from torch_dcp.sim.runtimes import on_executor
+from torch_dcp.sim.simulate import simulate
 from reference import context_step_errors, random_qkv, reference_attention, reference_with_grads
 from spawn import run_ranks
 from test_exact import HEADS, MASKS, _batch, _check

@@ -15,7 +15,7 @@ from torch_dcp.benchmarks import cli
 from torch_dcp.benchmarks.compare import TARGET, bench_compare, compare_batch, parse_clusters
 from torch_dcp.benchmarks.static_cp import (cp_sizes, group_batch, group_topology, split_documents,
                                             static_cp_seconds)
-from torch_dcp.simulate import simulate
+from torch_dcp.sim.simulate import simulate
 
 
 def _batch(lens, mask=Causal(), heads=(8, 2)):

@@ -84,7 +84,7 @@ def test_simulator_charges_the_executor_costs():
         KernelCosts("sdpa", LaunchCosts(**{**ex.general.forward.__dict__, "fixed": ex.general.forward.fixed + 1e-3}),
                     ex.general.backward), copy=ex.copy, merge=ex.merge, sum=ex.sum, pack=ex.pack,
         pass_fixed=ex.pass_fixed, pass_byte=ex.pass_byte))
-    a, b = torch_dcp.simulate(plan, base), torch_dcp.simulate(plan, bumped)
+    a, b = torch_dcp.sim.simulate(plan, base), torch_dcp.sim.simulate(plan, bumped)
     launches = np.array([sum(1 for ins in plan.program(r, False).instructions if type(ins).__name__ == "BlockwiseAttention")
                          for r in range(plan.world_size)])
     assert np.allclose(b.forward.busy_s - a.forward.busy_s, launches * 1e-3)
@@ -186,7 +186,7 @@ def test_shared_cores_floor():
     flat plan and a head-parallel one (whose all-to-alls cost host time too); without shared cores
     the simulation is unchanged; the fields survive JSON, and a model written before them loads."""
     from torch_dcp.cost import Links
-    from torch_dcp.simulate import simulate
+    from torch_dcp.sim.simulate import simulate
 
     batch = BatchSpec([3000, 700, 1200, 64], Causal(), n_heads=4, n_kv_heads=2, head_dim=32)
     base = CostModel.load(str(auto.PRESET_DIR / "cpu.json"))

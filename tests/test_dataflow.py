@@ -8,9 +8,9 @@ import pytest
 import torch_dcp
 from torch_dcp import BatchSpec, Causal, Full, Lambda, Ranges, Topology
 from torch_dcp.cost import CostModel
-from torch_dcp.dataflow import simulate_dataflow
-from torch_dcp.floors import compute_floor_seconds, link_floor_seconds
-from torch_dcp.simulate import simulate
+from torch_dcp.sim.dataflow import simulate_dataflow
+from torch_dcp.sim.floors import compute_floor_seconds, link_floor_seconds
+from torch_dcp.sim.simulate import simulate
 from torch_dcp.workload import Buf, item_token_bytes
 
 from test_simulate import B, FLAT, _plan, _tile_seconds, _xfer

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torch_dcp
-from torch_dcp.runtimes import on_executor
+from torch_dcp.sim.runtimes import on_executor
 from torch_dcp import BatchSpec, BlockwiseCausal, Causal, Lambda, SharedQuestion, Topology
 from torch_dcp.planners import Routing
 from torch_dcp.planners.dcp import DCPHypergraph, estimate_seconds
@@ -199,7 +199,7 @@ def test_dcp_is_never_slower_than_ring_or_megatron_on_the_simulator(lens, mask, 
     resident tokens meet dcp's memory bound) and dcp's own compute-balanced plan are among
     dcp's candidates, and the plan returned is the fastest candidate on the simulator."""
     from torch_dcp.cost import CostModel
-    from torch_dcp.simulate import simulate
+    from torch_dcp.sim.simulate import simulate
 
     cm = CostModel.h100()
     batch = BatchSpec(lens, mask, n_heads=8, n_kv_heads=2, head_dim=128, dtype="bfloat16")
@@ -243,7 +243,7 @@ def test_candidates_are_timed_only_for_the_time_objective():
     few = torch_dcp.plan(batch, topo, planner="dcp", block_size=256, cost_model="h100", shortlist=1)
     assert len(plan.candidates) > len(few.candidates)
     from torch_dcp.cost import CostModel
-    from torch_dcp.simulate import simulate
+    from torch_dcp.sim.simulate import simulate
 
     cm = CostModel.h100()
     assert simulate(plan, cm).makespan_s <= simulate(few, cm).makespan_s * (1 + 1e-12)

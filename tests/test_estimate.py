@@ -1,4 +1,4 @@
-"""The division-level estimate of a plan's time (torch_dcp.estimate) against the simulator,
+"""The division-level estimate of a plan's time (torch_dcp.sim.estimate) against the simulator,
 and its use by torch_dcp.plan: the best few candidates by estimate, and every rival, simulated."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import pytest
 
 import torch_dcp
 from torch_dcp.planners import Runtime
-from torch_dcp.runtimes import on_executor
+from torch_dcp.sim.runtimes import on_executor
 from torch_dcp import BatchSpec, Causal, Lambda, Topology
 from torch_dcp.api import SIMULATED, _plans_at
 from torch_dcp.cost import CostModel
-from torch_dcp.estimate import estimate_seconds, pass_estimate_seconds
-from torch_dcp.floors import floor_seconds
-from torch_dcp.simulate import simulate
+from torch_dcp.sim.estimate import estimate_seconds, pass_estimate_seconds
+from torch_dcp.sim.floors import floor_seconds
+from torch_dcp.sim.simulate import simulate
 
 CM = CostModel.h100()
 LENS = [9000, 300, 4100, 77, 12000, 1500, 650, 2900]

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 
 import torch_dcp
-from torch_dcp.runtimes import on_executor
+from torch_dcp.sim.runtimes import on_executor
 from torch_dcp import BatchSpec, Causal, Lambda, Topology
 from torch_dcp.cost import CostModel
 from torch_dcp.plan import Plan, PlanError
 from torch_dcp.plan.heads import HeadLayout, HeadParallelPlan, head_parallel_sizes
-from torch_dcp.floors import floor_seconds
-from torch_dcp.simulate import simulate
+from torch_dcp.sim.floors import floor_seconds
+from torch_dcp.sim.simulate import simulate
 
 
 def _batch(h=8, hkv=2, mask=None, lens=(700, 57, 3000, 12, 420, 1500)):

@@ -78,7 +78,7 @@ def test_importing_the_core_loads_no_benchmark_module():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT.parent)
     loaded = json.loads(res.stdout.strip().splitlines()[-1])
-    assert "torch_dcp.executor.executor" in loaded and "torch_dcp.simulate" in loaded
+    assert "torch_dcp.executor.executor" in loaded and "torch_dcp.sim.simulate" in loaded
     assert not [m for m in loaded if m.startswith("torch_dcp.benchmarks")]
     assert not [m for m in loaded if m.split(".")[0] == "matplotlib"]
     assert "torch_dcp.integrations" in loaded  # the package's own __init__, importing no framework

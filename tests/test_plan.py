@@ -17,7 +17,7 @@ from torch_dcp.executor import InProcessTransport, Mailbox, make_executor
 from torch_dcp.plan.heads import HeadParallelPlan
 from torch_dcp.plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch
 from torch_dcp.planners import Routing
-from torch_dcp.runtimes import on_executor
+from torch_dcp.sim.runtimes import on_executor
 from torch_dcp.workload import Buf
 from reference import dense_batch_mask, random_qkv
 
@@ -489,4 +489,4 @@ def test_timed_plans_also_time_a_local_tail():
     labels = [name for name, _ in plan.candidates]
     assert labels[-1].endswith("(local tail)")
     best = np.nanmin([t for _, t in plan.candidates])
-    assert torch_dcp.simulate(plan, torch_dcp.CostModel.a100()).makespan_s == pytest.approx(best, rel=1e-12)
+    assert torch_dcp.sim.simulate(plan, torch_dcp.CostModel.a100()).makespan_s == pytest.approx(best, rel=1e-12)

@@ -13,7 +13,7 @@ from torch_dcp.cost import CostModel
 from torch_dcp.plan import CommLaunch, Plan, PlanError
 from torch_dcp.plan.routes import check_routes, direct_routes
 from torch_dcp.planners import Routing, Runtime
-from torch_dcp.simulate import ring_step_seconds, simulate
+from torch_dcp.sim.simulate import ring_step_seconds, simulate
 from torch_dcp.workload import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, Buf, item_token_bytes
 
 

@@ -1,4 +1,4 @@
-"""The baselines as their own implementations run them (torch_dcp.runtimes): TransformerEngine's
+"""The baselines as their own implementations run them (torch_dcp.sim.runtimes): TransformerEngine's
 ring against its step formula, all-gather CP against NCCL's collectives, and simulate() timing a
 plan with the model it was made with."""
 
@@ -15,8 +15,8 @@ from torch_dcp.benchmarks.common import bench_batch, paper_batches
 from torch_dcp.cost.collectives import Algorithm, algorithm_of, allgather_seconds, reduce_scatter_seconds
 from torch_dcp.planners import Runtime
 from torch_dcp.plan import load_plan
-from torch_dcp.runtimes import allgather_pass_seconds, on_executor
-from torch_dcp.simulate import ring_step_seconds, simulate
+from torch_dcp.sim.runtimes import allgather_pass_seconds, on_executor
+from torch_dcp.sim.simulate import ring_step_seconds, simulate
 from torch_dcp.workload import Buf, item_token_bytes
 
 

@@ -98,7 +98,7 @@ def test_timed_plans_also_time_a_node_first_schedule():
     assert any(label.endswith("(node first, T=6)") for label in labels), labels
     assert labels[-1].endswith("(local tail)")
     best = np.nanmin([t for _, t in plan.candidates])
-    assert torch_dcp.simulate(plan, torch_dcp.CostModel.a100()).makespan_s == pytest.approx(best, rel=1e-12)
+    assert torch_dcp.sim.simulate(plan, torch_dcp.CostModel.a100()).makespan_s == pytest.approx(best, rel=1e-12)
     assert plan.divisions == 6 and np.array_equal(plan.tile_division,
                                                   assign_divisions(plan.placement, 6, topo, node_first=True))
     # divisions given: node first at that T, not more

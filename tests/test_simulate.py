@@ -12,8 +12,8 @@ from torch_dcp import BatchSpec, Causal, Full, Plan, Ranges, Topology, Workload
 from torch_dcp.cost import A100, H100, CostModel, KernelTable
 from torch_dcp.planners import Placement
 from torch_dcp.schedule import assign_divisions
-from torch_dcp.floors import compute_floor_seconds, floor_seconds, kernel_floor_seconds, link_floor_seconds
-from torch_dcp.simulate import simulate
+from torch_dcp.sim.floors import compute_floor_seconds, floor_seconds, kernel_floor_seconds, link_floor_seconds
+from torch_dcp.sim.simulate import simulate
 from torch_dcp.workload import Buf, item_token_bytes
 
 B = 64
@@ -186,7 +186,7 @@ def test_topology_presets_and_rails():
 
 
 def test_links_back_fill_gaps():
-    from torch_dcp.simulate import _earliest_common_gap, _Link
+    from torch_dcp.sim.timeline import _earliest_common_gap, _Link
 
     a, b = _Link(), _Link()
     a.reserve(0.0, 5.0)  # a later transfer already holds link a over [0, 5)
@@ -237,7 +237,7 @@ def test_link_seconds_charge_ports_inside_a_node_and_rails_between_nodes():
 def test_simulate_within_gives_up_only_on_runs_that_cannot_finish_under_the_bound(head_parallel):
     # the forward runs first; the backward only where the forward plus the backward's floor
     # (and a head-parallel plan's all-to-alls) can still finish under the bound
-    from torch_dcp.simulate import simulate_within
+    from torch_dcp.sim.simulate import simulate_within
 
     batch = BatchSpec([3000, 900, 700, 300], Causal(), n_heads=8, n_kv_heads=2, head_dim=64)
     topo = Topology(n_nodes=2, ranks_per_node=2)

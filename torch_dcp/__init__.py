@@ -18,7 +18,7 @@ from .cost import CostModel
 from .executor import RankExecutor, dcp_attention, emulate
 from .masks import BlockwiseCausal, Causal, Full, Lambda, Ranges, SharedQuestion
 from .plan import Plan, PlanError
-from .simulate import SimResult, simulate
+from .sim.simulate import SimResult, simulate
 from .teardown import shutdown
 from .planners import Placement
 from .topology import Topology

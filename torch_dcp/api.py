@@ -48,7 +48,7 @@ FEWER_DIVISIONS = (1, 2)
 #: paper's batches (4 x 8 and 1 x 8, A100 and H100, GQA 8/2 and 32/8, causal and lambda) the
 #: fastest plan so found was within 1 % of timing them all, for about half the planning time
 HEAD_PARALLEL_SHORTLIST = 8
-#: candidates simulated, the best by :func:`torch_dcp.estimate.estimate_seconds` (the rivals'
+#: candidates simulated, the best by :func:`torch_dcp.sim.estimate.estimate_seconds` (the rivals'
 #: plans at N = 1, the bytes objective's and HCP's are simulated too, :func:`_rival`): on the
 #: paper's 32 batches (4 x 8 and 1 x 8, A100 and H100, GQA 8/2 and 32/8, corpus and long-tail,
 #: causal and lambda) the best of the four was within 0.3 % of simulating them all, of the
@@ -97,7 +97,7 @@ def plan(
             :func:`~torch_dcp.planners.dcp.dcp_candidates`, for every head parallelism tried),
             the :class:`~torch_dcp.cost.CostModel` (or ``"auto"``, ``"a100"``, ``"h100"``, JSON
             cost-model paths) whose simulated forward + backward time picks the fastest
-            (:func:`torch_dcp.simulate.simulate`); default ``"auto"`` (``None`` too): this
+            (:func:`torch_dcp.sim.simulate.simulate`); default ``"auto"`` (``None`` too): this
             device's calibrated model, else a shipped preset (:mod:`torch_dcp.cost.auto`; it
             warns where the device was never calibrated). A model with measured links
             (``calibrate`` under ``torchrun``) plans with them in place of the topology's. The
@@ -127,7 +127,7 @@ def plan(
         when there was one candidate); ``plan.plan_seconds`` holds the planning time (placement,
         divisions and, where candidates are timed, their simulation); ``plan.candidates`` the ``(planner label,
         simulated seconds)`` of every candidate (NaN for one not simulated because its floor,
-        :func:`torch_dcp.floors.floor_seconds`, or its forward plus its backward's floor, lies
+        :func:`torch_dcp.sim.floors.floor_seconds`, or its forward plus its backward's floor, lies
         above a faster candidate's time; empty when the planner offers one). Labels of
         head-parallel candidates end in ``/hpN``, those of the winner's other schedules in a
         parenthesis (``"dcp (node first, T=6)"``, ``"dcp (local tail)"``).
@@ -181,7 +181,7 @@ def plan(
     chosen.cost_model = source
     if isinstance(chosen, HeadParallelPlan):  # serialised with the outer plan
         chosen.outer.cost_model = source
-    chosen.cost_model_object = cm  # what simulate(plan) times with (torch_dcp.simulate.model_of)
+    chosen.cost_model_object = cm  # what simulate(plan) times with (torch_dcp.sim.simulate.model_of)
     chosen.candidates = timed
     return chosen
 
@@ -206,17 +206,17 @@ def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel", simulated:
              deeper: bool = False) -> "tuple[Plan | HeadParallelPlan, list[tuple[str, float]]]":
     """The fastest of ``plans`` on the simulator, and ``(label, simulated seconds)`` of every
     candidate (NaN: not simulated). Every candidate is estimated
-    (:func:`torch_dcp.estimate.estimate_seconds`); the ``simulated`` best by estimate of those
+    (:func:`torch_dcp.sim.estimate.estimate_seconds`); the ``simulated`` best by estimate of those
     that are not rivals are simulated, and so are the rivals' plans and the bytes objective's
     (:func:`_rival`), so the plan returned is never slower than theirs; a candidate whose floor
-    (:func:`torch_dcp.floors.floor_seconds`) lies above a simulated time is skipped, since
+    (:func:`torch_dcp.sim.floors.floor_seconds`) lies above a simulated time is skipped, since
     it cannot win, and so is the backward of one whose forward and backward floor do
-    (:func:`torch_dcp.simulate.simulate_within`). The winner is then also timed with other
+    (:func:`torch_dcp.sim.simulate.simulate_within`). The winner is then also timed with other
     schedules of its placement (:func:`_reschedules`; ``deeper``: with more divisions too), or,
     where a static runtime's plan won, the fastest plan on torch_dcp's executor is."""
-    from .estimate import estimate_seconds
-    from .floors import floor_seconds
-    from .simulate import simulate_within
+    from .sim.estimate import estimate_seconds
+    from .sim.floors import floor_seconds
+    from .sim.simulate import simulate_within
 
     chosen, best = plans[0], float("inf")
 

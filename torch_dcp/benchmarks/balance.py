@@ -13,7 +13,7 @@ forward + backward time and three floors no schedule of that plan can beat:
   a network rail in or out), forward and backward together;
 * ``pass floor``: the larger of the two in each pass, forward + backward (the passes run one
   after the other, so a forward bound by its links and a backward bound by its compute add up;
-  :func:`torch_dcp.floors.floor_seconds` with the simulated kernel times);
+  :func:`torch_dcp.sim.floors.floor_seconds` with the simulated kernel times);
 
 and ``ideal``, the balanced compute (total kernel time / ranks) with nothing exposed. When the
 balanced plan's link floor lies above the time objective's whole simulated time, holding compute
@@ -36,8 +36,8 @@ import numpy as np
 
 from ..api import plan as make_plan
 from ..cost import CostModel
-from ..floors import link_floor_seconds
-from ..simulate import simulate
+from ..sim.floors import link_floor_seconds
+from ..sim.simulate import simulate
 from ..topology import Topology
 from .common import MASKS, bench_batch, paper_batches, paper_sources, progress
 

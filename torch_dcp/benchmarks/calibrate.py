@@ -52,8 +52,8 @@ from ..cost.auto import device_name as model_device_name
 from ..cost.executor import KERNEL_WORK, cell_kernels, launch_features, memory_kind
 from ..cost.fit import FitReport, LaunchSample, MemorySample, PassSample, fit_executor
 from ..plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan
-from ..runtimes import on_executor
-from ..simulate import instruction_bytes, pass_local_bytes, pass_row_bytes, send_bytes
+from ..sim.runtimes import on_executor
+from ..sim.timeline import instruction_bytes, pass_local_bytes, pass_row_bytes, send_bytes
 from .common import DTYPES, MASKS, batch_lengths, device_name, pick_device, progress, topology_of
 from .measure import RankTimes, measure_plan
 
@@ -338,7 +338,7 @@ def check_group(model: CostModel, dev: torch.device, repeat: int = 2, seed: int 
     predicted per plan. Every rank calls it; rank 0 prints."""
     import torch.distributed as dist
 
-    from ..simulate import simulate
+    from ..sim.simulate import simulate
 
     world = dist.get_world_size()
     mesh = _group_mesh(dev)
@@ -396,7 +396,7 @@ def measure_shared_cores(model: CostModel, links: "torch_dcp.cost.Links", dev: t
     import torch.distributed as dist
     from scipy.optimize import nnls
 
-    from ..simulate import simulate
+    from ..sim.simulate import simulate
 
     world = dist.get_world_size()
     mesh = _group_mesh(dev)
@@ -490,7 +490,7 @@ def check(model: CostModel, dev: torch.device, cases: list, kernel: str = "auto"
         plan = _plan(batch, world, block, "dcp", model)
         meas = (_replayed_times(plan, dev, kernel, repeat, seed) if replay
                 else measure_plan(plan, dev, kernel, repeat=repeat, seed=seed).total)
-        sim = torch_dcp.simulate(plan, model)
+        sim = torch_dcp.sim.simulate(plan, model)
         pred = sim.forward.busy_s + sim.backward.busy_s
         ratio = meas / np.maximum(pred, 1e-12)
         busiest = int(np.argmax(meas))

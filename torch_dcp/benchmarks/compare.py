@@ -9,7 +9,7 @@ On the DCP paper's microbenchmark batches (§7.1: 131,072-token global batches o
 corpus's lengths, the Python standard library's source files as byte tokens, and of a long-tail
 generator, at length scales 0.5-4; causal, λ, blockwise and shared-question masks; GQA 8/2,
 head_dim 128, bf16), for every cluster (a topology preset and its number of nodes of 8 ranks),
-every figure simulated (:func:`torch_dcp.simulate.simulate`) with one cost model (``--cost``:
+every figure simulated (:func:`torch_dcp.sim.simulate.simulate`) with one cost model (``--cost``:
 ``executor`` (default) for each cluster's ``<preset>-executor`` model, what ``"auto"`` plans with
 on that card; ``kernels`` for its ``<preset>`` model, the kernels alone, without the executor's
 fixed costs; or any name or file :meth:`torch_dcp.CostModel.load` takes):
@@ -20,7 +20,7 @@ fixed costs; or any name or file :meth:`torch_dcp.CostModel.load` takes):
 * ``ring`` (TransformerEngine's P2P ring), ``allgather`` (an NCCL all-gather of K/V, TE's
   reduce-scatter of dK/dV), ``ulysses`` and ``hcp``, each at its best CP size with data
   parallelism across the CP groups (:mod:`torch_dcp.benchmarks.static_cp`), as their own
-  implementations run them (:mod:`torch_dcp.runtimes`);
+  implementations run them (:mod:`torch_dcp.sim.runtimes`);
 * ``megatron``: Megatron-Core's dynamic CP (its own CP size per document) on the whole group;
 * the best of those baselines, and ``dcp / best`` (below 1: dcp is faster).
 
@@ -105,7 +105,7 @@ def compare_batch(batch, topology: Topology, cm, block_sizes: list[int]) -> dict
     import torch_dcp
 
     from ..plan.memory import attention_memory
-    from ..simulate import simulate
+    from ..sim.simulate import simulate
 
     row: dict[str, Any] = {}
     best_dcp = None
@@ -187,7 +187,7 @@ def _own_allgather_ms(batch, topology: Topology, cm, c: int) -> float:
 
     from ..api import divide
     from ..planners import Runtime, plan_allgather
-    from ..simulate import simulate
+    from ..sim.simulate import simulate
 
     placement = dataclasses.replace(plan_allgather(batch, topology, cp_size=c), runtime=Runtime.DCP_ALLGATHER)
     return simulate(divide(placement, topology, 1), cm).makespan_s * 1e3

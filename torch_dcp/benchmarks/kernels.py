@@ -379,7 +379,7 @@ def bench_plan(planner: str = "dcp", tokens: int = 131072, nodes: int = 4, ranks
     from torch_dcp.cost import CostModel
     from torch_dcp.data import long_tail_lengths
     from torch_dcp.masks import Causal
-    from torch_dcp.simulate import simulate
+    from torch_dcp.sim.simulate import simulate
 
     dev = pick_device(device)
     dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")

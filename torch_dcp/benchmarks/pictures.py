@@ -21,7 +21,7 @@ def write_pictures(out: str, batch_name: str, mask: str, planner: str, block_siz
     into ``out``; returns the paths."""
     from pathlib import Path
 
-    from ..simulate import simulate
+    from ..sim.simulate import simulate
     from . import viz
 
     Path(out).mkdir(parents=True, exist_ok=True)

@@ -17,10 +17,10 @@ head_dim 128, 131,072-token batches, T = 4, document lengths scaled by 0.5/1/2/4
 plan may keep a node-first schedule at T = 6 where it is faster, see ``--divisions``) in the
 simulator: every planner on the same batches, the best block size per batch, forward and
 backward attention time (every baseline over the whole group, as its authors' implementation
-runs it: :mod:`torch_dcp.runtimes`; at the CP size a user would choose: ``benchmarks compare``),
+runs it: :mod:`torch_dcp.sim.runtimes`; at the CP size a user would choose: ``benchmarks compare``),
 speedups over ring and over the best of these baselines, ratio to the ideal
 (every rank's simulated busy time spread evenly) and to the compute floor
-(:func:`torch_dcp.floors.batch_floor_seconds`).
+(:func:`torch_dcp.sim.floors.batch_floor_seconds`).
 Its traffic sweeps (``paper --sweep ...``) are in :mod:`torch_dcp.benchmarks.sweeps`.
 """
 
@@ -103,8 +103,8 @@ def bench_paper(planners: list[str], masks: list[str], scales: list[float], bloc
     an empty cell. ``dcp`` runs with ``head_parallel="auto"`` (every valid head parallelism
     among its candidates)."""
     from ..cost import CostModel
-    from ..floors import batch_floor_seconds
-    from ..simulate import ring_step_seconds, simulate
+    from ..sim.floors import batch_floor_seconds
+    from ..sim.simulate import ring_step_seconds, simulate
 
     cm = cost if isinstance(cost, CostModel) else CostModel.load(cost)
     sources = sources or paper_sources(total=total)

@@ -1,12 +1,12 @@
 """What dcp's division schedule costs: each plan simulated as it runs (``T`` divisions) and as
-dataflow (tiles started when their inputs are there, :mod:`torch_dcp.dataflow`)::
+dataflow (tiles started when their inputs are there, :mod:`torch_dcp.sim.dataflow`)::
 
     python -m torch_dcp.benchmarks readiness --topology a100 --cost a100
 
 For every paper batch (4 nodes x 8 ranks, 131,072 tokens) dcp's plan at the faster of the block
 sizes, with:
 
-* ``divisions``: :func:`torch_dcp.simulate.simulate`, the time dcp chooses and reports;
+* ``divisions``: :func:`torch_dcp.sim.simulate.simulate`, the time dcp chooses and reports;
 * ``static kernels``: the same placement and routes with ``K`` launches per rank in a fixed
   order, one wait per received block and relays sent on arrival (best of ``K`` = 4, 8, 16);
 * ``per tile``: every tile as soon as its inputs are there, at its division's throughput (a
@@ -14,7 +14,7 @@ sizes, with:
 * the pass floor (the larger of the busiest rank's kernel time in the division run and the
   busiest link, per pass; the static kernels launch differently and may go below it) and
   ``ideal`` (balanced compute, nothing exposed). The JSON lines add ``floor_ms``
-  (:func:`torch_dcp.floors.floor_seconds`, at the kernels' best throughput), which no model
+  (:func:`torch_dcp.sim.floors.floor_seconds`, at the kernels' best throughput), which no model
   goes below.
 
 The gap between ``divisions`` and ``per tile`` is what the division schedule loses; the gap
@@ -40,10 +40,10 @@ import sys
 from ..api import divide
 from ..api import plan as make_plan
 from ..cost import CostModel
-from ..dataflow import simulate_dataflow
+from ..sim.dataflow import simulate_dataflow
 from ..planners import dcp_candidates
-from ..floors import floor_seconds, link_floor_seconds
-from ..simulate import simulate
+from ..sim.floors import floor_seconds, link_floor_seconds
+from ..sim.simulate import simulate
 from ..topology import Topology
 from .common import MASKS, bench_batch, paper_batches, paper_sources, progress
 

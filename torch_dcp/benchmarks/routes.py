@@ -27,7 +27,7 @@ import sys
 from ..api import divide
 from ..cost import CostModel
 from ..planners import Routing, dcp_candidates
-from ..simulate import simulate
+from ..sim.simulate import simulate
 from ..topology import Topology
 from .common import MASKS, bench_batch, paper_batches, paper_sources, progress
 

@@ -14,14 +14,14 @@ worker plans step after step, and the median of their times, each listed in ``pl
 first also pays the process's one-time costs), the process's peak memory, the serialized plan's
 bytes (what every rank fetches), its compute and memory imbalance, its simulated forward + backward
 time, its ratio to the ideal (busy time spread evenly) and to the compute floor
-(:func:`torch_dcp.floors.batch_floor_seconds`), and the simulated times of the rivals asked for
+(:func:`torch_dcp.sim.floors.batch_floor_seconds`), and the simulated times of the rivals asked for
 (``ring``, ``allgather``, ``bytes``: dcp's own fewest-bytes plan; all three timed as torch_dcp's
 executor runs them, as dcp's own candidates: the baselines as their authors' implementations run
 them are ``benchmarks compare``'s), each planned in its own process too (on the same batches;
 ``slower_than`` names a rival faster on any of them). A rival that cannot be planned within the
 bounds is reported as such. The other figures are the first batch's.
 
-``--calibrate`` measures how well :func:`torch_dcp.estimate.estimate_seconds` picks what to
+``--calibrate`` measures how well :func:`torch_dcp.sim.estimate.estimate_seconds` picks what to
 simulate: on the paper's batches (A100 and H100, 4 x 8 and 1 x 8, GQA 8/2 and 32/8, causal and
 λ) it simulates every candidate of the default plan and prints, per batch, the best of the
 ``k`` best by estimate against the best of all (1.0: the shortlist holds the fastest).
@@ -88,9 +88,9 @@ def _measure(case: str, mask: str, planner: str, heads: tuple[int, int], max_mem
 
     import torch_dcp
     from ..cost import CostModel
-    from ..runtimes import on_executor
-    from ..floors import batch_floor_seconds
-    from ..simulate import simulate
+    from ..sim.runtimes import on_executor
+    from ..sim.floors import batch_floor_seconds
+    from ..sim.simulate import simulate
     from ..topology import Topology
 
     limit = int(max_memory_gb * 2**30)
@@ -176,9 +176,9 @@ def calibrate(out=sys.stdout, ks: tuple[int, ...] = (1, 2, 3, 5)) -> list[dict]:
     (module docstring); returns the rows printed."""
     from ..api import _head_sizes, _plans_at
     from ..cost import CostModel
-    from ..estimate import estimate_seconds
-    from ..floors import floor_seconds
-    from ..simulate import simulate
+    from ..sim.estimate import estimate_seconds
+    from ..sim.floors import floor_seconds
+    from ..sim.simulate import simulate
     from ..topology import Topology
     from .common import MASKS, bench_batch, paper_batches
 

@@ -57,7 +57,7 @@ def static_cp_runs(family: str, batch: BatchSpec, topology: Topology, cost_model
     the seconds the slowest of the ``W / c`` groups takes, every group planned with the
     family's planner on its own documents (:func:`split_documents`) and ranks
     (:func:`group_topology`) and simulated as the family's implementation runs it
-    (:func:`torch_dcp.simulate.simulate`; ``runtime``: as that
+    (:func:`torch_dcp.sim.simulate.simulate`; ``runtime``: as that
     :class:`~torch_dcp.planners.base.Runtime` runs it instead, e.g. torch_dcp's executor), and
     the peak attention memory on one rank (:func:`~torch_dcp.plan.memory.attention_memory`). A
     group without documents takes no time and holds nothing.
@@ -68,7 +68,7 @@ def static_cp_runs(family: str, batch: BatchSpec, topology: Topology, cost_model
     import torch_dcp
 
     from ..plan.memory import attention_memory
-    from ..simulate import simulate
+    from ..sim.simulate import simulate
 
     sizes = cp_sizes(family, batch, topology) if sizes is None else sizes
     out: dict[int, StaticRun] = {}

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..plan import Plan
-from ..simulate import SimResult
+from ..sim.simulate import SimResult
 
 __all__ = ["placement_map", "traffic_matrix", "timeline"]
 

@@ -206,7 +206,7 @@ class CostModel:
     :meth:`a100` (FlashAttention-2 paper's A100-80GB figures, 1.6 TB/s), :meth:`h100`
     (FlashAttention-3 paper's H100 figures, 3.0 TB/s), :meth:`load` (``"a100"``, ``"h100"``
     or JSON table paths) or :meth:`from_json` (a table measured with ``python -m
-    torch_dcp.benchmarks kernels table --out my_gpu.json``). Used by :func:`torch_dcp.simulate`
+    torch_dcp.benchmarks kernels table --out my_gpu.json``). Used by :func:`torch_dcp.sim.simulate`
     and by :func:`torch_dcp.plan` (``cost_model=``) to time candidates.
 
     Attributes:

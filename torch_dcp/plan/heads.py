@@ -209,7 +209,7 @@ class HeadParallelPlan:
         self.plan_seconds = outer.plan_seconds
         #: the ``source`` of the cost model that timed the candidates (:func:`torch_dcp.plan`; empty: none)
         self.cost_model = ""
-        #: that cost model itself (None: none), what :func:`torch_dcp.simulate` times the plan with
+        #: that cost model itself (None: none), what :func:`torch_dcp.sim.simulate` times the plan with
         self.cost_model_object = None
         #: ``(planner label, simulated seconds)`` of the candidates :func:`torch_dcp.plan` timed
         self.candidates: list[tuple[str, float]] = []

@@ -61,7 +61,7 @@ class Plan:
         self.plan_seconds = float(plan_seconds)
         #: the ``source`` of the cost model that timed the candidates (:func:`torch_dcp.plan`; empty: none)
         self.cost_model = ""
-        #: that cost model itself (None: none), what :func:`torch_dcp.simulate` times the plan with
+        #: that cost model itself (None: none), what :func:`torch_dcp.sim.simulate` times the plan with
         self.cost_model_object = None
         #: ``(planner label, simulated seconds)`` of the candidates :func:`torch_dcp.plan` timed
         self.candidates: list[tuple[str, float]] = []

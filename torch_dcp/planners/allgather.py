@@ -3,12 +3,12 @@ all-gather rotation; TransformerEngine's ``AttnFuncWithCPAndKVAllGather``).
 
 The layout is ring attention's (:func:`~torch_dcp.planners.ring.zigzag_spans`: rank ``r`` holds
 chunks ``r`` and ``2W - 1 - r`` of every document) and tiles follow their queries. It runs as
-its authors' implementations run it (``Runtime.ALLGATHER``, :mod:`torch_dcp.runtimes`): one NCCL
+its authors' implementations run it (``Runtime.ALLGATHER``, :mod:`torch_dcp.sim.runtimes`): one NCCL
 all-gather of K/V per pass before the attention, one call per local zig-zag half over the
 gathered keys, and in the backward TransformerEngine's reduce-scatter of dK/dV in the K/V dtype,
 the collectives costed as NCCL runs them on the topology (:mod:`torch_dcp.cost.collectives`) and
 not overlapped with compute. As torch_dcp's executor runs the same placement (dcp's candidate
-``"dcp:allgather"``, or :func:`torch_dcp.runtimes.on_executor`), every rank fetches every chunk
+``"dcp:allgather"``, or :func:`torch_dcp.sim.runtimes.on_executor`), every rank fetches every chunk
 it needs straight from its owner (:attr:`~torch_dcp.planners.base.Routing.DIRECT`: a chunk
 needed by ``n`` ranks leaves its owner ``n`` times) in the scheduler's divisions.
 """

@@ -43,7 +43,7 @@ class Routing(enum.Enum):
 
 class Runtime(enum.Enum):
     """Which implementation runs a plan, so which costs the simulator charges it
-    (:func:`torch_dcp.simulate.simulate`; the models are in :mod:`torch_dcp.runtimes`).
+    (:func:`torch_dcp.sim.simulate.simulate`; the models are in :mod:`torch_dcp.sim.runtimes`).
 
     * ``EXECUTOR``: torch_dcp's own executor (:mod:`torch_dcp.executor`): the plan's programs,
       division by division, charged the cost model's executor costs where it has them; partial

@@ -46,7 +46,7 @@ at every CP size a user could pick run as its authors run it (``"static"``, labe
 ``"dcp:allgather/cpC"``: one NCCL all-gather of K/V per CP group and one attention call per
 rank, :class:`~torch_dcp.executor.allgather.AllGatherExecutor`; inside head groups at CP groups
 of one head group, Ulysses' own shape). :func:`torch_dcp.plan` estimates every candidate's time division by division
-(:func:`torch_dcp.estimate.estimate_seconds`, which sees the phases and the links), simulates
+(:func:`torch_dcp.sim.estimate.estimate_seconds`, which sees the phases and the links), simulates
 the best few by that estimate and every labelled rival (skipping those whose floor is above the
 fastest so far), and keeps the fastest, so a dcp plan is never slower than the rivals' (as
 torch_dcp's executor runs them) or the bytes objective's on the simulator (the fastest placement is then also timed with a local tail,

@@ -15,8 +15,8 @@ the backward the dK/dV partials travel the same way, each rank adding its own
 
 The plan is run as TransformerEngine runs it (``Runtime.TE_RING``; TransformerEngine's
 ``AttnFuncWithCPAndKVP2P``): one attention call and one output merge per step, dK/dV partials in
-the K/V dtype, no torch_dcp executor costs; :mod:`torch_dcp.runtimes` has the model and
-:func:`torch_dcp.simulate.ring_step_seconds` its step formula. dcp keeps the same placement
+the K/V dtype, no torch_dcp executor costs; :mod:`torch_dcp.sim.runtimes` has the model and
+:func:`torch_dcp.sim.simulate.ring_step_seconds` its step formula. dcp keeps the same placement
 among its candidates as run by torch_dcp's executor (``"dcp:ring"``). All-gather CP on the same
 layout is :func:`~torch_dcp.planners.allgather.plan_allgather`.
 """

@@ -36,11 +36,11 @@ import heapq
 
 import numpy as np
 
-from .cost import CostModel
-from .plan import Plan
-from .plan import BlockwiseCopy, BlockwiseReduction
-from .simulate import _earliest_common_gap, _Link, _memory_seconds, _row_bytes, _transfer_links
-from .workload import Buf, item_token_bytes
+from ..cost import CostModel
+from ..plan import Plan
+from ..plan import BlockwiseCopy, BlockwiseReduction
+from .timeline import _earliest_common_gap, _Link, _memory_seconds, _row_bytes, _transfer_links
+from ..workload import Buf, item_token_bytes
 
 __all__ = ["simulate_dataflow", "DataflowResult", "DataflowPass"]
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .batch import BatchSpec
-from .cost import CostModel
-from .plan import Plan
-from .plan.heads import HeadParallelPlan
-from .workload import Workload
+from ..batch import BatchSpec
+from ..cost import CostModel
+from ..plan import Plan
+from ..plan.heads import HeadParallelPlan
+from ..workload import Workload
 
 __all__ = ["link_floor_seconds", "compute_floor_seconds", "division_launch_seconds", "kernel_floor_seconds",
            "floor_seconds", "batch_floor_seconds"]

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cost import CostModel
-from .plan import Plan
-from .plan.heads import HeadParallelPlan
+from ..cost import CostModel
+from ..plan import Plan
+from ..plan.heads import HeadParallelPlan
 from .floors import division_launch_seconds
-from .workload import Buf, item_token_bytes
+from ..workload import Buf, item_token_bytes
 
 __all__ = ["estimate_seconds", "pass_estimate_seconds"]
 

@@ -43,13 +43,13 @@ from typing import Callable
 
 import numpy as np
 
-from .cost import CostModel
-from .cost.collectives import allgather_seconds, reduce_scatter_seconds
-from .plan import BlockwiseReduction, Plan, ReduceOp
-from .plan.heads import HeadParallelPlan
-from .planners.base import Routing, Runtime
-from .simulate import PassResult, SimResult, _Pass, pass_local_bytes, simulate_programs
-from .workload import Buf
+from ..cost import CostModel
+from ..cost.collectives import allgather_seconds, reduce_scatter_seconds
+from ..plan import BlockwiseReduction, Plan, ReduceOp
+from ..plan.heads import HeadParallelPlan
+from ..planners.base import Routing, Runtime
+from .timeline import PassResult, SimResult, _Pass, pass_local_bytes, simulate_programs
+from ..workload import Buf
 
 __all__ = ["RUNTIMES", "te_ring_step_seconds", "simulate_allgather", "allgather_pass_seconds", "on_executor"]
 
@@ -152,7 +152,7 @@ def allgather_pass_seconds(plan: Plan, cm: CostModel, backward: bool) -> tuple[n
     (:attr:`~torch_dcp.cost.executor.ExecutorCosts.allgather`: counted, on a GPU preset), or,
     for a model without that count (a CPU calibration), charged as one division and one pass
     of the executor."""
-    from .planners.static import group_topology
+    from ..planners.static import group_topology
 
     kern = cm.with_executor(None)
     wl, pl, topo, w = plan.workload, plan.placement, plan.topology, plan.world_size
