@@ -16,7 +16,7 @@ import sys
 
 from ..topology import TOPOLOGY_PRESETS, Topology
 from . import (balance, calibrate, common, compare, gpu_report, kernels, loader, ops, pictures, planners, readiness,
-               routes, scale, step, sweeps)
+               routes, scale, step, sweeps, why)
 from .common import MASKS
 
 _DIVISIONS_HELP = ("divisions T per rank (default: each planner's own: T = 4 on these batches, where dcp's time "
@@ -93,6 +93,19 @@ def parser() -> argparse.ArgumentParser:
     cm_.add_argument("--block-sizes", default="1024,2048", help="dcp's block sizes, its best kept (default 1024,2048)")
     cm_.add_argument("--batches", default=None, help="length sources to run (default: corpus, longtail)")
     cm_.set_defaults(run=_compare, error=cm_.error)
+    wp = sub.add_parser("why", help="where dcp's own plans lose time to all-gather CP: compute, imbalance, exposed "
+                        "communication and bytes, per batch", description=why.__doc__, formatter_class=raw)
+    wp.add_argument("--clusters", default="a100x4,h100x4", help="comma-separated PRESETxNODES (default a100x4,h100x4)")
+    wp.add_argument("--cost", default="kernels",
+                    help="kernels (default: each cluster's kernel table alone), executor (its <preset>-executor "
+                         "model), or any model CostModel.load takes")
+    wp.add_argument("--json", action="store_true", help="JSON lines (one per batch, one summary per cluster)")
+    wp.add_argument("--heads", default="8/2", help="query/key-value heads (default: the paper's 8/2)")
+    wp.add_argument("--masks", default="causal")
+    wp.add_argument("--scales", default="0.5,1,2,4")
+    wp.add_argument("--block-sizes", default="1024,2048", help="dcp's block sizes, its best kept (default 1024,2048)")
+    wp.add_argument("--batches", default=None, help="length sources to run (default: corpus, longtail)")
+    wp.set_defaults(run=_why, error=wp.error)
     bp = sub.add_parser("balance", help="dcp's time objective against its compute-balanced plan, with floors",
                         description=balance.__doc__, formatter_class=raw)
     bp.add_argument("--topology", choices=sorted(TOPOLOGY_PRESETS), default="a100")
@@ -277,7 +290,8 @@ def _paper(args) -> int:
     return 0
 
 
-def _compare(args) -> int:
+def _clusters_masks_sources(args) -> tuple[list, dict]:
+    """``compare``'s and ``why``'s clusters and length sources, masks checked (errors via the parser)."""
     for m in args.masks.split(","):
         if m not in MASKS:
             args.error(f"unknown mask {m!r}; choose from {sorted(MASKS)}")
@@ -291,6 +305,18 @@ def _compare(args) -> int:
         if unknown:
             args.error(f"unknown length sources {sorted(unknown)}; have {sorted(sources)}")
         sources = {k: v for k, v in sources.items() if k in args.batches.split(",")}
+    return clusters, sources
+
+
+def _why(args) -> int:
+    clusters, sources = _clusters_masks_sources(args)
+    why.bench_why(clusters, args.masks.split(","), [float(x) for x in args.scales.split(",")], _ints(args.block_sizes),
+                  args.cost, _heads(args), args.json, sources=sources)
+    return 0
+
+
+def _compare(args) -> int:
+    clusters, sources = _clusters_masks_sources(args)
     jsonl = open(args.jsonl, "w") if args.jsonl else None
     try:
         compare.bench_compare(clusters, args.masks.split(","), [float(x) for x in args.scales.split(",")],

@@ -1,0 +1,71 @@
+"""benchmarks why: dcp's own plans against all-gather CP, each time split into balanced compute,
+imbalance and exposed communication."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from torch_dcp import BatchSpec, Causal, CostModel, Topology
+from torch_dcp.benchmarks import cli
+from torch_dcp.benchmarks.why import OWN_RIVALS, split_time, summarize, why_batch
+from torch_dcp.planners.base import Runtime
+
+
+def _batch(lens=(6000, 500, 3000, 2500, 200)):
+    return BatchSpec(list(lens), Causal(), n_heads=8, n_kv_heads=2, head_dim=128, dtype="bfloat16")
+
+
+def test_the_split_adds_up_to_the_simulated_time():
+    topo = Topology(n_nodes=2, ranks_per_node=2)
+    cm = CostModel.load("h100")
+    row = why_batch(_batch(), topo, cm, [1024])
+    for name in ("dcp", "allgather"):
+        parts = sum(row[f"{name}_{t}_ms"] for t in ("compute", "imbalance", "exposed"))
+        assert parts == pytest.approx(row[f"{name}_time_ms"], rel=1e-9)
+        assert row[f"{name}_compute_ms"] > 0 and row[f"{name}_imbalance_ms"] >= -1e-12
+        assert row[f"{name}_exposed_ms"] >= -1e-12
+    assert row["allgather_cp"] in (2, 4)
+    assert row["allgather_exposed_ms"] > 0  # its collectives are not overlapped
+    assert row["dcp_over_allgather"] == pytest.approx(row["dcp_time_ms"] / row["allgather_time_ms"])
+    assert not row["dcp_plan"].startswith("dcp:allgather")  # the static runtimes are left out
+    assert row["allgather_max_recv_gb"] > 0 and row["dcp_inter_node_gb"] >= 0 and row["dcp_max_recv_gb"] >= 0
+
+
+def test_split_time_takes_the_rank_that_finishes_last():
+    import torch_dcp
+    from torch_dcp.sim.simulate import simulate
+
+    topo = Topology(n_nodes=1, ranks_per_node=4)
+    plan = torch_dcp.plan(_batch(), topo, planner="ring")
+    sim = simulate(plan, CostModel.load("h100"))
+    s = split_time(sim)
+    assert s["time"] == pytest.approx(sim.makespan_s)
+    want = 0.0
+    for res in (sim.forward, sim.backward):
+        c = int(np.argmax(res.finish_s))
+        want += res.busy_s[c]
+    assert s["compute"] + s["imbalance"] == pytest.approx(want)
+
+
+def test_summary_medians_over_the_batches_the_all_gather_wins():
+    rows = [{"dcp_over_allgather": 1.2, **{f"dcp_{t}_ms": 2.0 for t in ("compute", "imbalance", "exposed", "time")},
+             **{f"allgather_{t}_ms": 1.0 for t in ("compute", "imbalance", "exposed", "time")}},
+            {"dcp_over_allgather": 0.8, **{f"dcp_{t}_ms": 0.0 for t in ("compute", "imbalance", "exposed", "time")},
+             **{f"allgather_{t}_ms": 5.0 for t in ("compute", "imbalance", "exposed", "time")}}]
+    s = summarize(rows)
+    assert s["allgather_faster"] == 1 and s["median_gap_exposed_ms"] == 1.0 and s["median_gap_time_ms"] == 1.0
+    assert summarize(rows[1:])["median_gap_time_ms"] is None
+
+
+def test_cli_prints_json_lines(capsys):
+    assert "static" not in OWN_RIVALS and Runtime.DCP_ALLGATHER.gathers
+    rc = cli.main(["why", "--clusters", "h100x1", "--scales", "0.5", "--batches", "longtail", "--json",
+                   "--block-sizes", "2048"])
+    assert rc == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert len(lines) == 2 and lines[0]["allgather_cp"] == 8 and "summary" in lines[1]
+    with pytest.raises(SystemExit):
+        cli.main(["why", "--masks", "nope"])

@@ -1,0 +1,170 @@
+"""Where dcp's own plans lose time to all-gather CP: each plan's critical path split into balanced
+compute, imbalance and exposed communication, beside the bytes each moves.
+
+    python -m torch_dcp.benchmarks why [--clusters h100x4] [--cost kernels] [--masks causal]
+
+On the paper's microbenchmark batches (as ``compare``), per cluster and batch, two plans are
+simulated with one cost model (default ``kernels``: each cluster's kernel table without the
+executor's fixed costs, so that what remains is placement and transfers):
+
+* ``dcp``: dcp's own plan (``torch_dcp.plan(planner="dcp", head_parallel="auto")`` with the
+  static runtimes left out of its candidates: :data:`OWN_RIVALS`), its best of the block sizes;
+* ``allgather``: all-gather CP at its best CP size (whole documents split over the CP groups,
+  :func:`~torch_dcp.planners.allgather.plan_allgather`), as NCCL runs it: the collectives on
+  NCCL's ring, compute not overlapped with them.
+
+Each plan's time is its passes' makespans; a pass ends when its critical rank (the one that
+finishes last) does, after its compute and its waits. So the time splits, per pass and summed,
+into ``compute`` (the mean busy time over ranks: the work spread evenly), ``imbalance`` (the
+critical rank's busy time over that mean) and ``exposed`` (the critical rank's time waiting for
+transfers: dcp's fetches and returns not hidden behind compute, the all-to-alls of a
+head-parallel plan, the all-gather's collectives). Beside them: bytes between nodes and the most
+bytes one rank receives, forward + backward (:meth:`~torch_dcp.plan.Plan.stats`; the all-gather's
+as NCCL's ring moves them).
+
+Each cluster ends with the batches where the all-gather is faster and, over them, the median of
+each term's difference (dcp's minus the all-gather's): the term that carries the gap is where
+dcp's plans lose.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+from ..topology import Topology
+from .common import MASKS, bench_batch, paper_batches, paper_sources, progress
+
+__all__ = ["OWN_RIVALS", "split_time", "why_batch", "summarize", "bench_why"]
+
+#: dcp's candidates without the static runtimes (its own placements on torch_dcp's executor)
+OWN_RIVALS = ("ring", "megatron", "allgather", "documents")
+_TERMS = ("compute", "imbalance", "exposed")
+
+
+def split_time(sim: Any) -> dict[str, float]:
+    """A simulated run (:class:`~torch_dcp.sim.timeline.SimResult`) as ``compute``,
+    ``imbalance``, ``exposed`` and ``time`` (seconds, both passes; module docstring)."""
+    out = dict.fromkeys((*_TERMS, "time"), 0.0)
+    for res in (sim.forward, sim.backward):
+        c = int(np.argmax(res.finish_s))
+        mean = float(res.busy_s.mean())
+        out["compute"] += mean
+        out["imbalance"] += float(res.busy_s[c]) - mean
+        out["exposed"] += float(res.finish_s[c] - res.busy_s[c])
+        out["time"] += res.makespan_s
+    return out
+
+
+def _allgather(batch, topology: Topology, cm) -> tuple[int, Any, Any]:
+    """All-gather CP at its fastest CP size: ``(c, plan, its simulated run)``."""
+    from ..api import divide
+    from ..planners import plan_allgather
+    from ..planners.static import cp_sizes
+    from ..sim.simulate import simulate
+
+    best = None
+    for c in cp_sizes("allgather", batch, topology):
+        plan = divide(plan_allgather(batch, topology, cp_size=c), topology, 1)
+        sim = simulate(plan, cm)
+        if best is None or sim.makespan_s < best[2].makespan_s:
+            best = (c, plan, sim)
+    return best
+
+
+def why_batch(batch, topology: Topology, cm, block_sizes: list[int]) -> dict[str, Any]:
+    """One batch on one cluster: dcp's own plan against all-gather CP at its best CP size,
+    each time split (:func:`split_time`, in ms) with its bytes (GB)."""
+    import torch_dcp
+
+    from ..sim.simulate import simulate
+
+    best = None
+    for bs in block_sizes:
+        plan = torch_dcp.plan(batch, topology, planner="dcp", block_size=bs, cost_model=cm, head_parallel="auto",
+                              rivals=OWN_RIVALS)
+        sim = simulate(plan, cm)
+        if best is None or sim.makespan_s < best[1].makespan_s:
+            best = (plan, sim)
+    c, ag_plan, ag_sim = _allgather(batch, topology, cm)
+    row: dict[str, Any] = {"dcp_plan": best[0].planner, "allgather_cp": c}
+    for name, (plan, sim) in (("dcp", best), ("allgather", (ag_plan, ag_sim))):
+        stats = plan.stats()
+        row.update({f"{name}_{k}_ms": v * 1e3 for k, v in split_time(sim).items()})
+        row[f"{name}_inter_node_gb"] = stats["inter_node_bytes"] / 1e9
+        row[f"{name}_max_recv_gb"] = stats["max_rank_recv_bytes"] / 1e9
+    row["dcp_over_allgather"] = row["dcp_time_ms"] / row["allgather_time_ms"]
+    return row
+
+
+def summarize(rows: list[dict]) -> dict[str, Any]:
+    """Per cluster: the batches where the all-gather is faster and, over them, the median of
+    each term's difference (ms, dcp's minus the all-gather's)."""
+    lose = [r for r in rows if r["dcp_over_allgather"] > 1.0]
+    out: dict[str, Any] = {"batches": len(rows), "allgather_faster": len(lose)}
+    for t in (*_TERMS, "time"):
+        out[f"median_gap_{t}_ms"] = float(np.median([r[f"dcp_{t}_ms"] - r[f"allgather_{t}_ms"] for r in lose])) \
+            if lose else None
+    return out
+
+
+def bench_why(clusters: list[tuple[str, int]], masks: list[str], scales: list[float], block_sizes: list[int],
+              cost: str = "kernels", heads: tuple[int, int] = (8, 2), as_json: bool = False, out=None,
+              sources: dict[str, list[int]] | None = None, total: int = 131072) -> list[dict]:
+    """Run the report (module docstring) and print it: JSON lines (``as_json``: one per batch,
+    then one summary per cluster) or Markdown tables (``out``, default stdout); returns the batch rows."""
+    from .compare import _cost
+
+    out = out or sys.stdout
+
+    sources = sources or paper_sources(total=total)
+    batches = [(s, name, lens) for s in scales for name, lens in paper_batches(s, total, sources=sources).items()]
+    bar = progress(len(clusters) * len(batches) * len(masks), "why")
+    rows = []
+    for preset, nodes in clusters:
+        topology = Topology.preset(preset, n_nodes=nodes)
+        cm = _cost(cost, preset)
+        cluster = f"{preset} {nodes}x{topology.ranks_per_node}"
+        mine = []
+        for scale, name, lens in batches:
+            for mask in masks:
+                bar.set_postfix_str(f"{cluster} {scale} {name} {mask}")
+                row = {"cluster": cluster, "scale": scale, "batch": name, "mask": mask,
+                       **why_batch(bench_batch(lens, MASKS[mask], heads), topology, cm, block_sizes)}
+                bar.update()
+                mine.append(row)
+                if as_json:
+                    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
+                          file=out, flush=True)
+        summary = summarize(mine)
+        if as_json:
+            print(json.dumps({"cluster": cluster, "cost_model": cm.source, "summary": summary}), file=out, flush=True)
+        else:
+            _table(cluster, cm.source, mine, summary, out)
+        rows += mine
+    bar.close()
+    return rows
+
+
+def _table(cluster: str, source: str, rows: list[dict], summary: dict, out) -> None:
+    p = lambda s="": print(s, file=out)  # noqa: E731
+    p(f"\n### {cluster}, simulated ({source})\n")
+    p("| scale | batch | mask | dcp plan | dcp ms: compute + imbalance + exposed | allgather (c) ms: compute + "
+      "imbalance + exposed | dcp / allgather | GB between nodes dcp / allgather | most GB into a rank dcp / "
+      "allgather |")
+    p("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        split = {n: f"{r[f'{n}_time_ms']:.2f}: " + " + ".join(f"{r[f'{n}_{t}_ms']:.2f}" for t in _TERMS)
+                 for n in ("dcp", "allgather")}
+        p(f"| {r['scale']:g} | {r['batch']} | {r['mask']} | {r['dcp_plan']} | {split['dcp']} | "
+          f"({r['allgather_cp']}) {split['allgather']} | {r['dcp_over_allgather']:.3f} | "
+          f"{r['dcp_inter_node_gb']:.2f} / {r['allgather_inter_node_gb']:.2f} | "
+          f"{r['dcp_max_recv_gb']:.3f} / {r['allgather_max_recv_gb']:.3f} |")
+    p(f"\nThe all-gather is faster on {summary['allgather_faster']}/{summary['batches']} batches"
+      + ("." if not summary["allgather_faster"] else
+         "; over them, the median gap (dcp's minus the all-gather's, ms): "
+         + ", ".join(f"{t} {summary[f'median_gap_{t}_ms']:+.3f}" for t in (*_TERMS, "time"))))
+
