@@ -5,6 +5,8 @@
                                                                       the DCP paper's microbenchmark, simulated
     python -m torch_dcp.benchmarks compare [--clusters a100x4,h100x1] [--json] ...
                                                                       dcp vs every baseline at its best CP size, simulated
+    python -m torch_dcp.benchmarks why [--clusters h100x4] [--cost kernels] ...
+                                                                      where dcp's own plans lose time to all-gather CP
     python -m torch_dcp.benchmarks pictures --out docs ...            placement map, traffic, timeline (PNG)
     python -m torch_dcp.benchmarks kernels reduce|table|division|plan ...
                                                                       kernel micro-benchmarks
@@ -18,7 +20,7 @@
 
 Modules: :mod:`.common` (masks by name, batches, length sources, progress bar),
 :mod:`.planners` (``planners``, ``paper``), :mod:`.sweeps` (``paper --sweep``),
-:mod:`.compare` and :mod:`.static_cp` (``compare``: baselines at their best CP size),
+:mod:`.compare` and :mod:`.static_cp` (``compare``: baselines at their best CP size), :mod:`.why` (``why``),
 :mod:`.pictures` and :mod:`.viz` (``pictures``; matplotlib), :mod:`.kernels` (``kernels ...``),
 :mod:`.ops` (``ops``), :mod:`.step` (``step``), :mod:`.calibrate` and :mod:`.measure` (``calibrate``), :mod:`.loader` (``loader``), :mod:`.scale` (``scale``),
 :mod:`.gpu_report` (``gpu-report``),

@@ -1,6 +1,6 @@
 """The benchmarks' command line, ``python -m torch_dcp.benchmarks COMMAND ...``: ``planners``,
 ``paper`` (:mod:`~torch_dcp.benchmarks.planners`, :mod:`~torch_dcp.benchmarks.sweeps`), ``compare``
-(:mod:`~torch_dcp.benchmarks.compare`), ``balance``
+(:mod:`~torch_dcp.benchmarks.compare`), ``why`` (:mod:`~torch_dcp.benchmarks.why`), ``balance``
 (:mod:`~torch_dcp.benchmarks.balance`), ``readiness`` (:mod:`~torch_dcp.benchmarks.readiness`), ``routes``
 (:mod:`~torch_dcp.benchmarks.routes`), ``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`),
 ``kernels reduce|table|division|plan`` (:mod:`~torch_dcp.benchmarks.kernels`), ``ops``
