@@ -71,7 +71,10 @@ _PLANS = {
              ("longtail", "shared_question", 8192, 8, 512), ("corpus", "shared_question", 8192, 4, 512),
              ("longtail", "causal", 16384, 8, 512), ("corpus", "lambda", 16384, 4, 512),
              ("longtail", "lambda", 4096, 2, 128), ("corpus", "causal", 4096, 2, 256),
-             ("longtail", "lambda", 32768, 8, 512), ("corpus", "shared_question", 32768, 4, 512)],
+             ("longtail", "lambda", 32768, 8, 512), ("corpus", "shared_question", 32768, 4, 512),
+             # one division per rank (what dcp picks on a CPU for long-tail batches): a rank's largest launches
+             ("longtail", "causal", 12288, 8, 256, 1), ("longtail", "lambda", 16384, 8, 128, 1),
+             ("longtail", "shared_question", 12288, 4, 256, 1)],
     "tiny": [("longtail", "causal", 768, 2, 128), ("longtail", "lambda", 768, 2, 128)],
 }
 _GPU_SCALE = 8  # GPU calibration plans: 8 x the tokens, 4 x the block sizes
@@ -106,23 +109,27 @@ def _batch(kind: str, mask: str, tokens: int, shape: dict[str, Any], seed: int) 
                                head_dim=shape["head_dim"], dtype=shape["dtype"])
 
 
-def _plan(batch: torch_dcp.BatchSpec, world: "int | str", block: int, planner: str, cost: Any) -> Plan:
+def _plan(batch: torch_dcp.BatchSpec, world: "int | str", block: int, planner: str, cost: Any,
+          divisions: int | None = None) -> Plan:
     topo = topology_of(world)
     opts: dict[str, Any] = {"head_parallel": 1} if planner == "dcp" else {}
+    if divisions is not None:
+        opts["divisions"] = divisions
     # measured on torch_dcp's executor: a baseline's plan as the executor runs it
     return on_executor(torch_dcp.plan(batch, topo, planner=planner, block_size=block, cost_model=cost, **opts))
 
 
 def calibration_plans(dev: torch.device, size: str = "full", seed: int = 0) -> list[Plan]:
     """The synthetic plans a calibration measures: dcp's and ring attention's plans (many small
-    and a few large divisions) of long-tail and corpus batches under three masks."""
+    and a few large divisions, and a few of one division per rank) of long-tail and corpus
+    batches under three masks."""
     shape = _shape(dev)
     scale = _GPU_SCALE if dev.type == "cuda" else 1
     plans = []
-    for i, (kind, mask, tokens, world, block) in enumerate(_PLANS[size]):
+    for i, (kind, mask, tokens, world, block, *divisions) in enumerate(_PLANS[size]):
         batch = _batch(kind, mask, tokens * scale, shape, seed + i)
-        planner = "ring" if i % 5 == 4 else "dcp"
-        plans.append(_plan(batch, world, block * min(scale, 4), planner, "h100"))
+        planner = "ring" if i % 5 == 4 and not divisions else "dcp"
+        plans.append(_plan(batch, world, block * min(scale, 4), planner, "h100", *divisions))
     return plans
 
 
