@@ -140,3 +140,16 @@ def test_tuned_static_is_the_least_total_over_every_batch():
     assert (t["family"], t["cp"], t["total_ms"]) == ("ring", 8, 4.0)
     assert t["total_speedup"] == pytest.approx(4.0 / 3.0) and t["speedup"] == [1.0, 1.25, 1.5]
     assert tuned_static([]) is None
+
+
+def test_own_plans_leave_the_static_runtimes_out():
+    """``--own``: dcp's own plans only; where a static runtime wins dcp's default candidates, the
+    own plan is another (and no faster)."""
+    topo = Topology(n_nodes=2, ranks_per_node=4)
+    cm = CostModel.load("h100-executor")
+    batch = _batch([20000, 3000, 2000, 1000, 500, 300])
+    mine = compare_batch(batch, topo, cm, [1024], own=True)
+    assert not mine["dcp_plan"].startswith("dcp:allgather")
+    full = compare_batch(batch, topo, cm, [1024])
+    assert full["dcp_ms"] <= mine["dcp_ms"] * (1 + 1e-9)
+    assert mine["best_baseline_ms"] == pytest.approx(full["best_baseline_ms"])

@@ -92,6 +92,8 @@ def parser() -> argparse.ArgumentParser:
     cm_.add_argument("--scales", default="0.5,1,2,4")
     cm_.add_argument("--block-sizes", default="1024,2048", help="dcp's block sizes, its best kept (default 1024,2048)")
     cm_.add_argument("--batches", default=None, help="length sources to run (default: corpus, longtail)")
+    cm_.add_argument("--own", action="store_true",
+                     help="dcp's own plans only: the static CP runtimes left out of its candidates")
     cm_.set_defaults(run=_compare, error=cm_.error)
     wp = sub.add_parser("why", help="where dcp's own plans lose time to all-gather CP: compute, imbalance, exposed "
                         "communication and bytes, per batch", description=why.__doc__, formatter_class=raw)
@@ -320,7 +322,8 @@ def _compare(args) -> int:
     jsonl = open(args.jsonl, "w") if args.jsonl else None
     try:
         compare.bench_compare(clusters, args.masks.split(","), [float(x) for x in args.scales.split(",")],
-                              _ints(args.block_sizes), args.cost, _heads(args), args.json, sources=sources, jsonl=jsonl)
+                              _ints(args.block_sizes), args.cost, _heads(args), args.json, sources=sources, jsonl=jsonl,
+                              own=args.own)
     finally:
         if jsonl is not None:
             jsonl.close()

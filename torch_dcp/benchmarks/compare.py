@@ -16,7 +16,8 @@ fixed costs; or any name or file :meth:`torch_dcp.CostModel.load` takes):
 
 * ``dcp``: ``torch_dcp.plan(planner="dcp", head_parallel="auto")``, its best over
   ``--block-sizes``, on the runtime its plan names (torch_dcp's executor, or its own all-gather
-  runtime for the static configurations among dcp's candidates);
+  runtime for the static configurations among dcp's candidates); with ``--own``, dcp's own
+  plans only (those static runtimes left out of its candidates: what dcp's placements reach);
 * ``ring`` (TransformerEngine's P2P ring), ``allgather`` (an NCCL all-gather of K/V, TE's
   reduce-scatter of dK/dV), ``ulysses`` and ``hcp``, each at its best CP size with data
   parallelism across the CP groups (:mod:`torch_dcp.benchmarks.static_cp`), as their own
@@ -99,9 +100,13 @@ def _cost(cost: str, preset: str):
     return CostModel.load(named.get(cost, cost))
 
 
-def compare_batch(batch, topology: Topology, cm, block_sizes: list[int]) -> dict[str, Any]:
+def compare_batch(batch, topology: Topology, cm, block_sizes: list[int], own: bool = False) -> dict[str, Any]:
     """One batch on one cluster (module docstring): a row of milliseconds, CP sizes, the best
-    baseline, ``dcp_over_best`` and, past :data:`TARGET`, the ``exception`` and its cause."""
+    baseline, ``dcp_over_best`` and, past :data:`TARGET`, the ``exception`` and its cause.
+    ``own``: dcp's own plans only (the static CP runtimes left out of its candidates,
+    :data:`~torch_dcp.planners.dcp.OWN_RIVALS`)."""
+    from ..planners.dcp import OWN_RIVALS
+
     import torch_dcp
 
     from ..plan.memory import attention_memory
@@ -111,7 +116,8 @@ def compare_batch(batch, topology: Topology, cm, block_sizes: list[int]) -> dict
     best_dcp = None
     for bs in block_sizes:
         t0 = time.perf_counter()
-        plan = torch_dcp.plan(batch, topology, planner="dcp", block_size=bs, cost_model=cm, head_parallel="auto")
+        plan = torch_dcp.plan(batch, topology, planner="dcp", block_size=bs, cost_model=cm, head_parallel="auto",
+                              **({"rivals": OWN_RIVALS} if own else {}))
         plan_s = time.perf_counter() - t0
         ms = simulate(plan, cm).makespan_s * 1e3
         if best_dcp is None or ms < best_dcp[0]:
@@ -195,9 +201,11 @@ def _own_allgather_ms(batch, topology: Topology, cm, c: int) -> float:
 
 def bench_compare(clusters: list[tuple[str, int]], masks: list[str], scales: list[float], block_sizes: list[int],
                   cost: str = "executor", heads: tuple[int, int] = (8, 2), as_json: bool = False, out=sys.stdout,
-                  sources: dict[str, list[int]] | None = None, total: int = 131072, jsonl=None) -> list[dict]:
+                  sources: dict[str, list[int]] | None = None, total: int = 131072, jsonl=None,
+                  own: bool = False) -> list[dict]:
     """Run the comparison (module docstring) and print it: JSON lines (``as_json``: one per batch,
-    then one summary per cluster) or Markdown tables; ``jsonl``: a file that gets the JSON lines
+    then one summary per cluster) or Markdown tables; ``own``: dcp's own plans only (the static
+    runtimes left out of its candidates); ``jsonl``: a file that gets the JSON lines
     too; returns the batch rows."""
     sources = sources or paper_sources(total=total)
     batches = [(s, name, lens) for s in scales for name, lens in paper_batches(s, total, sources=sources).items()]
@@ -206,13 +214,13 @@ def bench_compare(clusters: list[tuple[str, int]], masks: list[str], scales: lis
     for preset, nodes in clusters:
         topology = Topology.preset(preset, n_nodes=nodes)
         cm = _cost(cost, preset)
-        cluster = f"{preset} {nodes}x{topology.ranks_per_node}"
+        cluster = f"{preset} {nodes}x{topology.ranks_per_node}" + (", dcp's own plans" if own else "")
         mine = []
         for scale, name, lens in batches:
             for mask in masks:
                 bar.set_postfix_str(f"{cluster} {scale} {name} {mask}")
                 row = {"cluster": cluster, "cost_model": cm.source, "scale": scale, "batch": name, "mask": mask,
-                       **compare_batch(bench_batch(lens, MASKS[mask], heads), topology, cm, block_sizes)}
+                       **compare_batch(bench_batch(lens, MASKS[mask], heads), topology, cm, block_sizes, own)}
                 bar.update()
                 mine.append(row)
                 for f in ([out] if as_json else []) + ([jsonl] if jsonl is not None else []):

@@ -8,7 +8,7 @@ simulated with one cost model (default ``kernels``: each cluster's kernel table 
 executor's fixed costs, so that what remains is placement and transfers):
 
 * ``dcp``: dcp's own plan (``torch_dcp.plan(planner="dcp", head_parallel="auto")`` with the
-  static runtimes left out of its candidates: :data:`OWN_RIVALS`), its best of the block sizes;
+  static runtimes left out of its candidates: :data:`~torch_dcp.planners.dcp.OWN_RIVALS`), its best of the block sizes;
 * ``allgather``: all-gather CP at its best CP size (whole documents split over the CP groups,
   :func:`~torch_dcp.planners.allgather.plan_allgather`), as NCCL runs it: the collectives on
   NCCL's ring, compute not overlapped with them.
@@ -35,13 +35,12 @@ from typing import Any
 
 import numpy as np
 
+from ..planners.dcp import OWN_RIVALS
 from ..topology import Topology
 from .common import MASKS, bench_batch, paper_batches, paper_sources, progress
 
 __all__ = ["OWN_RIVALS", "split_time", "why_batch", "summarize", "bench_why"]
 
-#: dcp's candidates without the static runtimes (its own placements on torch_dcp's executor)
-OWN_RIVALS = ("ring", "megatron", "allgather", "documents")
 _TERMS = ("compute", "imbalance", "exposed")
 
 

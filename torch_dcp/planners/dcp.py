@@ -78,7 +78,7 @@ from .ring import plan_ring
 #: planners whose placements dcp's time objective also offers (:func:`dcp_candidates`)
 _RIVALS = {"ring": plan_ring, "megatron": plan_megatron, "allgather": plan_allgather, "documents": plan_documents}
 
-__all__ = ["plan_dcp", "dcp_candidates", "DEFAULT_RIVALS", "DCPHypergraph", "estimate_seconds", "zigzag_tiles_bound",
+__all__ = ["plan_dcp", "dcp_candidates", "DEFAULT_RIVALS", "OWN_RIVALS", "DCPHypergraph", "estimate_seconds", "zigzag_tiles_bound",
            "RIVAL_TILE_BUDGET", "CONTIGUOUS_NODES"]
 
 #: compute bounds (max/mean - 1) of the extra greedy layouts the time objective starts from
@@ -86,6 +86,8 @@ _GREEDY_BOUNDS = (0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
 
 #: the rivals :func:`dcp_candidates` offers when not told otherwise
 DEFAULT_RIVALS = ("ring", "megatron", "allgather", "documents", "static")
+#: the rivals on torch_dcp's executor only: dcp's own plans, without the static CP runtimes
+OWN_RIVALS = tuple(r for r in DEFAULT_RIVALS if r != "static")
 
 #: rivals laid out zig-zag (every document cut into ``2W`` chunks), and the most tiles such a
 #: rival may hold to be built among the candidates (:func:`zigzag_tiles_bound`): ring attention
