@@ -192,9 +192,29 @@ def _causal_tail(div: Division, g: int, rows: np.ndarray, runs: tuple) -> int:
     qp, qd = div.q_pos[q0:q1], div.q_doc[q0:q1]
     if not (np.array_equal(kp, qp) and np.array_equal(kd, qd)):
         return -1
-    st, en = div.key_starts[q0:q1, None, :], div.key_ends[q0:q1, None, :]
-    vis = ((kp[None, :, None] >= st) & (kp[None, :, None] < en)).any(-1)
+    st, en = div.key_starts[q0:q1], div.key_ends[q0:q1]
+    if len(kp) > 1 and np.all(np.diff(kp) > 0):  # ascending positions: each range is a run of keys
+        return a if _sees_its_prefix(kp, st, en) else -1
+    vis = ((kp[None, :, None] >= st[:, None, :]) & (kp[None, :, None] < en[:, None, :])).any(-1)
     return a if np.array_equal(vis, np.tri(b - a, dtype=bool)) else -1
+
+
+def _sees_its_prefix(kp: np.ndarray, st: np.ndarray, en: np.ndarray) -> bool:
+    """Whether query ``i`` sees exactly keys ``0..i`` (key ``j`` is seen where ``st[i, r] <=
+    kp[j] < en[i, r]`` for some range ``r``), in ``O(n R)``: ``kp`` ascending, so range ``r`` of
+    query ``i`` is the run of keys ``[lo, hi)`` found by binary search, and the runs must cover
+    ``[0, i + 1)`` without a gap."""
+    n = len(kp)
+    lo, hi = np.searchsorted(kp, st, "left"), np.searchsorted(kp, en, "left")
+    empty = hi <= lo
+    lo, hi = np.where(empty, n + 1, lo), np.where(empty, -1, hi)  # empty runs last, reaching nothing
+    order = np.argsort(lo, axis=1, kind="stable")
+    lo, hi = np.take_along_axis(lo, order, 1), np.take_along_axis(hi, order, 1)
+    ok, reach = lo[:, 0] == 0, hi[:, 0]
+    for r in range(1, lo.shape[1]):
+        ok &= (lo[:, r] <= reach) | (lo[:, r] == n + 1)
+        reach = np.maximum(reach, hi[:, r])
+    return bool(ok.all()) and np.array_equal(reach, np.arange(1, n + 1))
 
 
 def _partial_runs(lengths: np.ndarray, full: np.ndarray) -> tuple[tuple[int, int], ...]:
