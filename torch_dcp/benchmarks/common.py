@@ -9,7 +9,7 @@ import math
 import re
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -20,7 +20,8 @@ from ..masks import BlockwiseCausal, Causal, Lambda, SharedQuestion
 
 __all__ = ["MASKS", "DTYPES", "planner_batches", "batch_lengths", "paper_sources", "scaled_batch", "paper_batches",
            "bench_batch", "progress", "pick_device", "sync", "time_median", "device_name", "kernel_name",
-           "global_key_ranges", "dense_mask", "flex_mask_mod", "DenseAttention"]
+           "global_key_ranges", "dense_mask", "flex_mask_mod", "DenseAttention", "cluster_model", "cluster_cases",
+           "rounded"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 
@@ -111,6 +112,54 @@ def bench_batch(lens: list[int], mask, heads: tuple[int, int] = (8, 2)) -> Batch
     """The benchmarks' attention shape (DCP paper §7.1): GQA 8/2 (``heads``: query and
     key/value heads), head_dim 128, bf16."""
     return BatchSpec(lens, mask, n_heads=heads[0], n_kv_heads=heads[1], head_dim=128, dtype="bfloat16")
+
+
+def cluster_model(cost: str, preset: str):
+    """The cost model ``--cost`` names for a cluster of topology ``preset``: ``executor``, its
+    ``<preset>-executor`` model; ``kernels``, its ``<preset>`` kernel table; else any name or file
+    :meth:`~torch_dcp.CostModel.load` takes."""
+    from ..cost import CostModel
+
+    named = {"executor": f"{preset}-executor", "kernels": preset}
+    return CostModel.load(named.get(cost, cost))
+
+
+def cluster_cases(clusters: list[tuple[str, int]], masks: list[str], scales: list[float], cost: str,
+                  heads: tuple[int, int], what: str, sources: dict[str, list[int]] | None = None,
+                  total: int = 131072, label: str = "") -> Iterator[tuple[str, Topology, Any, Iterator[tuple]]]:
+    """The paper's microbenchmark batches on every cluster (``compare``, ``why``): per cluster
+    ``(name, topology, cost model, cases)`` with ``cases`` yielding ``(scale, batch name, mask,
+    BatchSpec)``, a progress bar (``what``) advanced per case; ``label`` ends each cluster's
+    name."""
+    sources = sources or paper_sources(total=total)
+    batches = [(s, name, lens) for s in scales for name, lens in paper_batches(s, total, sources=sources).items()]
+    bar = progress(len(clusters) * len(batches) * len(masks), what)
+
+    def cases(cluster: str) -> Iterator[tuple]:
+        for scale, name, lens in batches:
+            for mask in masks:
+                bar.set_postfix_str(f"{cluster} {scale} {name} {mask}")
+                yield scale, name, mask, bench_batch(lens, MASKS[mask], heads)
+                bar.update()
+
+    try:
+        for preset, nodes in clusters:
+            topology = Topology.preset(preset, n_nodes=nodes)
+            cluster = f"{preset} {nodes}x{topology.ranks_per_node}{label}"
+            yield cluster, topology, cluster_model(cost, preset), cases(cluster)
+    finally:
+        bar.close()
+
+
+def rounded(x: Any) -> Any:
+    """Floats rounded to 4 digits, in dicts and lists too (the JSON lines)."""
+    if isinstance(x, float):
+        return round(x, 4)
+    if isinstance(x, dict):
+        return {k: rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [rounded(v) for v in x]
+    return x
 
 
 def progress(total: int, desc: str):

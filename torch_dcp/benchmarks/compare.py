@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from ..topology import Topology
-from .common import MASKS, bench_batch, paper_batches, paper_sources, progress
+from .common import cluster_cases, rounded
 from .static_cp import STATIC_FAMILIES, split_documents, static_cp_runs, static_cp_seconds
 
 __all__ = ["tuned_static", "TARGET", "parse_clusters", "compare_batch", "bench_compare", "summarize"]
@@ -91,13 +91,6 @@ def parse_clusters(spec: str) -> list[tuple[str, int]]:
     if not out:
         raise ValueError("no cluster given")
     return out
-
-
-def _cost(cost: str, preset: str):
-    from ..cost import CostModel
-
-    named = {"executor": f"{preset}-executor", "kernels": preset}
-    return CostModel.load(named.get(cost, cost))
 
 
 def compare_batch(batch, topology: Topology, cm, block_sizes: list[int], own: bool = False) -> dict[str, Any]:
@@ -207,32 +200,23 @@ def bench_compare(clusters: list[tuple[str, int]], masks: list[str], scales: lis
     then one summary per cluster) or Markdown tables; ``own``: dcp's own plans only (the static
     runtimes left out of its candidates); ``jsonl``: a file that gets the JSON lines
     too; returns the batch rows."""
-    sources = sources or paper_sources(total=total)
-    batches = [(s, name, lens) for s in scales for name, lens in paper_batches(s, total, sources=sources).items()]
-    bar = progress(len(clusters) * len(batches) * len(masks), "compare")
     rows = []
-    for preset, nodes in clusters:
-        topology = Topology.preset(preset, n_nodes=nodes)
-        cm = _cost(cost, preset)
-        cluster = f"{preset} {nodes}x{topology.ranks_per_node}" + (", dcp's own plans" if own else "")
+    for cluster, topology, cm, cases in cluster_cases(clusters, masks, scales, cost, heads, "compare", sources, total,
+                                                      ", dcp's own plans" if own else ""):
         mine = []
-        for scale, name, lens in batches:
-            for mask in masks:
-                bar.set_postfix_str(f"{cluster} {scale} {name} {mask}")
-                row = {"cluster": cluster, "cost_model": cm.source, "scale": scale, "batch": name, "mask": mask,
-                       **compare_batch(bench_batch(lens, MASKS[mask], heads), topology, cm, block_sizes, own)}
-                bar.update()
-                mine.append(row)
-                for f in ([out] if as_json else []) + ([jsonl] if jsonl is not None else []):
-                    print(json.dumps(_rounded(row)), file=f, flush=True)
+        for scale, name, mask, batch in cases:
+            row = {"cluster": cluster, "cost_model": cm.source, "scale": scale, "batch": name, "mask": mask,
+                   **compare_batch(batch, topology, cm, block_sizes, own)}
+            mine.append(row)
+            for f in ([out] if as_json else []) + ([jsonl] if jsonl is not None else []):
+                print(json.dumps(rounded(row)), file=f, flush=True)
         summary = summarize(mine)
         for f in ([out] if as_json else []) + ([jsonl] if jsonl is not None else []):
-            print(json.dumps(_rounded({"cluster": cluster, "cost_model": cm.source, "summary": summary})), file=f,
+            print(json.dumps(rounded({"cluster": cluster, "cost_model": cm.source, "summary": summary})), file=f,
                   flush=True)
         if not as_json:
             _table(cluster, cm.source, mine, summary, out)
         rows += mine
-    bar.close()
     return rows
 
 
@@ -286,16 +270,6 @@ def tuned_static(rows: list[dict]) -> dict[str, Any] | None:
             "speedup": _span([r[f"{family}_by_cp_ms"][cp] / r["dcp_ms"] for r in rows]),
             "peak_over_dcp": _span([r[f"{family}_peak_by_cp_mib"][cp] / r["dcp_peak_mib"] for r in rows
                                     if f"{family}_peak_by_cp_mib" in r])}
-
-
-def _rounded(x: Any) -> Any:
-    if isinstance(x, float):
-        return round(x, 4)
-    if isinstance(x, dict):
-        return {k: _rounded(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_rounded(v) for v in x]
-    return x
 
 
 def _fmt(span: list[float] | None) -> str:

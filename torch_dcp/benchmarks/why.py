@@ -37,7 +37,7 @@ import numpy as np
 
 from ..planners.dcp import OWN_RIVALS
 from ..topology import Topology
-from .common import MASKS, bench_batch, paper_batches, paper_sources, progress
+from .common import cluster_cases, rounded
 
 __all__ = ["OWN_RIVALS", "split_time", "why_batch", "summarize", "bench_why"]
 
@@ -115,36 +115,23 @@ def bench_why(clusters: list[tuple[str, int]], masks: list[str], scales: list[fl
               sources: dict[str, list[int]] | None = None, total: int = 131072) -> list[dict]:
     """Run the report (module docstring) and print it: JSON lines (``as_json``: one per batch,
     then one summary per cluster) or Markdown tables (``out``, default stdout); returns the batch rows."""
-    from .compare import _cost
-
     out = out or sys.stdout
-
-    sources = sources or paper_sources(total=total)
-    batches = [(s, name, lens) for s in scales for name, lens in paper_batches(s, total, sources=sources).items()]
-    bar = progress(len(clusters) * len(batches) * len(masks), "why")
     rows = []
-    for preset, nodes in clusters:
-        topology = Topology.preset(preset, n_nodes=nodes)
-        cm = _cost(cost, preset)
-        cluster = f"{preset} {nodes}x{topology.ranks_per_node}"
+    for cluster, topology, cm, cases in cluster_cases(clusters, masks, scales, cost, heads, "why", sources, total):
         mine = []
-        for scale, name, lens in batches:
-            for mask in masks:
-                bar.set_postfix_str(f"{cluster} {scale} {name} {mask}")
-                row = {"cluster": cluster, "scale": scale, "batch": name, "mask": mask,
-                       **why_batch(bench_batch(lens, MASKS[mask], heads), topology, cm, block_sizes)}
-                bar.update()
-                mine.append(row)
-                if as_json:
-                    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
-                          file=out, flush=True)
+        for scale, name, mask, batch in cases:
+            row = {"cluster": cluster, "scale": scale, "batch": name, "mask": mask,
+                   **why_batch(batch, topology, cm, block_sizes)}
+            mine.append(row)
+            if as_json:
+                print(json.dumps(rounded(row)), file=out, flush=True)
         summary = summarize(mine)
         if as_json:
-            print(json.dumps({"cluster": cluster, "cost_model": cm.source, "summary": summary}), file=out, flush=True)
+            print(json.dumps(rounded({"cluster": cluster, "cost_model": cm.source, "summary": summary})), file=out,
+                  flush=True)
         else:
             _table(cluster, cm.source, mine, summary, out)
         rows += mine
-    bar.close()
     return rows
 
 
