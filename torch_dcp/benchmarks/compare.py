@@ -240,8 +240,8 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
                          for r in rows if "exception" in r]
     peaks = [r for r in rows if "best_baseline_peak_mib" in r]  # rows of runs that measured memory
     out["best_peak_over_dcp"] = _span([r["best_baseline_peak_mib"] / r["dcp_peak_mib"] for r in peaks])
-    out["more_memory"] = [{"scale": r["scale"], "batch": r["batch"], "mask": r["mask"],
-                           "best_baseline": r["best_baseline"], "peak_over_dcp": r["best_baseline_peak_mib"] / r["dcp_peak_mib"]}
+    out["more_memory"] = [{"scale": r["scale"], "batch": r["batch"], "mask": r["mask"], "best_baseline": r["best_baseline"],
+                           "peak_over_dcp": r["best_baseline_peak_mib"] / r["dcp_peak_mib"]}
                           for r in peaks if r["best_baseline_peak_mib"] > r["dcp_peak_mib"] * (1.0 + DCP_MEMORY_EPS)]
     out["total_speedup_vs_best"] = sum(r["best_baseline_ms"] for r in rows) / sum(r["dcp_ms"] for r in rows)
     out["tuned"] = tuned_static(rows)

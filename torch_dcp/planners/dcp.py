@@ -78,8 +78,8 @@ from .ring import plan_ring
 #: planners whose placements dcp's time objective also offers (:func:`dcp_candidates`)
 _RIVALS = {"ring": plan_ring, "megatron": plan_megatron, "allgather": plan_allgather, "documents": plan_documents}
 
-__all__ = ["plan_dcp", "dcp_candidates", "DEFAULT_RIVALS", "OWN_RIVALS", "DCPHypergraph", "estimate_seconds", "zigzag_tiles_bound",
-           "RIVAL_TILE_BUDGET", "CONTIGUOUS_NODES"]
+__all__ = ["plan_dcp", "dcp_candidates", "DEFAULT_RIVALS", "OWN_RIVALS", "DCPHypergraph", "estimate_seconds",
+           "zigzag_tiles_bound", "RIVAL_TILE_BUDGET", "CONTIGUOUS_NODES"]
 
 #: compute bounds (max/mean - 1) of the extra greedy layouts the time objective starts from
 _GREEDY_BOUNDS = (0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)

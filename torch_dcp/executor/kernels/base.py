@@ -34,8 +34,8 @@ import torch
 from ..division import Division
 from ..reduce import triton_runs_on
 
-__all__ = ["KernelLayout", "kernel_rows", "DivisionKernel", "GroupKernel", "ReferenceKernel", "out_with_delta", "output_delta",
-           "flash_backward_inputs"]
+__all__ = ["KernelLayout", "kernel_rows", "DivisionKernel", "GroupKernel", "ReferenceKernel", "out_with_delta",
+           "output_delta", "flash_backward_inputs"]
 
 
 class KernelLayout(NamedTuple):
