@@ -233,3 +233,27 @@ def _stalled_worker(rank: int, world: int, mesh) -> None:
 
 def test_a_stalled_peer_times_out_on_every_waiting_rank(tmp_path):
     run_ranks(_stalled_worker, 3, tmp_path, barrier=False)
+
+
+def test_on_shared_cores_a_pass_takes_the_ranks_work_over_the_cores():
+    """Ranks that share fewer cores than there are ranks (gloo on a CPU, the model's measured
+    links say so): an all-gather pass takes at least the ranks' work plus the collectives' host
+    costs over the cores, as the executor's passes do, so that the planner does not prefer the
+    all-gather for missing that floor."""
+    from torch_dcp.cost import CostModel, Links
+    from torch_dcp.cost.auto import PRESET_DIR
+
+    topo = Topology(n_nodes=1, ranks_per_node=4)
+    batch = BatchSpec([3000, 1000, 700, 300], Causal(), n_heads=4, n_kv_heads=2, head_dim=32, dtype="float32")
+    plan = divide(dataclasses.replace(plan_allgather(batch, topo), runtime=Runtime.DCP_ALLGATHER), topo, 1)
+    base = CostModel.load(str(PRESET_DIR / "cpu.json"))
+    links = Links(latency=1.7e-4, bandwidth=1.1e9, world_size=4, backend="gloo", cores=2,
+                  host_byte_seconds=1.1e-9, host_message_seconds=7.7e-5)
+    alone, shared = simulate(plan, base), simulate(plan, dataclasses.replace(base, links=links))
+    for backward in (False, True):
+        a, s = (alone.backward, shared.backward) if backward else (alone.forward, shared.forward)
+        _, _, nb, fwd = plan.transfers()
+        mine = fwd != backward
+        floor = links.shared_seconds(float(a.busy_s.sum()), float(nb[mine].sum()), int(mine.sum()))
+        assert s.makespan_s == pytest.approx(max(a.makespan_s, floor))
+        assert floor > a.makespan_s  # 4 ranks' work on 2 cores: the floor binds here

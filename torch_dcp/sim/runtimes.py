@@ -48,7 +48,7 @@ from ..cost.collectives import allgather_seconds, reduce_scatter_seconds
 from ..plan import BlockwiseReduction, Plan, ReduceOp
 from ..plan.heads import HeadParallelPlan
 from ..planners.base import Routing, Runtime
-from .timeline import PassResult, SimResult, _Pass, pass_local_bytes, simulate_programs
+from .timeline import PassResult, SimResult, _on_shared_cores, _Pass, pass_local_bytes, simulate_programs
 from ..workload import Buf
 
 __all__ = ["RUNTIMES", "te_ring_step_seconds", "simulate_allgather", "allgather_pass_seconds", "on_executor"]
@@ -179,7 +179,10 @@ def allgather_pass_seconds(plan: Plan, cm: CostModel, backward: bool) -> tuple[n
 def simulate_allgather(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult:
     """All-gather CP's forward and backward (module docstring): in each pass every CP group
     takes its all-gather, then its slowest rank's compute, then (backward) its reduce-scatter;
-    the pass ends with the slowest group. ``bound`` is not used (the passes are closed forms)."""
+    the pass ends with the slowest group, and on ranks that share fewer cores than there are
+    ranks (the model's measured links say so) it takes at least their work and the collectives'
+    host costs over the cores, as the other runtimes' passes do. ``bound`` is not used (the
+    passes are closed forms)."""
     passes = []
     w = plan.world_size
     c = plan.placement.cp_size or w
@@ -194,7 +197,10 @@ def simulate_allgather(plan: Plan, cm: CostModel, bound: float = float("inf")) -
         # a rank ends with its attention, or (backward) with its group's reduce-scatter, which
         # waits for the group's slowest rank: the wait is exposed communication
         done = group_end if backward else finish
-        passes.append(PassResult(span, compute.copy(), done - compute, span - done, done, events))
+        # on ranks sharing fewer cores (gloo on a CPU), at least their work and the collectives' host costs
+        # over the cores, as every runtime's pass
+        passes.append(_on_shared_cores(plan, cm, PassResult(span, compute.copy(), done - compute, span - done, done,
+                                                            events), backward))
     ideal = float(sum(p.busy_s.sum() for p in passes)) / w
     return SimResult(passes[0], passes[1], passes[0].makespan_s + passes[1].makespan_s, ideal)
 
