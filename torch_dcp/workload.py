@@ -20,7 +20,7 @@ from .batch import MAX_TOKENS, BatchSpec
 from .masks import count_visible_pairs
 
 __all__ = ["Workload", "Buf", "FWD_FLOPS_PER_PAIR", "BWD_FLOPS_PER_PAIR", "spans_to_indices", "item_token_bytes",
-           "check_block_size"]
+           "resident_token_bytes", "check_block_size"]
 
 
 def check_block_size(block_size: Any) -> int:
@@ -81,6 +81,11 @@ _UNIFORM_KEEP = 8
 _TILES: "OrderedDict[bytes, tuple[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]]]" = OrderedDict()
 _TILES_KEEP = 8
 _TILES_MAX = 1 << 23
+
+
+def resident_token_bytes(batch: BatchSpec) -> int:
+    """Resident bytes per token of Q, K, V and O (the memory weight of a token)."""
+    return (2 * batch.n_heads + 2 * batch.n_kv_heads) * batch.head_dim * batch.elem_size
 
 
 def item_token_bytes(batch: BatchSpec, kv_dtype_gradients: bool = False) -> dict[tuple[bool, str], int]:
@@ -268,8 +273,7 @@ class Workload:
 
     def token_bytes(self) -> int:
         """Resident bytes per token of Q, K, V and O (the memory weight of a token block)."""
-        b = self.batch
-        return (2 * b.n_heads + 2 * b.n_kv_heads) * b.head_dim * b.elem_size
+        return resident_token_bytes(self.batch)
 
     def block_bytes(self) -> np.ndarray:
         """Resident bytes of each block (Q, K, V, O), float64 ``[n_blocks]``."""

@@ -32,7 +32,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..planners.base import Runtime
-from ..workload import Buf
+from ..workload import Buf, resident_token_bytes
+from .heads import HeadParallelPlan
 
 __all__ = ["attention_memory"]
 
@@ -79,11 +80,9 @@ def attention_memory(plan: Any) -> np.ndarray:
         plan: a :class:`~torch_dcp.plan.Plan` or a
             :class:`~torch_dcp.plan.heads.HeadParallelPlan`.
     """
-    outer = getattr(plan, "outer", None)
-    if outer is not None:  # head parallelism: own tokens (all heads), then the outer rank's at H / N heads
-        b = plan.batch
-        token = (2 * b.n_heads + 2 * b.n_kv_heads) * b.head_dim * b.elem_size
-        return plan.rank_tokens.astype(np.float64) * token + np.repeat(attention_memory(outer), plan.layout.size)
+    if isinstance(plan, HeadParallelPlan):  # own tokens (all heads), then the outer rank's at H / N heads
+        own = plan.rank_tokens.astype(np.float64) * resident_token_bytes(plan.batch)
+        return own + np.repeat(attention_memory(plan.outer), plan.layout.size)
     pl, wl = plan.placement, plan.workload
     held = np.bincount(pl.block_rank, weights=wl.block_bytes(), minlength=plan.world_size)
     kv_row = float(pl.token_bytes()[(False, Buf.KV)])
