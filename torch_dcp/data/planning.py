@@ -41,7 +41,7 @@ import torch
 from ..batch import BatchSpec
 from ..executor.device_plan import DevicePlan
 from ..executor.kernels import DivisionKernel, get_kernel
-from ..executor.make import RUNTIME_EXECUTORS
+from ..executor.runtime import RUNTIME_EXECUTORS
 from ..plan import Plan, PlanError, load_plan
 from .plan_store import PlanningError, PlanningTimeoutError, PlanStore, decode_record, encode_error
 from .plan_worker import PlanningConfig, _worker_job, failure_cause, plan_batch, planning_pool

@@ -22,8 +22,8 @@ from typing import Any, Generator, Sequence
 import torch
 
 from ..plan.heads import HeadParallelPlan
-from .allgather import AllGatherExecutor
-from .executor import RankExecutor, _drain, dcp_attention
+from .executor import _drain, dcp_attention
+from .runtime import plan_executor
 from .transport import Message, Transport, TransferError, located
 
 __all__ = ["HeadParallelExecutor", "A2A_PHASES"]
@@ -110,7 +110,7 @@ class HeadParallelExecutor:
         self.members = [self.group * self.n + j for j in range(self.n)]
         # the outer plan on its runtime: the general executor, or all-gather CP's (Ulysses' one
         # attention call per rank where every outer rank keeps its documents: CP groups of 1)
-        outer = AllGatherExecutor if plan.outer.placement.runtime.gathers else RankExecutor
+        outer = plan_executor(plan.outer)
         self.outer = outer(plan.outer, self.group, _InnerTransport(transport, self.n, self.inner, plan.outer.world_size,
                                                                    self.group),
                            kernel=kernel, scale=scale, timings=timings, device_plan=device_plan)

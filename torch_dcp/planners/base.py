@@ -62,7 +62,7 @@ class Runtime(enum.Enum):
       candidates run a static configuration; a plan of ``ALLGATHER`` runs on it too.
 
     The executor of a plan follows its runtime
-    (:data:`~torch_dcp.executor.make.RUNTIME_EXECUTORS`); a runtime without one of its own
+    (:data:`~torch_dcp.executor.runtime.RUNTIME_EXECUTORS`); a runtime without one of its own
     (``TE_RING``) runs on torch_dcp's executor.
     """
 

@@ -1,7 +1,7 @@
 """Dataflow simulation: how fast a plan's placement and routes would run if every tile started
 as soon as its inputs are on its rank, instead of in the plan's ``T`` divisions.
 
-:func:`~torch_dcp.simulate.simulate` runs the plan's programs: a rank computes division ``d``
+:func:`~torch_dcp.sim.simulate.simulate` runs the plan's programs: a rank computes division ``d``
 once every input of the division has arrived, fetches for a division start one division ahead,
 and a relay passes a block on one division after it received it. This module keeps the same
 placement, routes, cost model and links, and drops those barriers:
@@ -11,7 +11,7 @@ placement, routes, cost model and links, and drops those barriers:
   when the sender's last tile of that block is done and every partial relayed through it has
   arrived); links serve transfers in the order they become ready (blocks that are ready at the
   same time: the one needed in the earliest division first), one at a time per port or rail,
-  back-filling gaps, as in :mod:`torch_dcp.simulate`;
+  back-filling gaps, as in :mod:`torch_dcp.sim.timeline`;
 * per-tile readiness (``kernels_per_rank=None``): a free rank runs its ready tile of the
   earliest division; a tile takes its FLOPs' share of its division's kernel time (the
   throughput of the whole division's launch: optimistic for small tiles);
@@ -25,7 +25,7 @@ Each rank first copies its local blocks into its work buffers (as its program do
 its last kernel is done and every partial result for it has arrived, runs all of its
 program's reductions (relays' pre-sends included: a little pessimistic); the pass ends when
 the last rank is done. Both models show what a finer-grained executor would gain on a given
-plan; the plan IR and the executor run divisions, so :func:`torch_dcp.simulate.simulate` stays
+plan; the plan IR and the executor run divisions, so :func:`torch_dcp.sim.simulate.simulate` stays
 the time a plan is chosen and reported by.
 """
 

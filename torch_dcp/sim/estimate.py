@@ -1,13 +1,13 @@
 """A fast estimate of a plan's simulated time: division by division, in NumPy.
 
-:func:`torch_dcp.simulate.simulate` compiles every rank's programs and replays them event by
+:func:`torch_dcp.sim.simulate.simulate` compiles every rank's programs and replays them event by
 event; timing the dozens of candidates a default ``torch_dcp.plan(..., planner="dcp")`` offers
 that way is most of its planning time. :func:`estimate_seconds` follows the same programs at
 the level of divisions instead of instructions, with every rank and transfer of a division in
 one array operation:
 
 * rank ``r``'s division ``d`` computes for its attention launch (timed as the simulator times
-  it: :func:`torch_dcp.floors.division_launch_seconds`);
+  it: :func:`torch_dcp.sim.floors.division_launch_seconds`);
 * the inputs of division ``d + 1`` are fetched while division ``d`` computes (the compiler
   launches phase ``2(d + 1)`` before division ``d``'s attention), and the partials whose last
   use was division ``d`` are returned while division ``d + 1`` computes; a transfer starts
@@ -43,7 +43,7 @@ def estimate_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None
     """Estimated forward + backward time of ``plan`` (seconds; see the module docstring), a
     head-parallel plan's as its outer plan's plus its all-to-alls (as :func:`simulate` adds
     them), a plan on the all-gather runtime's as its closed form
-    (:func:`torch_dcp.runtimes.simulate_allgather`).
+    (:func:`torch_dcp.sim.runtimes.simulate_allgather`).
 
     Args:
         plan: a :class:`Plan` or :class:`~torch_dcp.plan.heads.HeadParallelPlan`.
@@ -79,7 +79,7 @@ def _transfers(plan: Plan, backward: bool) -> tuple[np.ndarray, ...]:
 
 def pass_estimate_seconds(plan: Plan, cost_model: CostModel, backward: bool) -> float:
     """Estimated makespan of one pass of ``plan`` (seconds; see the module docstring; on the
-    all-gather runtime its closed form, :func:`torch_dcp.runtimes.simulate_allgather`)."""
+    all-gather runtime its closed form, :func:`torch_dcp.sim.runtimes.simulate_allgather`)."""
     if plan.placement.runtime.gathers:
         from .runtimes import simulate_allgather
 

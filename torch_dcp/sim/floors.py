@@ -59,7 +59,7 @@ def compute_floor_seconds(plan: Plan, cost_model: CostModel | None = None, backw
 
 def division_launch_seconds(plan: Plan, cost_model: CostModel | None = None, backward: bool = False) -> np.ndarray:
     """Seconds of every rank's attention launch in every division of one pass, as
-    :func:`torch_dcp.simulate.simulate` times them (a division's tiles' FLOPs at the throughput of its work per
+    :func:`torch_dcp.sim.simulate.simulate` times them (a division's tiles' FLOPs at the throughput of its work per
     launch, plus the launch overhead; 0 for a division without tiles): float64
     ``[world_size, divisions]`` (``[world_size, 1]`` on the all-gather runtime: one launch per rank)."""
     cm = cost_model or CostModel.a100()
@@ -72,7 +72,7 @@ def division_launch_seconds(plan: Plan, cost_model: CostModel | None = None, bac
 
 
 def kernel_floor_seconds(plan: Plan, cost_model: CostModel | None = None, backward: bool | None = None) -> float:
-    """The busiest rank's attention launches, each timed by the cost model as :func:`torch_dcp.simulate.simulate`
+    """The busiest rank's attention launches, each timed by the cost model as :func:`torch_dcp.sim.simulate.simulate`
     times it (:func:`division_launch_seconds`), copies and reductions left out (seconds). A
     lower bound of the rank's busy time, so of the pass's makespan; at least
     :func:`compute_floor_seconds`.

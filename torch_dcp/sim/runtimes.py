@@ -1,10 +1,10 @@
 """What a plan costs as each implementation runs it: torch_dcp's executor, and the static
 baselines' own implementations (:class:`~torch_dcp.planners.base.Runtime`).
 
-:func:`torch_dcp.simulate.simulate` looks the plan's runtime up in :data:`RUNTIMES`.
+:func:`torch_dcp.sim.simulate.simulate` looks the plan's runtime up in :data:`RUNTIMES`.
 
 **torch_dcp's executor** (``Runtime.EXECUTOR``): the plan's programs on the simulator's
-timeline (:func:`torch_dcp.simulate.simulate_programs`), every instruction charged the cost
+timeline (:func:`torch_dcp.sim.timeline.simulate_programs`), every instruction charged the cost
 model's executor costs where it has them (:mod:`torch_dcp.cost.executor`).
 
 **TransformerEngine's ring** (``Runtime.TE_RING``; TransformerEngine,

@@ -35,7 +35,7 @@ def simulate(plan: Plan | HeadParallelPlan, cost_model: CostModel | str | None =
     (:class:`~torch_dcp.Topology`); a rank's compute in a division starts when its inputs have
     arrived (the executor's ``CommWait``). A baseline's own implementation (ring attention as
     TransformerEngine runs it, an NCCL all-gather of K/V) is charged its own costs
-    (:mod:`torch_dcp.runtimes`). A head-parallel plan runs its all-to-all in, the
+    (:mod:`torch_dcp.sim.runtimes`). A head-parallel plan runs its all-to-all in, the
     outer plan (simulated on the groups' topology,
     :meth:`~torch_dcp.plan.heads.HeadLayout.outer_topology`) and its all-to-all out, one after
     the other in each pass; every rank of a group has its group's timeline. Ring attention's
@@ -125,7 +125,7 @@ def _simulate_heads(plan: HeadParallelPlan, inner: SimResult, cm: CostModel) -> 
 
 def ring_step_seconds(plan: Plan, cost_model: CostModel | str | None = None) -> float:
     """Ring attention's own step formula as TransformerEngine runs it, forward + backward
-    (seconds): :func:`torch_dcp.runtimes.te_ring_step_seconds` (its docstring has the formula
+    (seconds): :func:`torch_dcp.sim.runtimes.te_ring_step_seconds` (its docstring has the formula
     and its source); ``cost_model`` as in :func:`simulate`.
 
     Raises:
