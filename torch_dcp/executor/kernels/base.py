@@ -246,7 +246,7 @@ class GroupKernel:
 
     def prepare(self, div: Division) -> KernelLayout:
         present, full = div.tile_matrix()
-        entries: list[list] = []
+        static, idx, off = [], [], 0
         for g in range(div.n_groups):
             js = np.nonzero(present[g])[0]
             lo, hi = div.k_ptr[js], div.k_ptr[js + 1]
@@ -254,24 +254,14 @@ class GroupKernel:
                 np.zeros(0, np.int64)
             partial = not bool(full[g, js].all())
             runs = _partial_runs(hi - lo, full[g, js]) if partial else ()
-            e = [int(div.q_ptr[g]), int(div.q_ptr[g + 1]), rows, partial, runs, _causal_tail(div, g, rows, runs)]
-            prev = entries[-1] if entries else None
-            if (prev is not None and prev[5] >= 0 and e[5] == len(prev[2]) and prev[1] == e[0]
-                    and np.array_equal(rows[:e[5]], prev[2])):
-                # the next query block of a causal run (it sees every key of the previous group, then
-                # its own block causally): one causal call over the run's blocks
-                prev[1], prev[2] = e[1], rows
-            else:
-                entries.append(e)
-        static, idx, off = [], [], 0
-        for q0, q1, rows, partial, runs, tail in entries:
+            tail = _causal_tail(div, g, rows, runs)
             if len(rows) and rows[-1] - rows[0] + 1 == len(rows):
                 keys = ("slice", int(rows[0]), int(rows[-1]) + 1)
             else:
                 keys = ("index", off, off + len(rows))
                 idx.append(rows)
                 off += len(rows)
-            static.append((q0, q1, keys, partial, runs, tail))
+            static.append((int(div.q_ptr[g]), int(div.q_ptr[g + 1]), keys, partial, runs, tail))
         arrays = {"kidx": np.concatenate(idx).astype(np.int64) if idx else np.zeros(0, np.int64),
                   "k_pos": div.k_pos.astype(np.int64), "starts": div.key_starts.astype(np.int64),
                   "ends": div.key_ends.astype(np.int64)}
