@@ -135,3 +135,19 @@ def test_cost_model_array_forms_equal_the_scalar_ones_element_by_element():
             assert got.tolist() == want
         nbytes = np.where(rng.random(64) < 0.2, 0.0, rng.uniform(1, 1e9, 64))
         assert cm.memory_seconds_array(nbytes).tolist() == [cm.memory_seconds(x) for x in nbytes]
+
+
+def test_launch_times_and_transfers_are_computed_once_per_plan_and_cost_model():
+    from torch_dcp.sim.floors import division_launch_seconds
+
+    plan = [p for p in _candidates(Causal(), 1, 4) if hasattr(p, "placement") and not p.placement.runtime.gathers][0]
+    first = division_launch_seconds(plan, CM, True)
+    assert division_launch_seconds(plan, CM, True) is first  # the same array: not computed again
+    assert not first.flags.writeable  # callers cannot change what the next one reads
+    with pytest.raises(ValueError):
+        first[0, 0] = 1.0
+    other = CostModel.a100()  # another cost model (even with an equal id later) gets its own times
+    assert not np.array_equal(division_launch_seconds(plan, other, True), first)
+    assert division_launch_seconds(plan, CM, False) is not first
+    t = plan.transfers()
+    assert plan.transfers() is t and not any(a.flags.writeable for a in t)

@@ -66,6 +66,7 @@ class Plan:
         #: ``(planner label, simulated seconds)`` of the candidates :func:`torch_dcp.plan` timed
         self.candidates: list[tuple[str, float]] = []
         self._programs: dict[tuple[int, bool], Program] = {}
+        self._memo: dict[Any, tuple[Any, Any]] = {}
 
     # ------------------------------------------------------------------ basics
     @property
@@ -181,6 +182,21 @@ class Plan:
             self._programs[key] = compile_program(self, rank, bool(backward))
         return self._programs[key]
 
+    def memo(self, key: Any, owner: Any, compute: Any) -> Any:
+        """``compute()`` once per ``(key, owner)``: a figure the planner asks for several times
+        (a floor, an estimate and a simulation each time the same launches with the same cost
+        model ``owner``, compared by identity). A plan's placement, routes and divisions do not
+        change once it is built, so neither does the figure; an array comes back read-only."""
+        hit = self._memo.get(key)
+        if hit is not None and hit[0] is owner:
+            return hit[1]
+        value = compute()
+        for a in value if isinstance(value, tuple) else (value,):
+            if isinstance(a, np.ndarray):
+                a.setflags(write=False)
+        self._memo[key] = (owner, value)
+        return value
+
     # ------------------------------------------------------------------ statistics
     def transfers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Every block transfer of the plan, forward and backward.
@@ -191,6 +207,9 @@ class Plan:
         algorithm moves them, one entry per (rank, its successor in its CP group's ring,
         collective): ``G - 1`` shards of the group's largest rank (:func:`_ring_collectives`).
         """
+        return self.memo("transfers", None, self._transfers)
+
+    def _transfers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         if self.placement.runtime.gathers:
             return _ring_collectives(self)
         wl, t = self.workload, self.tables

@@ -61,8 +61,14 @@ def division_launch_seconds(plan: Plan, cost_model: CostModel | None = None, bac
     """Seconds of every rank's attention launch in every division of one pass, as
     :func:`torch_dcp.sim.simulate.simulate` times them (a division's tiles' FLOPs at the throughput of its work per
     launch, plus the launch overhead; 0 for a division without tiles): float64
-    ``[world_size, divisions]`` (``[world_size, 1]`` on the all-gather runtime: one launch per rank)."""
+    ``[world_size, divisions]`` (``[world_size, 1]`` on the all-gather runtime: one launch per rank),
+    read-only (computed once per plan and cost model: :meth:`~torch_dcp.plan.Plan.memo`)."""
     cm = cost_model or CostModel.a100()
+    return plan.memo(("division_launch_seconds", id(cm), bool(backward)), cm,
+                     lambda: _division_launch_seconds(plan, cm, bool(backward)))
+
+
+def _division_launch_seconds(plan: Plan, cm: CostModel, backward: bool) -> np.ndarray:
     wl, w, t = plan.workload, plan.world_size, plan.divisions
     if plan.placement.runtime.gathers:  # one launch per rank, the kernels alone: [W, 1]
         tile_rank = plan.placement.tile_rank.astype(np.int64)
