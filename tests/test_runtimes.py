@@ -103,13 +103,40 @@ def test_allgather_is_nccl_collectives_plus_compute(preset, nodes, longtail):
         return ((r - 1) * topo.intra_latency + (n - 1) * topo.inter_latency
                 + (n - 1) * r * nbytes / topo.inter_bandwidth + (r - 1) * n * nbytes / topo.intra_bandwidth)
 
-    kern = CostModel.load(preset)
-    compute = sum(allgather_pass_seconds(plan, kern, bw)[2].max() for bw in (False, True))
-    reference = 2 * hierarchical(shard * itb[(False, Buf.KV)]) + hierarchical(shard * itb[(True, Buf.KV)]) + compute
+    model = CostModel.load(f"{preset}-executor")
+    compute = sum(allgather_pass_seconds(plan, model, bw)[2].max() for bw in (False, True))
+    # TransformerEngine's: K and V (dK and dV) each by a collective of its own
+    reference = 2 * (2 * hierarchical(shard * itb[(False, Buf.KV)] / 2)
+                     + hierarchical(shard * itb[(True, Buf.KV)] / 2)) + compute
     assert sim <= 1.25 * reference
     assert sim >= compute  # never faster than its own compute
     # the point-to-point all-gather the executor would run moves each block once per fetching rank
     assert simulate(on_executor(plan)).makespan_s > sim
+
+
+def test_allgather_baseline_pays_its_own_counted_operations(longtail):
+    """On a GPU preset the baseline's all-gather CP is charged TransformerEngine's device
+    operations per pass (counted from its source: more than torch_dcp's runtime issues), each at
+    the preset's cost per operation; with the kernel table alone, none."""
+    import json
+
+    from torch_dcp.cost.model import GPU_EXECUTOR_PRESET
+
+    topo = Topology.preset("h100", n_nodes=1)
+    plan = torch_dcp.plan(bench_batch(longtail, Causal()), topo, planner="allgather", cost_model="h100-executor")
+    preset = json.loads(GPU_EXECUTOR_PRESET.read_text())
+    te, per_op = preset["baselines"]["te_allgather"], preset["seconds_per_op"]
+    assert te["forward"] > preset["counted"]["gathered"]["forward"]
+    assert te["backward"] > preset["counted"]["gathered"]["backward"]
+    model, kern = CostModel.load("h100-executor"), CostModel.load("h100")
+    for bw, name in ((False, "forward"), (True, "backward")):
+        extra = allgather_pass_seconds(plan, model, bw)[2] - allgather_pass_seconds(plan, kern, bw)[2]
+        assert extra == pytest.approx(np.full(topo.world_size, te[name] * per_op), rel=1e-9)
+    # torch_dcp's runtime on the same layout pays its own count, not TransformerEngine's
+    ours = dataclasses.replace(plan.placement, runtime=Runtime.DCP_ALLGATHER)
+    ours_plan = torch_dcp.Plan(ours, topo, plan.tile_division, plan.divisions)
+    extra = allgather_pass_seconds(ours_plan, model, True)[2] - allgather_pass_seconds(ours_plan, kern, True)[2]
+    assert extra == pytest.approx(np.full(topo.world_size, preset["counted"]["gathered"]["backward"] * per_op))
 
 
 def test_simulate_uses_the_model_the_plan_was_made_with():

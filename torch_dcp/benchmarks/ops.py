@@ -391,7 +391,7 @@ def count_preset_cases(roles: "list[str] | None" = None) -> dict[str, dict[str, 
 
 def write_preset(path: str) -> dict[str, Any]:
     """Recount :data:`PRESET_CASES` and write the GPU executor preset to ``path``, keeping its
-    (or the shipped preset's) seconds per operation and their source."""
+    (or the shipped preset's) seconds per operation, their source and the baselines' counts."""
     import datetime
     from pathlib import Path
 

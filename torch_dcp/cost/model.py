@@ -119,7 +119,8 @@ def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
     :data:`GPU_EXECUTOR_PRESET`): each pass's operations per division x the seconds per
     operation; the ``fast`` kernel (varlen) from the causal count, the ``general`` one
     (FlexAttention) from the λ count; the all-gather runtime's operations per pass (its
-    ``alone`` and ``gathered`` counts, where the preset has them) likewise.
+    ``alone`` and ``gathered`` counts, where the preset has them) likewise, and those of
+    TransformerEngine's all-gather CP (``baselines.te_allgather``, counted from its source).
 
     Raises:
         ValueError: a file without the counts or the seconds per operation.
@@ -138,7 +139,10 @@ def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
         if "alone" in counted and "gathered" in counted:  # torch_dcp's all-gather runtime, per pass
             allgather = tuple(float(counted[case][name]) * per_op for case in ("alone", "gathered")
                               for name in ("forward", "backward"))
-        return ExecutorCosts(general=costs("flex", general), fast=costs("varlen", fast), allgather=allgather)
+        te = d.get("baselines", {}).get("te_allgather")  # the baseline's own operations, per pass
+        te_allgather = None if te is None else (float(te["forward"]) * per_op, float(te["backward"]) * per_op)
+        return ExecutorCosts(general=costs("flex", general), fast=costs("varlen", fast), allgather=allgather,
+                             te_allgather=te_allgather)
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a GPU executor preset (counted.fast/general forward and backward, "
                          f"seconds_per_op): {e}") from e

@@ -32,8 +32,12 @@ local zig-zag half, one launch more); the backward gathers K/V again, runs one
 attention-backward call and returns dK/dV by an NCCL reduce-scatter in the K/V dtype
 (TransformerEngine's backward: PyTorch's passes dK/dV around the ring in float32, the slower of
 the two). With CP groups smaller than the world (``Placement.cp_size``) every group gathers on
-its own ranks. The collectives are costed as NCCL runs them on the topology
-(:mod:`torch_dcp.cost.collectives`); compute does not overlap them.
+its own ranks. Each implementation pays its own device operations where the cost model counts
+them (a GPU preset): torch_dcp's runtime its counted ones, TransformerEngine's those its source
+issues (8 forward, 18 backward on a rank that gathers: two halves, each with its own copies;
+K and V gathered, dK and dV reduce-scattered, by one collective each). The collectives are
+costed as NCCL runs them on the topology (:mod:`torch_dcp.cost.collectives`); compute does not
+overlap them.
 """
 
 from __future__ import annotations
@@ -146,7 +150,11 @@ def allgather_pass_seconds(plan: Plan, cm: CostModel, backward: bool) -> tuple[n
     (:meth:`~torch_dcp.planners.base.Placement.cp_group`) gathers on its own ranks (the
     topology of :func:`~torch_dcp.planners.static.group_topology`); its shards are its ranks'
     K/V rows (its largest rank's, as NCCL pads them). Each rank's compute is one attention call
-    over its queries and the gathered keys: the kernels alone (``Runtime.ALLGATHER``), or, as
+    over its queries and the gathered keys: the kernels alone (``Runtime.ALLGATHER``; where the
+    model counts them, :attr:`~torch_dcp.cost.executor.ExecutorCosts.te_allgather` on a GPU
+    preset, plus TransformerEngine's own device operations per pass on a rank that gathers, at
+    the same cost per operation as torch_dcp's, and its K and V, dK and dV, each moved by a
+    collective of its own), or, as
     torch_dcp's :class:`~torch_dcp.executor.allgather.AllGatherExecutor` runs it
     (``Runtime.DCP_ALLGATHER``), plus that runtime's own device operations per pass
     (:attr:`~torch_dcp.cost.executor.ExecutorCosts.allgather`: counted, on a GPU preset), or,
@@ -161,18 +169,26 @@ def allgather_pass_seconds(plan: Plan, cm: CostModel, backward: bool) -> tuple[n
     c = pl.cp_size or w
     gtopo = topo if c == w else group_topology(topo, c)
     rows = tokens.reshape(w // c, c).max(axis=1).astype(np.float64)
-    gather = np.array([allgather_seconds(r * itb[(backward, Buf.KV)], gtopo) if c > 1 and r else 0.0 for r in rows])
-    scatter = np.array([reduce_scatter_seconds(r * itb[(True, Buf.DKV)], gtopo) if c > 1 and r and backward else 0.0
-                        for r in rows])
-    ex = cm.executor if pl.runtime is Runtime.DCP_ALLGATHER else None
+    ours = pl.runtime is Runtime.DCP_ALLGATHER
+    ex = cm.executor
+    # TransformerEngine's own operations where the model counts them (its K and V, and its dK and
+    # dV, each by a collective of their own); torch_dcp's runtime moves K and V side by side
+    te = None if ours or ex is None or c == 1 else ex.te_allgather
+    calls = 1 if te is None else 2
+    gather = np.array([calls * allgather_seconds(r * itb[(backward, Buf.KV)] / calls, gtopo) if c > 1 and r else 0.0
+                       for r in rows])
+    scatter = np.array([calls * reduce_scatter_seconds(r * itb[(True, Buf.DKV)] / calls, gtopo)
+                        if c > 1 and r and backward else 0.0 for r in rows])
     tiles, cell = np.arange(wl.n_tiles), pl.tile_rank.astype(np.int64)
-    if ex is not None and ex.allgather is None:  # as one division and one pass of the executor
+    if ours and ex is not None and ex.allgather is None:  # as one division and one pass of the executor
         compute = cm.launch_seconds(wl, tiles, cell, w, backward)
         compute = compute + np.atleast_1d(ex.pass_seconds(pass_local_bytes(plan, backward), backward))
-    else:  # the kernels alone, plus the runtime's own counted operations
+    else:  # the kernels alone, plus the implementation's own counted operations
         compute = kern.launch_seconds(wl, tiles, cell, w, backward)
-        if ex is not None:
+        if ours and ex is not None:
             compute = compute + ex.allgather[2 * (c > 1) + int(backward)]
+        elif te is not None:
+            compute = compute + te[int(backward)]
     return np.repeat(gather, c), np.repeat(scatter, c), compute
 
 
