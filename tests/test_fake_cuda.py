@@ -162,6 +162,30 @@ def test_allgather_runtime_on_the_cuda_path(mask, n):
     assert seen[MERGE] == 0  # every query's tiles on its rank: nothing to merge
 
 
+@pytest.mark.parametrize("mask,n", [("causal", 1), ("lambda", 1), ("causal", 2)])
+def test_ring_runtime_on_the_cuda_path(mask, n):
+    """Ring attention on its own runtime (4 ranks; as HCP's ring across 2 head groups): one
+    attention call per rank and step with tiles, one Triton merge per later step, no host read
+    of device data."""
+    import dataclasses
+
+    from torch_dcp.api import divide
+    from torch_dcp.executor.triton_merge import triton_available
+    from torch_dcp.plan.heads import HeadLayout, HeadParallelPlan
+    from torch_dcp.planners import Runtime, plan_ring
+
+    batch = BatchSpec(list(LENS), MASKS[mask], n_heads=H, n_kv_heads=HKV, head_dim=D, dtype="bfloat16")
+    topo = Topology(n_nodes=1, ranks_per_node=4)
+    lay = HeadLayout.of(batch, n)
+    ob, ot = lay.outer_batch(batch), lay.outer_topology(topo)
+    plan = divide(dataclasses.replace(plan_ring(ob, ot), runtime=Runtime.DCP_RING), ot, ot.world_size)
+    plan = plan if n == 1 else HeadParallelPlan(plan, batch, topo, n, "ring/hp2")
+    _, seen = _dry_run(plan, None, torch.bfloat16)
+    assert seen[FLASH] + seen["flex_attention"] > 4  # a call per step with tiles, not per rank
+    if mask == "causal" and triton_available("cuda"):
+        assert seen[MERGE]
+
+
 def test_emulate_4x8_with_head_parallelism():
     """A 4 x 8 plan (dcp's default: head parallelism chosen by simulation), every rank emulated:
     all-to-alls, outer plan and kernels on CUDA with no host read."""

@@ -36,7 +36,7 @@ import torch
 
 from ..plan import BlockwiseAttention, Plan
 from ..planners.base import Runtime
-from .device_plan import host_to_device
+from .device_plan import host_to_device, rows_on
 from .division import build_division
 from .executor import InstructionTime, RowChecks, _Clock, _drain
 from .kernels import DivisionKernel, get_kernel
@@ -110,15 +110,6 @@ class _Meta(NamedTuple):
     dkv: Any  # rows of the kernel's dK then dV results in the reduce-scatter's buffer
     meta: Any
     kv_once: bool = True  # every gathered row read once (a kernel may read one several times)
-
-
-def _rows(idx: np.ndarray, device: torch.device) -> Any:
-    """``idx`` as a slice where contiguous, else an int64 tensor on ``device``."""
-    n = len(idx)
-    if n == 0 or (idx[-1] - idx[0] + 1 == n and np.all(np.diff(idx) == 1)):
-        a = int(idx[0]) if n else 0
-        return slice(a, a + n)
-    return host_to_device(torch.from_numpy(np.ascontiguousarray(idx, np.int64)), device)
 
 
 class AllGatherExecutor(RowChecks):
@@ -199,8 +190,8 @@ class AllGatherExecutor(RowChecks):
         # its dV rows), so that a member's summed dK and dV are contiguous rows of its shard
         r = self.shard_rows
         dk_rows = kv_rows // r * 2 * r + kv_rows % r
-        self._meta = _Meta(device, _rows(q_idx, device), _rows(kv_idx, device), _rows(q_rows, device),
-                           _rows(np.concatenate((dk_rows, dk_rows + r)), device), self.kernel.bind(arrays, lay.static),
+        self._meta = _Meta(device, rows_on(q_idx, device), rows_on(kv_idx, device), rows_on(q_rows, device),
+                           rows_on(np.concatenate((dk_rows, dk_rows + r)), device), self.kernel.bind(arrays, lay.static),
                            len(np.unique(kv_rows)) == len(kv_rows))
         return self._meta
 

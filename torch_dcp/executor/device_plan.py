@@ -41,7 +41,7 @@ from .kernels.base import kernel_rows
 if TYPE_CHECKING:  # pragma: no cover
     from .kernels.base import DivisionKernel
 
-__all__ = ["DevicePlan", "PassPlan", "Rows", "host_to_device"]
+__all__ = ["DevicePlan", "PassPlan", "Rows", "host_to_device", "rows_on"]
 
 
 def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -58,6 +58,16 @@ def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tens
     return host.to(device, non_blocking=True)
 
 _NAMES = itertools.count()  # unique array names
+
+
+def rows_on(idx: np.ndarray, device: torch.device) -> Any:
+    """Row indices ``idx`` for a device call: a slice where they are contiguous and ascending
+    (a view, no gather), else an int64 tensor uploaded to ``device`` once."""
+    n = len(idx)
+    if n == 0 or (idx[-1] - idx[0] + 1 == n and np.all(np.diff(idx) == 1)):
+        a = int(idx[0]) if n else 0
+        return slice(a, a + n)
+    return host_to_device(torch.from_numpy(np.ascontiguousarray(idx, np.int64)), device)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,13 +9,16 @@ from ..plan import Plan
 from ..planners.base import Runtime
 from .allgather import AllGatherExecutor
 from .executor import RankExecutor
+from .ring import RingExecutor
 
 __all__ = ["RUNTIME_EXECUTORS", "plan_executor"]
 
 #: a static family's runtime -> the executor that runs a :class:`Plan` of it as its authors do
 #: (a runtime not listed runs on torch_dcp's executor)
 RUNTIME_EXECUTORS: dict[Runtime, type] = {Runtime.ALLGATHER: AllGatherExecutor,
-                                          Runtime.DCP_ALLGATHER: AllGatherExecutor}
+                                          Runtime.DCP_ALLGATHER: AllGatherExecutor,
+                                          Runtime.TE_RING: RingExecutor,
+                                          Runtime.DCP_RING: RingExecutor}
 
 
 def plan_executor(plan: Plan) -> type:

@@ -60,16 +60,23 @@ class Runtime(enum.Enum):
       attention call per rank, charged as torch_dcp's executor charges one division and one
       pass (the cost model's executor costs: its gathers, writes and allocations), how dcp's
       candidates run a static configuration; a plan of ``ALLGATHER`` runs on it too.
+    * ``DCP_RING``: torch_dcp's own ring (:class:`~torch_dcp.executor.ring.RingExecutor`) on
+      the zig-zag layout, as TransformerEngine's ring runs it: per step one attention call over
+      the K/V chunk held and one merge of its partial output, the chunk passed on to the next
+      rank while the step computes, dK/dV partials travelling with it in the K/V dtype; charged
+      its own device operations per step. How dcp's candidates run ring attention, and, inside
+      head groups, HCP's ring across them.
 
     The executor of a plan follows its runtime
     (:data:`~torch_dcp.executor.runtime.RUNTIME_EXECUTORS`); a runtime without one of its own
-    (``TE_RING``) runs on torch_dcp's executor.
+    (``TE_RING``) runs on torch_dcp's ring runtime (as ``DCP_RING``).
     """
 
     EXECUTOR = "executor"
     TE_RING = "te-ring"
     ALLGATHER = "nccl-allgather"
     DCP_ALLGATHER = "dcp-allgather"
+    DCP_RING = "dcp-ring"
 
     @property
     def gathers(self) -> bool:
