@@ -31,7 +31,10 @@ than dcp's memory bound lets any rank hold; ``runtime costs`` where the baseline
 and dcp ran that configuration (or a faster one) on torch_dcp's own all-gather runtime
 (``Runtime.DCP_ALLGATHER``, among dcp's candidates): each implementation pays its own device
 operations per pass (torch_dcp's counted on its runtime; TransformerEngine's counted from its
-source, where the cost model has them; else its kernels alone); ``executor`` where the
+source, where the cost model has them; else its kernels alone), and likewise where the baseline
+is ring attention or HCP and dcp ran that layout on its own ring runtime (``Runtime.DCP_RING``:
+its counted operations per step, where TransformerEngine's ring pays its kernels and its
+merges' bytes); ``executor`` where the
 baseline's own layout at its CP size, run by torch_dcp's executor, is no faster than dcp (within
 1 %; the gap is how the baseline's implementation runs it: one attention call per step without
 the executor's costs per division, for which dcp has no runtime of its own); ``executor costs``
@@ -165,6 +168,13 @@ def _cause(row: dict, best: str, batch, topology: Topology, cm) -> str:
                 return (f"runtime costs: torch_dcp's all-gather runtime at CP size {c} takes {ours:.2f} ms (dcp "
                         f"{ms:.2f} ms), the baseline's implementation {row['best_baseline_ms']:.2f} ms: each pays its "
                         "own device operations per pass and collectives")
+        if best in ("ring", "hcp") and _ring_runtime_offered(best, batch, topology, c):
+            ours = static_cp_seconds(best, batch, topology, cm, [c], runtime=Runtime.DCP_RING)[c] * 1e3
+            row[f"{best}_on_dcp_runtime_ms"] = ours
+            if ms <= ours * 1.01:
+                return (f"runtime costs: the same layout on torch_dcp's ring runtime takes {ours:.2f} ms (dcp {ms:.2f} "
+                        f"ms), the baseline's implementation {row['best_baseline_ms']:.2f} ms: torch_dcp's counted "
+                        "device operations per step, where the baseline pays its kernels and its merges' bytes")
         same = static_cp_seconds(best, batch, topology, cm, [c], runtime=Runtime.EXECUTOR)[c] * 1e3
         row[f"{best}_on_executor_ms"] = same
         if ms <= same * 1.01:  # dcp within 1 % of the same layout on the executor
@@ -179,6 +189,16 @@ def _cause(row: dict, best: str, batch, topology: Topology, cm) -> str:
         return (f"executor costs: dcp's plan takes {kern:.2f} ms with the kernels alone, {ms:.2f} ms with the "
                 f"executor's costs")
     return "placement: dcp's candidates are slower than this baseline's layout on torch_dcp's executor"
+
+
+def _ring_runtime_offered(family: str, batch, topology: Topology, c: int) -> bool:
+    """Whether dcp's candidates include ``family`` (ring or HCP) at CP size ``c`` on torch_dcp's
+    ring runtime: the whole group (``c = W``), its ring (across the head groups for HCP) of at most
+    :data:`~torch_dcp.planners.dcp.RING_RUNTIME_MAX_RANKS` ranks."""
+    from ..planners.dcp import RING_RUNTIME_MAX_RANKS
+
+    n = topology.ranks_per_node if family == "hcp" else 1  # HCP: one head group per node
+    return c == topology.world_size and topology.world_size // n <= RING_RUNTIME_MAX_RANKS
 
 
 def _own_allgather_ms(batch, topology: Topology, cm, c: int) -> float:

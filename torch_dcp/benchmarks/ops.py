@@ -361,6 +361,9 @@ PRESET_CASES = {
     # as the outer plan of Ulysses' shape) and gathering (CP groups of one node)
     "alone": {"mask": "causal", "divisions": 1, "cp_size": 1},
     "gathered": {"mask": "causal", "divisions": 1, "cp_size": 8},
+    # torch_dcp's ring runtime (one attention call and one merge per step): per ring step, on a
+    # ring of one node (as dcp's candidates run it: up to 8 ranks, HCP's ring across head groups)
+    "ring": {"mask": "causal", "divisions": 8, "planner": "ring", "ranks": 8, "topology": "1x8"},
 }
 _PRESET_BASE = {"ranks": 32, "topology": "4x8", "batch": "longtail", "tokens": 131072, "block_size": 1024,
                 "heads": 8, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16", "kernel": None, "device": "cuda",

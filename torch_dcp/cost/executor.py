@@ -170,6 +170,9 @@ class ExecutorCosts:
             ``(alone forward, alone backward, gathering forward, gathering backward)``: a rank
             that is its CP group alone, and one that gathers; None: charged as one division
             and one pass of the executor.
+        ring: seconds per ring step with tiles, ``(forward, backward)``, of torch_dcp's ring
+            runtime's own device operations (:class:`~torch_dcp.executor.ring.RingExecutor`:
+            counted, on a GPU preset); None: each step charged as a division of the executor.
         te_allgather: seconds per pass, ``(forward, backward)``, of the device operations
             TransformerEngine's all-gather CP issues on a rank that gathers, the baseline's own
             (counted from its source; the preset's ``baselines`` names it), at the same cost
@@ -186,6 +189,7 @@ class ExecutorCosts:
     pass_byte: float = 0.0
     allgather: tuple[float, float, float, float] | None = None
     te_allgather: tuple[float, float] | None = None
+    ring: tuple[float, float] | None = None
 
     def kernels(self) -> tuple[KernelCosts, ...]:
         return (self.general,) if self.fast is None else (self.general, self.fast)
@@ -205,7 +209,8 @@ class ExecutorCosts:
                    MemoryCosts(**d["merge"]), MemoryCosts(**d["sum"]), MemoryCosts(**d["pack"]),
                    tuple(float(x) for x in d["pass_fixed"]), float(d["pass_byte"]),
                    None if d.get("allgather") is None else tuple(float(x) for x in d["allgather"]),
-                   None if d.get("te_allgather") is None else tuple(float(x) for x in d["te_allgather"]))
+                   None if d.get("te_allgather") is None else tuple(float(x) for x in d["te_allgather"]),
+                   None if d.get("ring") is None else tuple(float(x) for x in d["ring"]))
 
     def memory(self, kind: str) -> MemoryCosts | None:
         """The costs of a memory-bound instruction of ``kind`` (:func:`memory_kind`); None:

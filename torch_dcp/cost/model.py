@@ -119,8 +119,9 @@ def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
     :data:`GPU_EXECUTOR_PRESET`): each pass's operations per division x the seconds per
     operation; the ``fast`` kernel (varlen) from the causal count, the ``general`` one
     (FlexAttention) from the λ count; the all-gather runtime's operations per pass (its
-    ``alone`` and ``gathered`` counts, where the preset has them) likewise, and those of
-    TransformerEngine's all-gather CP (``baselines.te_allgather``, counted from its source).
+    ``alone`` and ``gathered`` counts, where the preset has them) likewise, the ring runtime's
+    per step (``ring``), and those of TransformerEngine's all-gather CP
+    (``baselines.te_allgather``, counted from its source).
 
     Raises:
         ValueError: a file without the counts or the seconds per operation.
@@ -141,8 +142,11 @@ def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
                               for name in ("forward", "backward"))
         te = d.get("baselines", {}).get("te_allgather")  # the baseline's own operations, per pass
         te_allgather = None if te is None else (float(te["forward"]) * per_op, float(te["backward"]) * per_op)
+        ring = None
+        if "ring" in counted:  # torch_dcp's ring runtime, per step with tiles
+            ring = (float(counted["ring"]["forward"]) * per_op, float(counted["ring"]["backward"]) * per_op)
         return ExecutorCosts(general=costs("flex", general), fast=costs("varlen", fast), allgather=allgather,
-                             te_allgather=te_allgather)
+                             te_allgather=te_allgather, ring=ring)
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a GPU executor preset (counted.fast/general forward and backward, "
                          f"seconds_per_op): {e}") from e

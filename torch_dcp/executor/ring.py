@@ -237,6 +237,14 @@ class RingExecutor(RowChecks):
         scale = self.scale if scale is None else float(scale)
         delta = output_delta(dout, out, self.acc)
         lse = lse.to(self.acc)
+        if any(st is not None and not isinstance(st.q, slice) for st in steps):
+            # the query side's rows side by side (written once): one gather of them per step
+            side = _Buffer(s, [("q", q.dtype, (h, d)), ("do", dout.dtype, (h, d)), ("lse", self.acc, (h,)),
+                               ("delta", self.acc, (h,))], q.device)
+            for name, t in (("q", q), ("do", dout), ("lse", lse), ("delta", delta)):
+                side.fields[name].copy_(t)
+        else:
+            side = None
         held = self._held(k, v)
         nxt = torch.empty_like(held) if w > 1 else None
         # the chunk's dK/dV partials, travelling with it: [2, R, H_kv D] (dK rows, then dV rows)
@@ -248,7 +256,11 @@ class RingExecutor(RowChecks):
             handle = self._pass_on(kv_phase, _KV, held, nxt, f"{i} (backward K/V)") if i < w - 1 else None
             if st is not None:
                 kp, vp = take_rows(held, st.kv).unflatten(1, (2 * hkv, d)).split(hkv, 1)
-                qp, dop, lsep, deltap = (take_rows(t, st.q) for t in (q, dout, lse, delta))
+                if side is None or isinstance(st.q, slice):
+                    qp, dop, lsep, deltap = (take_rows(t, st.q) for t in (q, dout, lse, delta))
+                else:
+                    f = side.view_rows(take_rows(side.words, st.q))
+                    qp, dop, lsep, deltap = f["q"], f["do"], f["lse"], f["delta"]
                 g_q, g_k, g_v = self._timed(i, True, lambda: self.kernel.backward(qp, kp, vp, dop, lsep, deltap,
                                                                                   st.meta, scale, self.acc))
                 add_rows(dq, st.out, g_q)

@@ -14,7 +14,7 @@ Per rank ``r``, in bytes:
 
   - all-gather CP (``ALLGATHER``, ``DCP_ALLGATHER``): the gathered buffer of its CP group,
     ``G`` shards of the group's largest rank (NCCL needs equal shards), less its own tokens;
-  - TransformerEngine's ring (``TE_RING``): two K/V shards of its group's largest rank, the
+  - ring attention (``TE_RING``, ``DCP_RING``): two K/V shards of its group's largest rank, the
     step's and the next step's receive buffer (``AttnFuncWithCPAndKVP2P`` double-buffers);
     none on a ring of one rank;
   - torch_dcp's executor (``EXECUTOR``): the K/V blocks it fetches (its route table's rows), all
@@ -69,6 +69,7 @@ _OTHER_KV_ROWS: dict[Runtime, Callable[[Any], np.ndarray]] = {
     Runtime.ALLGATHER: _gathered,
     Runtime.DCP_ALLGATHER: _gathered,
     Runtime.TE_RING: _ring,
+    Runtime.DCP_RING: _ring,
     Runtime.EXECUTOR: _executor,
 }
 

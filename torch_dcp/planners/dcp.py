@@ -45,7 +45,9 @@ resident tokens meet the same memory bound), all run by torch_dcp's executor, an
 at every CP size a user could pick run as its authors run it (``"static"``, labelled
 ``"dcp:allgather/cpC"``: one NCCL all-gather of K/V per CP group and one attention call per
 rank, :class:`~torch_dcp.executor.allgather.AllGatherExecutor`; inside head groups at CP groups
-of one head group, Ulysses' own shape). :func:`torch_dcp.plan` estimates every candidate's time division by division
+of one head group, Ulysses' own shape), and ring attention on its own runtime over groups of up
+to 8 ranks (``"dcp:ring/cpW"``, :class:`~torch_dcp.executor.ring.RingExecutor`; inside head
+groups, HCP's ring across them). :func:`torch_dcp.plan` estimates every candidate's time division by division
 (:func:`torch_dcp.sim.estimate.estimate_seconds`, which sees the phases and the links), simulates
 the best few by that estimate and every labelled rival (skipping those whose floor is above the
 fastest so far), and keeps the fastest, so a dcp plan is never slower than the rivals' (as
@@ -79,7 +81,7 @@ from .ring import plan_ring
 _RIVALS = {"ring": plan_ring, "megatron": plan_megatron, "allgather": plan_allgather, "documents": plan_documents}
 
 __all__ = ["plan_dcp", "dcp_candidates", "DEFAULT_RIVALS", "OWN_RIVALS", "DCPHypergraph", "estimate_seconds",
-           "zigzag_tiles_bound", "RIVAL_TILE_BUDGET", "CONTIGUOUS_NODES"]
+           "zigzag_tiles_bound", "RIVAL_TILE_BUDGET", "RING_RUNTIME_MAX_RANKS", "CONTIGUOUS_NODES"]
 
 #: compute bounds (max/mean - 1) of the extra greedy layouts the time objective starts from
 _GREEDY_BOUNDS = (0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
@@ -94,6 +96,11 @@ OWN_RIVALS = tuple(r for r in DEFAULT_RIVALS if r != "static")
 #: on 1M tokens / 256 ranks holds tens of millions (85 s and 12.9 GB to plan on one core)
 _ZIGZAG_RIVALS = ("ring", "allgather")
 RIVAL_TILE_BUDGET = 1 << 22
+#: ring attention on its own runtime (``Runtime.DCP_RING``) is a candidate on groups of at most
+#: this many ranks (one node, or HCP's ring across the head groups of a few nodes): beyond, its
+#: ``W`` steps of small launches never won on the paper's batches (ring at 32 ranks: 1.7-2x the
+#: best static configuration, ``benchmarks compare``) and simulating them costs planning time
+RING_RUNTIME_MAX_RANKS = 8
 
 
 def zigzag_tiles_bound(batch: BatchSpec, world_size: int) -> int:
@@ -298,9 +305,12 @@ def dcp_candidates(
             ``"static"``: all-gather CP run as its authors run it (``Runtime.DCP_ALLGATHER``,
             :class:`~torch_dcp.executor.allgather.AllGatherExecutor`) at every CP size a user
             could pick (:func:`~torch_dcp.planners.static.cp_sizes`, whole documents split over
-            the CP groups), labelled ``"dcp:allgather/cpC"``, under the same memory and tile
+            the CP groups), labelled ``"dcp:allgather/cpC"``, and ring attention as its
+            authors run it (``Runtime.DCP_RING``, :class:`~torch_dcp.executor.ring.RingExecutor`)
+            over groups of at most :data:`RING_RUNTIME_MAX_RANKS` ranks, labelled
+            ``"dcp:ring/cpW"`` (inside head groups: HCP), under the same memory and tile
             bounds: so the plan :func:`torch_dcp.plan` keeps is never slower on the simulator
-            than that static configuration.
+            than those static configurations.
 
     Returns:
         Placements (at least one), the planner's own best first.
@@ -432,11 +442,18 @@ def dcp_candidates(
 
 
 def _static_runtimes(batch: BatchSpec, topology: Topology, eps_memory: float) -> list[Placement]:
-    """All-gather CP on its own runtime at every CP size a user could pick (the ``"static"``
-    rival of :func:`dcp_candidates`)."""
+    """All-gather CP on its own runtime at every CP size a user could pick, and ring attention on
+    its own over the whole group where it has at most :data:`RING_RUNTIME_MAX_RANKS` ranks (the
+    ``"static"`` rival of :func:`dcp_candidates`)."""
     from .static import cp_sizes
 
     out = []
+    w = topology.world_size
+    if 1 < w <= RING_RUNTIME_MAX_RANKS and zigzag_tiles_bound(batch, w) <= RIVAL_TILE_BUDGET:
+        ring = plan_ring(batch, topology)
+        tokens = ring.rank_tokens()
+        if tokens.max() <= (1.0 + eps_memory) * tokens.mean():
+            out.append(dataclasses.replace(ring, planner=f"dcp:ring/cp{w}", runtime=Runtime.DCP_RING))
     for c in cp_sizes("allgather", batch, topology):
         if zigzag_tiles_bound(batch, c) > RIVAL_TILE_BUDGET:
             continue

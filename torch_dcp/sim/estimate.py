@@ -33,17 +33,22 @@ import numpy as np
 from ..cost import CostModel
 from ..plan import Plan
 from ..plan.heads import HeadParallelPlan
+from ..planners.base import Runtime
 from .floors import division_launch_seconds
 from ..workload import Buf, item_token_bytes
 
 __all__ = ["estimate_seconds", "pass_estimate_seconds"]
+
+#: ring attention on its own runtime: estimated by the ring's step formula
+_RINGS = (Runtime.TE_RING, Runtime.DCP_RING)
 
 
 def estimate_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None) -> float:
     """Estimated forward + backward time of ``plan`` (seconds; see the module docstring), a
     head-parallel plan's as its outer plan's plus its all-to-alls (as :func:`simulate` adds
     them), a plan on the all-gather runtime's as its closed form
-    (:func:`torch_dcp.sim.runtimes.simulate_allgather`).
+    (:func:`torch_dcp.sim.runtimes.simulate_allgather`), a ring on its own runtime's by the
+    ring's step formula (:func:`torch_dcp.sim.runtimes.ring_estimate_seconds`).
 
     Args:
         plan: a :class:`Plan` or :class:`~torch_dcp.plan.heads.HeadParallelPlan`.
@@ -56,6 +61,10 @@ def estimate_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None
         from .runtimes import simulate_allgather
 
         return simulate_allgather(plan, cm).makespan_s
+    if plan.placement.runtime in _RINGS and (cm.executor is None or cm.executor.ring is not None):
+        from .runtimes import ring_estimate_seconds
+
+        return ring_estimate_seconds(plan, cm)
     return sum(pass_estimate_seconds(plan, cm, backward) for backward in (False, True))
 
 

@@ -12,6 +12,7 @@ from ..batch import BatchSpec
 from ..cost import CostModel
 from ..plan import Plan
 from ..plan.heads import HeadParallelPlan
+from ..planners.base import Runtime
 from ..workload import Workload
 
 __all__ = ["link_floor_seconds", "compute_floor_seconds", "division_launch_seconds", "kernel_floor_seconds",
@@ -74,6 +75,8 @@ def _division_launch_seconds(plan: Plan, cm: CostModel, backward: bool) -> np.nd
         tile_rank = plan.placement.tile_rank.astype(np.int64)
         return cm.with_executor(None).launch_seconds(wl, np.arange(wl.n_tiles), tile_rank, w, backward).reshape(w, 1)
     cell = plan.placement.tile_rank.astype(np.int64) * t + np.asarray(plan.tile_division, np.int64)
+    if plan.placement.runtime is not Runtime.EXECUTOR:  # a ring's own runtime: its kernels (a lower bound)
+        cm = cm.with_executor(None)
     return cm.launch_seconds(wl, np.arange(wl.n_tiles), cell, w * t, backward).reshape(w, t)
 
 

@@ -43,19 +43,21 @@ overlap them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import numpy as np
 
 from ..cost import CostModel
 from ..cost.collectives import allgather_seconds, reduce_scatter_seconds
-from ..plan import BlockwiseReduction, Plan, ReduceOp
+from ..plan import BlockwiseAttention, BlockwiseReduction, Plan, ReduceOp
 from ..plan.heads import HeadParallelPlan
 from ..planners.base import Routing, Runtime
 from .timeline import PassResult, SimResult, _on_shared_cores, _Pass, pass_local_bytes, simulate_programs
 from ..workload import Buf
 
-__all__ = ["RUNTIMES", "te_ring_step_seconds", "simulate_allgather", "allgather_pass_seconds", "on_executor"]
+__all__ = ["RUNTIMES", "te_ring_step_seconds", "ring_estimate_seconds", "simulate_allgather", "allgather_pass_seconds",
+           "on_executor"]
 
 
 def on_executor(plan: "Plan | HeadParallelPlan") -> "Plan | HeadParallelPlan":
@@ -89,6 +91,38 @@ class _TERingPass(_Pass):
 def _simulate_te_ring(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult | None:
     """TransformerEngine's ring (module docstring): the programs with the kernels alone."""
     return simulate_programs(plan, cm.with_executor(None), bound, _TERingPass, Runtime.TE_RING)
+
+
+class _DCPRingPass(_TERingPass):
+    """A pass of torch_dcp's ring runtime (:class:`~torch_dcp.executor.ring.RingExecutor`): the
+    ring's programs with the kernels alone, each step with tiles charged the runtime's own
+    counted device operations (``step_seconds``, forward or backward: its gathers, partial writes
+    and the step's LSE merge, so the merge costs nothing more here)."""
+
+    def __init__(self, plan: Plan, cm: CostModel, backward: bool, runtime: Runtime,
+                 step_seconds: tuple[float, float] = (0.0, 0.0)):
+        super().__init__(plan, cm, backward, runtime)
+        self.step_seconds = float(step_seconds[int(backward)])
+
+    def on_attention(self, ins: BlockwiseAttention, r: int, t: float) -> None:
+        self._compute(r, t, "attention", self.attention_s[id(ins)] + self.step_seconds)
+
+    def on_reduction(self, ins: BlockwiseReduction, r: int, t: float) -> None:
+        if ins.op is not ReduceOp.LSE_MERGE:
+            return super().on_reduction(ins, r, t)
+        self._compute(r, t, "reduction", 0.0)  # in the step's counted operations
+
+
+def _simulate_dcp_ring(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult | None:
+    """torch_dcp's ring runtime (``Runtime.DCP_RING``): TransformerEngine's timeline (its steps,
+    its dK/dV in the K/V dtype) with the runtime's own counted operations per step; a model
+    without that count (a CPU calibration) charges the plan as torch_dcp's executor runs it."""
+    ex = cm.executor
+    if ex is not None and ex.ring is None:
+        return simulate_programs(plan, cm, bound)
+    steps = (0.0, 0.0) if ex is None else ex.ring
+    return simulate_programs(plan, cm.with_executor(None), bound,
+                             functools.partial(_DCPRingPass, step_seconds=steps), Runtime.DCP_RING)
 
 
 def _simulate_executor(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult | None:
@@ -142,6 +176,17 @@ def te_ring_step_seconds(plan: Plan, cost_model: CostModel | None = None) -> flo
                          for s in range(w + 2)] for r in range(w)])
         total += sum(max(compute[:, s].max(), hop[:, s + 1].max()) for s in range(w)) + hop[:, w + 1].max()
     return float(total)
+
+
+def ring_estimate_seconds(plan: Plan, cm: CostModel) -> float:
+    """Forward + backward of a ring on its own runtime in closed form (seconds):
+    :func:`te_ring_step_seconds`, plus, on ``Runtime.DCP_RING`` with a model that counts them,
+    the runtime's own operations in each of the ``W`` steps of both passes."""
+    seconds = te_ring_step_seconds(plan, cm)
+    ex = cm.executor
+    if plan.placement.runtime is Runtime.DCP_RING and ex is not None and ex.ring is not None:
+        seconds += plan.world_size * sum(ex.ring)
+    return float(seconds)
 
 
 def allgather_pass_seconds(plan: Plan, cm: CostModel, backward: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -227,4 +272,5 @@ RUNTIMES: dict[Runtime, Callable[..., SimResult | None]] = {
     Runtime.TE_RING: _simulate_te_ring,
     Runtime.ALLGATHER: simulate_allgather,
     Runtime.DCP_ALLGATHER: simulate_allgather,
+    Runtime.DCP_RING: _simulate_dcp_ring,
 }
