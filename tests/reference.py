@@ -98,3 +98,63 @@ def context_step_errors(mesh, batch: BatchSpec, rank: int, q, k, v, go, ref, **c
         return {what: (got.detach()[0].transpose(0, 1).double() - want[idx]).abs().max().item() if len(idx) else 0.0
                 for what, got, want in (("out", out, ref[0]), ("dq", ql.grad, ref[1]), ("dk", kl.grad, ref[2]),
                                         ("dv", vl.grad, ref[3]))}
+
+
+def assert_replay_matches_eager(mesh, rank: int, plan, batch: BatchSpec, layers: int = 3) -> None:
+    """Layer replay records ``plan``'s runtime like any plan: ``layers`` causal SDPA layers inside
+    ``torch_dcp.context_parallel(mesh, plan=plan)`` with an eager recorder (every layer after
+    the first of each pass replayed) give, bit for bit, the outputs and gradients without replay."""
+    import torch_dcp
+    from torch_dcp.executor.replay import EagerRecorder
+
+    q, k, v, go = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in random_qkv(batch, torch.float32, seed=5))
+    runs = []
+    for replay in (EagerRecorder(), False):
+        with torch_dcp.context_parallel(mesh, buffers=[q.clone(), k.clone(), v.clone(), go.clone()],
+                                        buffer_seq_dims=[2, 2, 2, 2], plan=plan, replay=replay) as ctx:
+            idx = torch.from_numpy(ctx.plan.token_indices(rank))
+            ql, kl, vl = (t[:, :, idx].clone().requires_grad_(True) for t in (q, k, v))
+            outs = [torch.nn.functional.scaled_dot_product_attention(ql * (i + 1), kl, vl, is_causal=True,
+                                                                     enable_gqa=True) for i in range(layers)]
+            torch.stack(outs).sum(0).backward(go[:, :, idx])
+            runs.append([o.detach() for o in outs] + [ql.grad, kl.grad, vl.grad])
+            if replay:
+                assert replay.records == 2 and ctx.replay.replays == 2 * layers
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def assert_stalled_peer_times_out(executor_cls, plan, rank: int, match: str, timeout: float = 3.0) -> None:
+    """Rank 1 never takes part; every other rank's forward of ``plan`` on ``executor_cls`` over
+    the default group raises ``TransferTimeoutError`` (its message matching ``match``) within
+    the transport's ``timeout`` (plus slack), instead of hanging."""
+    import datetime
+    import time
+
+    from torch_dcp.executor import TorchDistributedTransport, TransferTimeoutError
+
+    transport = TorchDistributedTransport(None, timeout=datetime.timedelta(seconds=timeout))
+    ex = executor_cls(plan, rank, transport)
+    b, n = plan.batch, plan.local_tokens(rank)
+    q, k, v = (torch.randn(n, h, b.head_dim) for h in (b.n_heads, b.n_kv_heads, b.n_kv_heads))
+    if rank == 1:  # never joins
+        time.sleep(2 * timeout)
+        return
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeoutError, match=match):
+        ex.forward(q, k, v)
+    assert time.monotonic() - t0 < timeout + 5
+
+
+def assert_bf16_close(plan, batch: BatchSpec, rel: float = 0.05, seed: int = 3) -> None:
+    """``plan`` emulated in bfloat16 stays within ``rel`` (max abs error over the reference's max
+    magnitude) of the float64 reference, out and every gradient: partials summed in bfloat16
+    on the way (a static runtime's dK/dV in the K/V dtype) lose no more than that."""
+    import torch_dcp
+
+    q, k, v, go = random_qkv(batch, torch.float64, seed)
+    got = torch_dcp.emulate(plan, *(t.bfloat16() for t in (q, k, v, go)))
+    ref = reference_with_grads(batch, q, k, v, go)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+        err = (a.double() - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
+        assert err < rel, f"{name}: relative error {err:.3f}"

@@ -5,8 +5,6 @@ tokens, as the outer plan of head parallelism: HCP) and on gloo."""
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import time
 
 import pytest
 import torch
@@ -14,12 +12,13 @@ import torch
 import torch_dcp
 from torch_dcp import BatchSpec, Causal, Lambda, Topology
 from torch_dcp.api import divide
-from torch_dcp.executor import InProcessTransport, Mailbox, TransferTimeoutError, make_executor
+from torch_dcp.executor import InProcessTransport, Mailbox, make_executor
 from torch_dcp.executor.ring import RingExecutor
 from torch_dcp.plan.heads import HeadLayout, HeadParallelPlan
 from torch_dcp.planners import Runtime, plan_ring
 from torch_dcp.sim.runtimes import on_executor
-from reference import random_qkv, reference_with_grads
+from reference import (assert_bf16_close, assert_replay_matches_eager, assert_stalled_peer_times_out, random_qkv,
+                       reference_with_grads)
 from spawn import run_ranks
 from test_exact import HEADS, MASKS, _batch, _check
 
@@ -87,12 +86,7 @@ def test_exact_as_the_outer_plan_of_head_parallelism(mask, nodes, rpn, n):
 def test_bf16_dk_dv_passed_in_the_kv_dtype_stay_close():
     batch = _batch("causal", "gqa8/2-d32", dtype="bfloat16")
     plan = _plan(batch, Topology.single_node(4))
-    q, k, v, go = random_qkv(batch, torch.float64, 3)
-    got = torch_dcp.emulate(plan, *(t.bfloat16() for t in (q, k, v, go)))
-    ref = reference_with_grads(batch, q, k, v, go)
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
-        err = (a.double() - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
-        assert err < 0.05, f"{name}: relative error {err:.3f}"
+    assert_bf16_close(plan, batch)
 
 
 # ---------------------------------------------------------------------- gloo
@@ -114,27 +108,10 @@ def _gloo_worker(rank: int, world: int, mesh) -> None:
         assert max(errs.values()) <= 1e-5, f"rank {rank} mask {mask} hp{n}: {errs}"
 
 
-    # layer replay records the runtime like any plan: every layer after the first replayed, bit
-    # for bit the eager result
-    from torch_dcp.executor.replay import EagerRecorder
-
+    # layer replay records the runtime like any plan
     batch = BatchSpec([70, 13, 41, 90], Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype="float32")
     plan = _plan(batch, Topology.single_node(world))
-    q, k, v, go = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in random_qkv(batch, torch.float32, seed=5))
-    runs = []
-    for replay in (EagerRecorder(), False):
-        with torch_dcp.context_parallel(mesh, buffers=[q.clone(), k.clone(), v.clone(), go.clone()],
-                                        buffer_seq_dims=[2, 2, 2, 2], plan=plan, replay=replay) as ctx:
-            idx = torch.from_numpy(ctx.plan.token_indices(rank))
-            ql, kl, vl = (t[:, :, idx].clone().requires_grad_(True) for t in (q, k, v))
-            outs = [torch.nn.functional.scaled_dot_product_attention(ql * (i + 1), kl, vl, is_causal=True,
-                                                                     enable_gqa=True) for i in range(3)]
-            torch.stack(outs).sum(0).backward(go[:, :, idx])
-            runs.append([o.detach() for o in outs] + [ql.grad, kl.grad, vl.grad])
-            if replay:
-                assert replay.records == 2 and ctx.replay.replays == 6
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    assert_replay_matches_eager(mesh, rank, plan, batch)
 
 
 def test_gloo_context_parallel_exact(tmp_path):
@@ -144,17 +121,7 @@ def test_gloo_context_parallel_exact(tmp_path):
 def _stalled_worker(rank: int, world: int, mesh) -> None:
     batch = BatchSpec([40, 24], Causal(), n_heads=4, n_kv_heads=2, head_dim=16, dtype="float32")
     plan = _plan(batch, Topology.single_node(world))
-    transport = torch_dcp.executor.TorchDistributedTransport(None, timeout=datetime.timedelta(seconds=3))
-    ex = RingExecutor(plan, rank, transport)
-    n = plan.local_tokens(rank)
-    q, k, v = torch.randn(n, 4, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16)
-    if rank == 1:  # never passes its chunk on
-        time.sleep(6)
-        return
-    t0 = time.monotonic()
-    with pytest.raises(TransferTimeoutError, match="ring step"):
-        ex.forward(q, k, v)
-    assert time.monotonic() - t0 < 3 + 5
+    assert_stalled_peer_times_out(RingExecutor, plan, rank, "ring step")
 
 
 def test_a_stalled_rank_times_out_every_other_within_the_timeout(tmp_path):

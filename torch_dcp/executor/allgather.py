@@ -38,10 +38,11 @@ from ..plan import BlockwiseAttention, Plan
 from ..planners.base import Runtime
 from .device_plan import host_to_device, rows_on
 from .division import build_division
-from .executor import InstructionTime, RowChecks, _Clock, _drain
+from .executor import _Clock
 from .kernels import DivisionKernel, get_kernel
 from .kernels.base import kernel_rows, output_delta
 from .reduce import add_rows, put_rows, take_rows
+from .static import StaticRuntime
 from .transport import TransferError, Transport, located
 
 __all__ = ["AllGatherExecutor", "COLLECTIVE_PHASES", "gathered_rows", "collective_groups"]
@@ -112,7 +113,7 @@ class _Meta(NamedTuple):
     kv_once: bool = True  # every gathered row read once (a kernel may read one several times)
 
 
-class AllGatherExecutor(RowChecks):
+class AllGatherExecutor(StaticRuntime):
     """Runs rank ``rank``'s part of an all-gather CP plan (see the module).
 
     Args:
@@ -310,49 +311,3 @@ class AllGatherExecutor(RowChecks):
         dkv = dkv.to(k.dtype)
         mine = dkv if alone else (yield from self._scatter(dkv))  # [2 R, H_kv D]: dK rows, then dV rows
         return dq_all, mine[:s].view(s, hkv, d), mine[r:r + s].view(s, hkv, d)
-
-    # ------------------------------------------------------------------ public API
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward attention of this rank's tokens (as
-        :meth:`~torch_dcp.executor.executor.RankExecutor.forward`): ``(out [S_local, H, D],
-        lse [S_local, H])``.
-
-        Raises:
-            ValueError: inputs that do not match the plan and this rank (the message names what).
-            TransferError: the all-gather failed or timed out (:class:`TransferTimeoutError`).
-        """
-        return _drain(self.forward_steps(q, k, v, scale))
-
-    def forward_keeping(self, q, k, v, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`forward` plus an empty state (the backward gathers K and V again)."""
-        return _drain(self.forward_steps(q, k, v, scale, keep=True))
-
-    def state_nbytes(self, kv_heads: int, every_rank: bool = False) -> int:
-        """Bytes of :meth:`forward_keeping`'s state: 0."""
-        return 0
-
-    def backward(self, q, k, v, out, lse, dout, scale: float | None = None,
-                 state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Complete gradients of this rank's Q, K, V (``(dq, dk, dv)`` in the input dtype).
-
-        Raises:
-            ValueError: as :meth:`forward`, for ``q, k, v, out, dout``, or a bad ``lse``.
-            TransferError: a collective failed or timed out.
-        """
-        return _drain(self.backward_steps(q, k, v, out, lse, dout, scale, state))
-
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Differentiable forward (:func:`~torch_dcp.executor.executor.dcp_attention`)."""
-        from .executor import dcp_attention
-
-        return dcp_attention(q, k, v, self)
-
-    @property
-    def timings(self) -> list[InstructionTime]:
-        """The attention calls' times recorded with ``timings=True``."""
-        return self._clock.results()
-
-    def reset_timings(self) -> None:
-        """Forget the recorded timings."""
-        self._clock.clear()

@@ -38,10 +38,11 @@ from ..planners.base import Runtime
 from .allgather import gathered_rows
 from .device_plan import host_to_device, rows_on
 from .division import build_division
-from .executor import InstructionTime, RowChecks, _Buffer, _Clock, _drain, _Outputs, _partial_fields
+from .executor import _Buffer, _Clock, _Outputs, _partial_fields
 from .kernels import DivisionKernel, get_kernel
 from .kernels.base import kernel_rows, output_delta
 from .reduce import add_rows, merge_partials, take_rows
+from .static import StaticRuntime
 from .transport import TransferError, Transport, located
 
 __all__ = ["RingExecutor", "RING_PHASES", "RING_RUNTIMES"]
@@ -67,7 +68,7 @@ class _Step(NamedTuple):
     meta: Any
 
 
-class RingExecutor(RowChecks):
+class RingExecutor(StaticRuntime):
     """Runs rank ``rank``'s part of a ring plan (see the module).
 
     Args:
@@ -143,7 +144,8 @@ class RingExecutor(RowChecks):
             div = build_division(ins, self.plan.workload)
             lay = self.kernel.prepare(div)
             q_rows, kv_rows, q_idx, kv_idx = kernel_rows(div, lay)
-            arrays = {k: host_to_device(torch.from_numpy(np.ascontiguousarray(a)), device) for k, a in lay.arrays.items()}
+            arrays = {k: host_to_device(torch.from_numpy(np.ascontiguousarray(a)), device)
+                      for k, a in lay.arrays.items()}
             n = len(q_rows)
             merge = np.stack((q_rows, s + np.arange(n)), 1).reshape(-1)
             steps.append(_Step(rows_on(q_idx, device), rows_on(kv_idx, device), rows_on(q_rows, device),
@@ -203,7 +205,8 @@ class RingExecutor(RowChecks):
                        q.device)
         running = _Outputs(o=part.fields["o"][:s], lse=part.fields["lse"][:s])
         first = steps[0] if steps else None
-        direct = first is not None and isinstance(first.out, slice) and first.out == slice(0, s)  # the first step writes every row in order
+        # the first step writes every row in order: straight into the running output
+        direct = first is not None and isinstance(first.out, slice) and first.out == slice(0, s)
         if not direct:  # rows that see no key: output 0, LSE -inf
             running.fields["o"].zero_()
             running.fields["lse"].fill_(-math.inf)
@@ -274,49 +277,3 @@ class RingExecutor(RowChecks):
                 yield from self._wait(back, dkv_phase, f"{i} (backward dK/dV)")
                 dkv, dkv_nxt = dkv_nxt, dkv
         return dq.to(q.dtype), dkv[0, :s].view(s, hkv, d), dkv[1, :s].view(s, hkv, d)
-
-    # ------------------------------------------------------------------ public API
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward attention of this rank's tokens (as
-        :meth:`~torch_dcp.executor.executor.RankExecutor.forward`): ``(out [S_local, H, D],
-        lse [S_local, H])``.
-
-        Raises:
-            ValueError: inputs that do not match the plan and this rank (the message names what).
-            TransferError: a transfer failed or timed out (:class:`TransferTimeoutError`).
-        """
-        return _drain(self.forward_steps(q, k, v, scale))
-
-    def forward_keeping(self, q, k, v, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`forward` plus an empty state (the backward passes K and V around again)."""
-        return _drain(self.forward_steps(q, k, v, scale, keep=True))
-
-    def state_nbytes(self, kv_heads: int, every_rank: bool = False) -> int:
-        """Bytes of :meth:`forward_keeping`'s state: 0."""
-        return 0
-
-    def backward(self, q, k, v, out, lse, dout, scale: float | None = None,
-                 state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Complete gradients of this rank's Q, K, V (``(dq, dk, dv)`` in the input dtype).
-
-        Raises:
-            ValueError: as :meth:`forward`, for ``q, k, v, out, dout``, or a bad ``lse``.
-            TransferError: a transfer failed or timed out.
-        """
-        return _drain(self.backward_steps(q, k, v, out, lse, dout, scale, state))
-
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Differentiable forward (:func:`~torch_dcp.executor.executor.dcp_attention`)."""
-        from .executor import dcp_attention
-
-        return dcp_attention(q, k, v, self)
-
-    @property
-    def timings(self) -> list[InstructionTime]:
-        """The attention calls' times recorded with ``timings=True``."""
-        return self._clock.results()
-
-    def reset_timings(self) -> None:
-        """Forget the recorded timings."""
-        self._clock.clear()

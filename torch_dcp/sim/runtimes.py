@@ -22,6 +22,12 @@ overhead per call), transfers sized with dK/dV in the K/V dtype and the output m
 one per step. Its closed form, ``sum_s max(compute_s, transfer_{s+1})`` per pass, is
 :func:`te_ring_step_seconds`.
 
+**torch_dcp's ring** (``Runtime.DCP_RING``, :class:`~torch_dcp.executor.ring.RingExecutor`):
+TransformerEngine's timeline (the same steps, transfers and dK/dV in the K/V dtype), each step
+with tiles charged the runtime's own device operations per step (counted, on a GPU preset:
+:attr:`~torch_dcp.cost.executor.ExecutorCosts.ring`; its LSE merge among them); a model without
+that count (a CPU calibration) times the plan as torch_dcp's executor runs it.
+
 **All-gather CP** (``Runtime.ALLGATHER``, and torch_dcp's own, ``Runtime.DCP_ALLGATHER``;
 PyTorch's ``context_parallel`` with its all-gather rotation,
 ``torch/distributed/tensor/experimental/_attention.py``, and TransformerEngine's
