@@ -69,3 +69,33 @@ def test_cli_prints_json_lines(capsys):
     assert len(lines) == 2 and lines[0]["allgather_cp"] == 8 and "summary" in lines[1]
     with pytest.raises(SystemExit):
         cli.main(["why", "--masks", "nope"])
+
+
+def test_link_loads_conserve_bytes_and_spread_the_all_gather_over_every_rail():
+    import torch_dcp
+    from torch_dcp.api import divide
+    from torch_dcp.planners import plan_allgather
+    from torch_dcp.sim.floors import link_busy_seconds
+
+    topo = Topology.preset("h100", n_nodes=2)
+    batch = _batch()
+    ag = divide(plan_allgather(batch, topo), topo, 1)
+    busy = link_busy_seconds(ag)
+    src, dst, nb, _ = ag.transfers()
+    inter = topo.node_of(src) != topo.node_of(dst)
+    for way in ("out", "in"):  # every byte on one port or rail at each end, the ring's hops over all rails
+        assert busy[("rail", way)].sum() * topo.rail_bandwidth == pytest.approx(nb[inter].sum())
+        assert busy[("port", way)].sum() * topo.intra_bandwidth == pytest.approx(nb[~inter].sum())
+        rails = busy[("rail", way)]
+        assert rails.min() == pytest.approx(rails.max())  # NCCL: a channel per NIC
+    # a head-parallel plan: the outer plan's transfers on every inner index, and its all-to-alls
+    hp = torch_dcp.plan(batch, topo, planner="dcp", block_size=1024, head_parallel=2, cost_model="h100")
+    busy = link_busy_seconds(hp)
+    a2a = sum(hp.all_to_all_bytes(bw).sum() for bw in (False, True))
+    osrc, odst, onb, _ = hp.outer.transfers()
+    total = sum(busy[("port", "in")] * topo.intra_bandwidth) + sum(busy[("rail", "in")] * topo.rail_bandwidth)
+    assert total == pytest.approx(a2a + 2 * onb.sum())
+    row = why_batch(batch, topo, CostModel.load("h100"), [1024])
+    for name in ("dcp", "allgather"):
+        for kind in ("rail", "port"):
+            assert row[f"{name}_{kind}_ms"] >= 0 and row[f"{name}_{kind}_gb"] >= 0

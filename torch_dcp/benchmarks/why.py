@@ -20,7 +20,12 @@ critical rank's busy time over that mean) and ``exposed`` (the critical rank's t
 transfers: dcp's fetches and returns not hidden behind compute, the all-to-alls of a
 head-parallel plan, the all-gather's collectives). Beside them: bytes between nodes and the most
 bytes one rank receives, forward + backward (:meth:`~torch_dcp.plan.Plan.stats`; the all-gather's
-as NCCL's ring moves them).
+as NCCL's ring moves them), and the busiest rail and the busiest NVLink port of each plan: the
+milliseconds that link is busy over both passes at its bandwidth, and its GB
+(:func:`~torch_dcp.sim.floors.link_busy_seconds`: sender's out and receiver's in, every
+transfer of the plan; a head-parallel plan's all-to-alls with it). A plan whose busiest link
+is busy for about its whole time is bound by that link; the all-gather's ring keeps every rail
+and port of its group equally busy.
 
 Each cluster ends with the batches where the all-gather is faster and, over them, the median of
 each term's difference (dcp's minus the all-gather's): the term that carries the gap is where
@@ -36,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..planners.dcp import OWN_RIVALS
+from ..sim.floors import link_busy_seconds
 from ..topology import Topology
 from .common import cluster_cases, rounded
 
@@ -95,6 +101,10 @@ def why_batch(batch, topology: Topology, cm, block_sizes: list[int]) -> dict[str
         row.update({f"{name}_{k}_ms": v * 1e3 for k, v in split_time(sim).items()})
         row[f"{name}_inter_node_gb"] = stats["inter_node_bytes"] / 1e9
         row[f"{name}_max_recv_gb"] = stats["max_rank_recv_bytes"] / 1e9
+        busy = link_busy_seconds(plan)
+        for kind, bandwidth in (("rail", topology.rail_bandwidth), ("port", topology.intra_bandwidth)):
+            sec = max(float(busy[(kind, way)].max(initial=0.0)) for way in ("out", "in"))
+            row[f"{name}_{kind}_ms"], row[f"{name}_{kind}_gb"] = sec * 1e3, sec * bandwidth / 1e9
     row["dcp_over_allgather"] = row["dcp_time_ms"] / row["allgather_time_ms"]
     return row
 
@@ -140,15 +150,17 @@ def _table(cluster: str, source: str, rows: list[dict], summary: dict, out) -> N
     p(f"\n### {cluster}, simulated ({source})\n")
     p("| scale | batch | mask | dcp plan | dcp ms: compute + imbalance + exposed | allgather (c) ms: compute + "
       "imbalance + exposed | dcp / allgather | GB between nodes dcp / allgather | most GB into a rank dcp / "
-      "allgather |")
-    p("|---|---|---|---|---|---|---|---|---|")
+      "allgather | busiest rail ms (GB) dcp / allgather | busiest NVLink port ms (GB) dcp / allgather |")
+    p("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         split = {n: f"{r[f'{n}_time_ms']:.2f}: " + " + ".join(f"{r[f'{n}_{t}_ms']:.2f}" for t in _TERMS)
                  for n in ("dcp", "allgather")}
         p(f"| {r['scale']:g} | {r['batch']} | {r['mask']} | {r['dcp_plan']} | {split['dcp']} | "
           f"({r['allgather_cp']}) {split['allgather']} | {r['dcp_over_allgather']:.3f} | "
           f"{r['dcp_inter_node_gb']:.2f} / {r['allgather_inter_node_gb']:.2f} | "
-          f"{r['dcp_max_recv_gb']:.3f} / {r['allgather_max_recv_gb']:.3f} |")
+          f"{r['dcp_max_recv_gb']:.3f} / {r['allgather_max_recv_gb']:.3f} | "
+          + " | ".join(" / ".join(f"{r[f'{n}_{k}_ms']:.2f} ({r[f'{n}_{k}_gb']:.2f})" for n in ("dcp", "allgather"))
+                       for k in ("rail", "port")) + " |")
     p(f"\nThe all-gather is faster on {summary['allgather_faster']}/{summary['batches']} batches"
       + ("." if not summary["allgather_faster"] else
          "; over them, the median gap (dcp's minus the all-gather's, ms): "

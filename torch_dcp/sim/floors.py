@@ -15,7 +15,7 @@ from ..plan.heads import HeadParallelPlan
 from ..planners.base import Runtime
 from ..workload import Workload
 
-__all__ = ["link_floor_seconds", "compute_floor_seconds", "division_launch_seconds", "kernel_floor_seconds",
+__all__ = ["link_floor_seconds", "link_busy_seconds", "compute_floor_seconds", "division_launch_seconds", "kernel_floor_seconds",
            "floor_seconds", "batch_floor_seconds"]
 
 
@@ -37,6 +37,41 @@ def link_floor_seconds(plan: Plan, backward: bool | None = None) -> float:
         keep = forward != backward
         src, dst, nbytes = src[keep], dst[keep], nbytes[keep]
     return max([0.0] + [float(v.max(initial=0.0)) for v in plan.topology.link_seconds(src, dst, nbytes).values()])
+
+
+def link_busy_seconds(plan: Plan | HeadParallelPlan) -> dict[tuple[str, str], np.ndarray]:
+    """Seconds every NVLink port and rail is busy over both passes of ``plan``
+    (:meth:`~torch_dcp.topology.Topology.link_seconds` of its transfers; on the all-gather runtime
+    its collectives as NCCL's ring moves them, each ring hop between nodes over all the nodes'
+    rails, as :mod:`torch_dcp.cost.collectives` prices it; a head-parallel plan's outer transfers
+    on every inner index plus its all-to-alls). Keys ``("port" | "rail", "out" | "in")``."""
+    if isinstance(plan, HeadParallelPlan):
+        n = plan.head_parallel
+        osrc, odst, onb, _ = plan.outer.transfers()
+        parts = [(osrc * n + i, odst * n + i, onb) for i in range(n)]
+        for bw in (False, True):
+            m = plan.all_to_all_bytes(bw)
+            s, d = np.nonzero(m)
+            parts.append((s, d, m[s, d]))
+        src, dst, nbytes = (np.concatenate([p[k] for p in parts]) for k in range(3))
+    else:
+        src, dst, nbytes, _ = plan.transfers()
+        if plan.placement.runtime.gathers:  # NCCL's rings across nodes: a channel per NIC, every rail
+            src, dst, nbytes = _over_every_rail(plan.topology, src, dst, nbytes)
+    return plan.topology.link_seconds(src, dst, nbytes)
+
+
+def _over_every_rail(topo, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Transfers between nodes spread evenly over the sending and receiving nodes' ranks (so over
+    all their rails): each becomes ``r`` transfers of ``1 / r`` the bytes between the ranks of the
+    same local index; transfers inside a node as they are."""
+    r = topo.ranks_per_node
+    inter = topo.node_of(src) != topo.node_of(dst)
+    local = np.arange(r)
+    s = (topo.node_of(src[inter])[:, None] * r + local).ravel()
+    d = (topo.node_of(dst[inter])[:, None] * r + local).ravel()
+    b = np.repeat(nbytes[inter] / r, r)
+    return (np.concatenate([src[~inter], s]), np.concatenate([dst[~inter], d]), np.concatenate([nbytes[~inter], b]))
 
 
 def compute_floor_seconds(plan: Plan, cost_model: CostModel | None = None, backward: bool | None = None) -> float:
