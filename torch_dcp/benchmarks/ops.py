@@ -253,10 +253,13 @@ def _count_ops(plan: torch_dcp.Plan, device: str, kernel: str | None, seed: int)
             _drive([e.backward_steps(*x, o, lse, go[i]) for e, x, (o, lse), i in zip(execs, local, fwd, idx)],
                    counter, mailbox)
         b_counts = dict(counter.counts)
+    from torch_dcp.plan.heads import HeadParallelPlan
+
+    outer, n = (plan.outer, plan.head_parallel) if isinstance(plan, HeadParallelPlan) else (plan, 1)
     for r in ranks:
         for name, counts, backward in (("forward", f_counts, False), ("backward", b_counts, True)):
-            # the all-gather runtime: one attention call per rank and pass
-            divs = 1 if plan.placement.runtime.gathers else len(plan.program(r, backward).divisions)
+            # the static runtimes: their own steps (the all-gather's one attention call per rank and pass)
+            divs = 1 if outer.placement.runtime.gathers else len(outer.program(r // n, backward).divisions)
             row = {"rank": r, "pass": name, "divisions": divs}
             for cat in ("ops", "views", "allocs", "kernel_calls", "kernel_ops", "transport_ops"):
                 row[cat] = counts.get((r, cat), 0)

@@ -169,64 +169,80 @@ class HeadParallelExecutor:
         if k.shape[1] != v.shape[1]:
             raise ValueError(f"k and v have {k.shape[1]} and {v.shape[1]} heads; they must have the same")
 
-    def _heads(self, kind: str, t: torch.Tensor, inner: int) -> slice:
-        """Heads of ``t`` that inner index ``inner`` holds: query heads (``kind="q"``, or key/value
-        heads given repeated to ``H``), else its key/value heads."""
+    def _blocks(self, kind: str, t: torch.Tensor) -> tuple[int, int]:
+        """``(width, replicas)``: the heads of ``t`` each inner index holds, and how many
+        consecutive inner indices hold the same ones (query heads, or key/value heads given
+        repeated to ``H``: ``H / N`` each, no replicas; else the layout's key/value heads, each
+        block on :attr:`~torch_dcp.plan.heads.HeadLayout.kv_replicas` indices)."""
         lay = self.plan.layout
-        return lay.q_head_slice(inner) if kind == "q" or t.shape[1] == self.plan.batch.n_heads else \
-            lay.kv_head_slice(inner)
+        if kind == "q" or t.shape[1] == self.plan.batch.n_heads:
+            return lay.q_heads, 1
+        return lay.kv_heads, lay.kv_replicas
 
     # ------------------------------------------------------------------ all-to-all
-    def _exchange(self, phase: int, send: list[list[torch.Tensor]],
-                  recv_specs: list[list[tuple[tuple[int, ...], torch.dtype]]],
-                  device: torch.device) -> Generator[None, None, list[list[torch.Tensor]]]:
-        """Send ``send[j]`` to member ``j`` and receive ``recv_specs[j]`` from it (own entry:
-        kept as is); returns the received tensors per member."""
-        sends, recvs, got = [], [], []
+    def _exchange(self, phase: int, send: list[torch.Tensor], recv: list[torch.Tensor]) -> Generator:
+        """Every tensor ``x``: send ``send[x][j]`` to member ``j`` and receive member ``j``'s into
+        ``recv[x][j]`` (contiguous views: no copies; the own index is not sent), one message per
+        member and tensor, told apart by the tensor's index."""
+        sends, recvs = [], []
         for j, rank in enumerate(self.members):
             if j == self.inner:
-                got.append(None)
                 continue
-            msg = _pack(send[j])
-            buf = torch.empty(sum(_nbytes(*spec) for spec in recv_specs[j]), dtype=torch.uint8, device=device)
-            sends.append((rank, 0, msg))
-            recvs.append((rank, 0, buf))
-            got.append(buf)
-            self._a2a_sent += msg.numel()
-            self._a2a_received += buf.numel()
+            for x, (out, into) in enumerate(zip(send, recv)):
+                msg, buf = out[j].reshape(-1).view(torch.uint8), into[j].reshape(-1).view(torch.uint8)
+                sends.append((rank, x, msg))
+                recvs.append((rank, x, buf))
+                self._a2a_sent += msg.numel()
+                self._a2a_received += buf.numel()
         if sends or recvs:
             try:
                 yield from self.transport.wait(self.transport.launch(phase, sends, recvs))
             except TransferError as err:  # where this rank was, as the outer plan's steps say it
                 raise located(err, f"torch_dcp (plan {self.plan.digest()[:12]}): {A2A_NAMES[phase]}(phase={phase})") \
                     from None
-        return [send[j] if j == self.inner else _unpack(got[j], recv_specs[j]) for j in range(self.n)]
 
     def _rows(self, j: int) -> slice:
         return slice(int(self.chunks[j]), int(self.chunks[j + 1]))
 
     def _to_heads(self, backward: bool, tensors: list[torch.Tensor], kinds: list[str]) -> Generator:
         """Sequence-sharded ``[S_r, heads, ...]`` tensors to head-sharded ``[S_g, heads / N, ...]``
-        (``kinds``: ``"q"`` query heads, ``"kv"`` key/value heads)."""
-        send = [[t[:, self._heads(kind, t, j)] for t, kind in zip(tensors, kinds)] for j in range(self.n)]
-        specs = [[((int(self.chunks[j + 1] - self.chunks[j]),) + tuple(x.shape[1:]), x.dtype) for x in send[self.inner]]
-                 for j in range(self.n)]
-        got = yield from self._exchange(A2A_PHASES[(backward, "in")], send, specs, tensors[0].device)
-        return [torch.cat([got[j][x] for j in range(self.n)]) for x in range(len(tensors))]
+        (``kinds``: ``"q"`` query heads, ``"kv"`` key/value heads). Each tensor is laid out by
+        inner index in one copy (``[N, S_r, width, ...]``, replicated key/value heads repeated),
+        each member's rows received straight into the result; the own rows one copy more."""
+        send, recv, fulls = [], [], []
+        for t, kind in zip(tensors, kinds):
+            width, reps = self._blocks(kind, t)
+            s, rest = t.shape[0], tuple(t.shape[2:])
+            blocks = self.n // reps
+            send.append(t.unflatten(1, (blocks, width)).transpose(0, 1).unsqueeze(1)
+                        .expand(blocks, reps, s, width, *rest).reshape(self.n, s, width, *rest).contiguous())
+            fulls.append(torch.empty((int(self.chunks[-1]), width) + rest, dtype=t.dtype, device=t.device))
+            recv.append([fulls[-1][self._rows(j)] for j in range(self.n)])
+            recv[-1][self.inner].copy_(send[-1][self.inner])
+        yield from self._exchange(A2A_PHASES[(backward, "in")], send, recv)
+        return fulls
 
     def _to_rows(self, backward: bool, tensors: list[torch.Tensor], kinds: list[str],
                  like: list[torch.Tensor]) -> Generator:
         """Head-sharded ``[S_g, heads / N, ...]`` back to sequence-sharded tensors shaped like
-        ``like`` (``kinds`` as for :meth:`_to_heads`; replicated key/value heads summed)."""
-        send = [[t[self._rows(j)] for t in tensors] for j in range(self.n)]
-        specs = [[((self.local_rows,) + tuple(t.shape[1:]), t.dtype) for t in tensors] for _ in range(self.n)]
-        got = yield from self._exchange(A2A_PHASES[(backward, "out")], send, specs, tensors[0].device)
+        ``like`` (``kinds`` as for :meth:`_to_heads`; replicated key/value heads summed). Each
+        member's rows are sent as they lie; what comes back is received into one ``[N, S_r,
+        width, ...]`` buffer per tensor and laid out by heads in one copy (replicas summed first)."""
+        send, recv = [], []
+        for t in tensors:
+            t = t.contiguous()
+            send.append([t[self._rows(j)] for j in range(self.n)])
+            buf = torch.empty((self.n, self.local_rows) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+            buf[self.inner].copy_(send[-1][self.inner])
+            recv.append(buf)
+        yield from self._exchange(A2A_PHASES[(backward, "out")], send, recv)
         out = []
-        for x, (t, kind, ref) in enumerate(zip(tensors, kinds, like)):
-            full = t.new_zeros((self.local_rows, ref.shape[1]) + tuple(t.shape[2:]))
-            for j in range(self.n):
-                full[:, self._heads(kind, ref, j)] += got[j][x]  # replicas of a key/value head: partials add up
-            out.append(full)
+        for buf, kind, ref in zip(recv, kinds, like):
+            width, reps = self._blocks(kind, ref)
+            rest = tuple(buf.shape[3:])
+            if reps > 1:  # replicas of a key/value head: their partials add up
+                buf = buf.unflatten(0, (self.n // reps, reps)).sum(1)
+            out.append(buf.transpose(0, 1).reshape((self.local_rows, buf.shape[0] * width) + rest))
         return out
 
     # ------------------------------------------------------------------ passes
