@@ -104,14 +104,19 @@ def _record(trainer) -> dict:
     if hasattr(trainer, "dcp_mesh"):
         import torch_dcp
 
+        from torch_dcp.executor.runtime import RUNTIME_EXECUTORS
+
         hook = trainer.post_dataloading_process
-        forward = torch_dcp.RankExecutor.forward_steps
 
-        def count_forward(self, *args, **kwargs):  # executor forward passes (recomputations included), head-
-            rec["attention_calls"] += 1  # parallel ones too (they run their outer plan's forward_steps)
-            return forward(self, *args, **kwargs)
+        def counted(forward):
+            def count_forward(self, *args, **kwargs):  # executor forward passes (recomputations included),
+                rec["attention_calls"] += 1  # head-parallel ones too (they run their outer plan's forward_steps)
+                return forward(self, *args, **kwargs)
+            return count_forward
 
-        torch_dcp.RankExecutor.forward_steps = count_forward
+        # torch_dcp's executor, or the static runtime the step's plan names
+        for cls in {torch_dcp.RankExecutor, *RUNTIME_EXECUTORS.values()}:
+            cls.forward_steps = counted(cls.forward_steps)
 
         def post_dataloading_process(*args, **kwargs):
             out = hook(*args, **kwargs)

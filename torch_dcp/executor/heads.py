@@ -180,10 +180,11 @@ class HeadParallelExecutor:
         return lay.kv_heads, lay.kv_replicas
 
     # ------------------------------------------------------------------ all-to-all
-    def _exchange(self, phase: int, send: list[torch.Tensor], recv: list[torch.Tensor]) -> Generator:
+    def _exchange(self, phase: int, send: list[Any], recv: list[Any]) -> Generator:
         """Every tensor ``x``: send ``send[x][j]`` to member ``j`` and receive member ``j``'s into
-        ``recv[x][j]`` (contiguous views: no copies; the own index is not sent), one message per
-        member and tensor, told apart by the tensor's index."""
+        ``recv[x][j]`` (``send[x]``, ``recv[x]``: indexable by member, contiguous tensors: no
+        copies; the own index is not sent), one message per member and tensor, told apart by the
+        tensor's index."""
         sends, recvs = [], []
         for j, rank in enumerate(self.members):
             if j == self.inner:
@@ -242,7 +243,7 @@ class HeadParallelExecutor:
             rest = tuple(buf.shape[3:])
             if reps > 1:  # replicas of a key/value head: their partials add up
                 buf = buf.unflatten(0, (self.n // reps, reps)).sum(1)
-            out.append(buf.transpose(0, 1).reshape((self.local_rows, buf.shape[0] * width) + rest))
+            out.append(buf.transpose(0, 1).reshape((self.local_rows, buf.shape[0] * width) + rest).contiguous())
         return out
 
     # ------------------------------------------------------------------ passes
