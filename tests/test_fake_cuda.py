@@ -165,9 +165,8 @@ def test_allgather_runtime_on_the_cuda_path(mask, n):
 def test_head_all_to_alls_issue_a_few_operations_per_tensor():
     """Ulysses' shape at 8-way head parallelism (all-gather CP groups of one outer rank): the
     all-to-alls lay each tensor out by head group in one copy and receive straight into the
-    result (no copy per peer): 8-10 forward and 15-20 backward device operations per rank beyond
-    the outer plan's, as counted here and by ``benchmarks ops`` (72 and 113 when every peer's
-    slice was copied and packed apart)."""
+    result (no copy per peer): 10 forward and 20 backward device operations per rank beyond the
+    outer plan's (72 and 113 when every peer's slice was copied and packed apart)."""
     import dataclasses
 
     from torch_dcp.api import divide
