@@ -168,7 +168,7 @@ def _cause(row: dict, best: str, batch, topology: Topology, cm) -> str:
                 return (f"runtime costs: torch_dcp's all-gather runtime at CP size {c} takes {ours:.2f} ms (dcp "
                         f"{ms:.2f} ms), the baseline's implementation {row['best_baseline_ms']:.2f} ms: each pays its "
                         "own device operations per pass and collectives")
-        if best in ("ring", "hcp") and _ring_runtime_offered(best, batch, topology, c):
+        if best in ("ring", "hcp") and _ring_runtime_offered(best, topology, c):
             ours = static_cp_seconds(best, batch, topology, cm, [c], runtime=Runtime.DCP_RING)[c] * 1e3
             row[f"{best}_on_dcp_runtime_ms"] = ours
             if ms <= ours * 1.01:
@@ -191,14 +191,14 @@ def _cause(row: dict, best: str, batch, topology: Topology, cm) -> str:
     return "placement: dcp's candidates are slower than this baseline's layout on torch_dcp's executor"
 
 
-def _ring_runtime_offered(family: str, batch, topology: Topology, c: int) -> bool:
+def _ring_runtime_offered(family: str, topology: Topology, c: int) -> bool:
     """Whether dcp's candidates include ``family`` (ring or HCP) at CP size ``c`` on torch_dcp's
-    ring runtime: the whole group (``c = W``), its ring (across the head groups for HCP) of at most
-    :data:`~torch_dcp.planners.dcp.RING_RUNTIME_MAX_RANKS` ranks."""
-    from ..planners.dcp import RING_RUNTIME_MAX_RANKS
+    ring runtime: the whole group (``c = W``), its ring (across the head groups for HCP) one dcp
+    offers (:func:`~torch_dcp.planners.dcp.offers_ring_runtime`)."""
+    from ..planners.dcp import offers_ring_runtime
 
     n = topology.ranks_per_node if family == "hcp" else 1  # HCP: one head group per node
-    return c == topology.world_size and topology.world_size // n <= RING_RUNTIME_MAX_RANKS
+    return c == topology.world_size and offers_ring_runtime(topology.world_size // n)
 
 
 def _own_allgather_ms(batch, topology: Topology, cm, c: int) -> float:
@@ -261,7 +261,8 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
                          for r in rows if "exception" in r]
     peaks = [r for r in rows if "best_baseline_peak_mib" in r]  # rows of runs that measured memory
     out["best_peak_over_dcp"] = _span([r["best_baseline_peak_mib"] / r["dcp_peak_mib"] for r in peaks])
-    out["more_memory"] = [{"scale": r["scale"], "batch": r["batch"], "mask": r["mask"], "best_baseline": r["best_baseline"],
+    out["more_memory"] = [{"scale": r["scale"], "batch": r["batch"], "mask": r["mask"],
+                           "best_baseline": r["best_baseline"],
                            "peak_over_dcp": r["best_baseline_peak_mib"] / r["dcp_peak_mib"]}
                           for r in peaks if r["best_baseline_peak_mib"] > r["dcp_peak_mib"] * (1.0 + DCP_MEMORY_EPS)]
     out["total_speedup_vs_best"] = sum(r["best_baseline_ms"] for r in rows) / sum(r["dcp_ms"] for r in rows)

@@ -34,13 +34,11 @@ from typing import Any, Generator, NamedTuple
 import numpy as np
 import torch
 
-from ..plan import BlockwiseAttention, Plan
+from ..plan import Plan
 from ..planners.base import Runtime
-from .device_plan import host_to_device, rows_on
-from .division import build_division
-from .executor import _Clock
-from .kernels import DivisionKernel, get_kernel
-from .kernels.base import kernel_rows, output_delta
+from .device_plan import rows_on
+from .kernels import DivisionKernel
+from .kernels.base import output_delta
 from .reduce import add_rows, put_rows, take_rows
 from .static import StaticRuntime
 from .transport import TransferError, Transport, located
@@ -149,51 +147,31 @@ class AllGatherExecutor(StaticRuntime):
         if np.any(self.row[wl.tile_kv[pl.tile_rank == self.rank]] < 0):
             raise ValueError(f"AllGatherExecutor: rank {self.rank} has tiles on keys outside its CP group "
                              f"{list(self.members)}")
-        self._kernel_spec = kernel
-        self.kernel: DivisionKernel | None = None if kernel is None or kernel == "auto" else get_kernel(kernel)
-        self.device_plan = None
-        self.record_timings = bool(timings)
-        self._clock = _Clock()
+        self._init_runtime(kernel, timings)
         self._meta: _Meta | None = None
 
     # ------------------------------------------------------------------ preparation
-    def _instruction(self) -> BlockwiseAttention | None:
-        """The rank's tiles as one division over the gathered rows (None: no tiles)."""
-        wl, pl = self.plan.workload, self.plan.placement
-        tiles = np.flatnonzero(pl.tile_rank == self.rank)
-        if tiles.size == 0:
-            return None
-        tiles = tiles[np.lexsort((wl.tile_kv[tiles], wl.tile_q[tiles]))]
-        q_block, counts = np.unique(wl.tile_q[tiles], return_counts=True)
-        local = self.row[q_block] - self.members.index(self.rank) * self.shard_rows
-        kv_block = wl.tile_kv[tiles]
-        return BlockwiseAttention(0, q_block, local, local, np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
-                                  kv_block, self.row[kv_block], tiles)
-
     def prepare(self, device: torch.device | str) -> _Meta:
         """Choose the kernel for ``device``, build the call's rows and the kernel's metadata
         on the host and upload them (once per device)."""
         device = torch.device(device)
         if self._meta is not None and self._meta.device == device:
             return self._meta
-        if self._kernel_spec in (None, "auto") and (self._meta is None or self._meta.device.type != device.type):
-            self.kernel = get_kernel(self._kernel_spec, device=device, dtype=self.dtype,
-                                     head_dim=self.plan.batch.head_dim)
-        ins = self._instruction()
+        self._choose_kernel(device)
+        self._device = device
+        # the rank's tiles as one call over the gathered rows
+        tiles = np.flatnonzero(self.plan.placement.tile_rank == self.rank)
+        ins = self._instruction(tiles, self.members.index(self.rank) * self.shard_rows, 0)
         if ins is None:
             self._meta = _Meta(device, None, None, None, None, None)
             return self._meta
-        div = build_division(ins, self.plan.workload)
-        lay = self.kernel.prepare(div)
-        q_rows, kv_rows, q_idx, kv_idx = kernel_rows(div, lay)
-        arrays = {k: host_to_device(torch.from_numpy(np.ascontiguousarray(a)), device) for k, a in lay.arrays.items()}
+        call = self._kernel_call(ins, device)
         # the reduce-scatter's buffer is member-major, [G, 2, R, H_kv D] (each member's dK rows, then
         # its dV rows), so that a member's summed dK and dV are contiguous rows of its shard
         r = self.shard_rows
-        dk_rows = kv_rows // r * 2 * r + kv_rows % r
-        self._meta = _Meta(device, rows_on(q_idx, device), rows_on(kv_idx, device), rows_on(q_rows, device),
-                           rows_on(np.concatenate((dk_rows, dk_rows + r)), device), self.kernel.bind(arrays, lay.static),
-                           len(np.unique(kv_rows)) == len(kv_rows))
+        dk_rows = call.kv_rows // r * 2 * r + call.kv_rows % r
+        self._meta = _Meta(device, call.q, call.kv, call.out, rows_on(np.concatenate((dk_rows, dk_rows + r)), device),
+                           call.meta, len(np.unique(call.kv_rows)) == len(call.kv_rows))
         return self._meta
 
     # ------------------------------------------------------------------ collectives
@@ -244,15 +222,6 @@ class AllGatherExecutor(StaticRuntime):
         kv = take_rows(gathered, m.kv).unflatten(1, (2 * hkv, d))
         return kv[:, :hkv], kv[:, hkv:]
 
-    def _timed(self, backward: bool, fn: Any) -> Any:
-        if not self.record_timings:
-            return fn()
-        dev = self._meta.device
-        t0 = self._clock.start(dev)
-        out = fn()
-        self._clock.stop(dev, t0, 0, "attention", backward)
-        return out
-
     def forward_steps(self, q, k, v, scale: float | None = None, keep: bool = False) -> Generator[None, None, tuple]:
         """:meth:`forward` as a generator that yields while the collective is not complete."""
         self._check_inputs(q, k, v)
@@ -262,7 +231,8 @@ class AllGatherExecutor(StaticRuntime):
         if self.shard_rows:  # a group without tokens gathers nothing
             kp, vp = yield from self._keys(False, k, v, m)
         if m.meta is not None:
-            o, lse = self._timed(False, lambda: self.kernel.forward(take_rows(q, m.q), kp, vp, m.meta, scale, self.acc))
+            o, lse = self._timed(0, False, lambda: self.kernel.forward(take_rows(q, m.q), kp, vp, m.meta, scale,
+                                                                       self.acc))
         if m.meta is not None and m.out == slice(0, s):
             out, lse = o.to(q.dtype), lse.to(self.acc)
         else:  # rows that see no key: output 0, LSE -inf
@@ -288,7 +258,7 @@ class AllGatherExecutor(StaticRuntime):
         if m.meta is not None:
             delta = output_delta(dout, out, self.acc)
             qp, dop, lsep, deltap = (take_rows(t, m.q) for t in (q, dout, lse.to(self.acc), delta))
-            dq, dk, dv = self._timed(True, lambda: self.kernel.backward(qp, kp, vp, dop, lsep, deltap, m.meta, scale,
+            dq, dk, dv = self._timed(0, True, lambda: self.kernel.backward(qp, kp, vp, dop, lsep, deltap, m.meta, scale,
                                                                         self.acc))
             if m.out == slice(0, s):  # every row's gradient, in order
                 dq_all = dq.to(q.dtype)

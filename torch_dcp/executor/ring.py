@@ -33,14 +33,13 @@ from typing import Any, Generator, NamedTuple
 import numpy as np
 import torch
 
-from ..plan import BlockwiseAttention, Plan, ReduceOp
+from ..plan import Plan, ReduceOp
 from ..planners.base import Runtime
 from .allgather import gathered_rows
-from .device_plan import host_to_device, rows_on
-from .division import build_division
-from .executor import _Buffer, _Clock, _Outputs, _partial_fields
-from .kernels import DivisionKernel, get_kernel
-from .kernels.base import kernel_rows, output_delta
+from .device_plan import host_to_device
+from .executor import _Buffer, _Outputs, _partial_fields
+from .kernels import DivisionKernel
+from .kernels.base import output_delta
 from .reduce import add_rows, merge_partials, take_rows
 from .static import StaticRuntime
 from .transport import TransferError, Transport, located
@@ -100,58 +99,33 @@ class RingExecutor(StaticRuntime):
         self._bind(plan, rank, transport, scale)
         self.world = plan.world_size
         self.row, self.shard_rows = gathered_rows(plan, tuple(range(self.world)))
-        self._kernel_spec = kernel
-        self.kernel: DivisionKernel | None = None if kernel is None or kernel == "auto" else get_kernel(kernel)
-        self.device_plan = None
-        self.record_timings = bool(timings)
-        self._clock = _Clock()
-        self._device: torch.device | None = None
+        self._init_runtime(kernel, timings)
         self._steps: list[_Step | None] = []
 
     # ------------------------------------------------------------------ preparation
-    def _instruction(self, step: int) -> BlockwiseAttention | None:
-        """The rank's tiles on the chunk it holds in ``step`` (rank ``r - step``'s) as one
-        division, key/value rows in that chunk (None: no tiles)."""
-        wl, pl = self.plan.workload, self.plan.placement
-        home = (self.rank - step) % self.world
-        tiles = np.flatnonzero((pl.tile_rank == self.rank) & (pl.block_rank[wl.tile_kv] == home))
-        if tiles.size == 0:
-            return None
-        tiles = tiles[np.lexsort((wl.tile_kv[tiles], wl.tile_q[tiles]))]
-        q_block, counts = np.unique(wl.tile_q[tiles], return_counts=True)
-        r = self.shard_rows
-        local = self.row[q_block] - self.rank * r
-        kv_block = wl.tile_kv[tiles]
-        return BlockwiseAttention(0, q_block, local, local, np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
-                                  kv_block, self.row[kv_block] - home * r, tiles)
-
     def prepare(self, device: torch.device | str) -> list[_Step | None]:
         """Choose the kernel for ``device``, build every step's rows and the kernel's metadata
-        on the host and upload them (once per device)."""
+        on the host and upload them (once per device): in step ``s`` the rank's tiles on the
+        chunk it holds (rank ``r - s``'s), one call each."""
         device = torch.device(device)
         if self._device == device:
             return self._steps
-        if self._kernel_spec in (None, "auto") and (self._device is None or self._device.type != device.type):
-            self.kernel = get_kernel(self._kernel_spec, device=device, dtype=self.dtype,
-                                     head_dim=self.plan.batch.head_dim)
+        self._choose_kernel(device)
+        wl, pl, r, s = self.plan.workload, self.plan.placement, self.shard_rows, self.local_rows
+        mine = pl.tile_rank == self.rank
         steps: list[_Step | None] = []
-        s = self.local_rows
         for step in range(self.world):
-            ins = self._instruction(step)
+            home = (self.rank - step) % self.world
+            ins = self._instruction(np.flatnonzero(mine & (pl.block_rank[wl.tile_kv] == home)), self.rank * r, home * r)
             if ins is None:
                 steps.append(None)
                 continue
-            div = build_division(ins, self.plan.workload)
-            lay = self.kernel.prepare(div)
-            q_rows, kv_rows, q_idx, kv_idx = kernel_rows(div, lay)
-            arrays = {k: host_to_device(torch.from_numpy(np.ascontiguousarray(a)), device)
-                      for k, a in lay.arrays.items()}
-            n = len(q_rows)
-            merge = np.stack((q_rows, s + np.arange(n)), 1).reshape(-1)
-            steps.append(_Step(rows_on(q_idx, device), rows_on(kv_idx, device), rows_on(q_rows, device),
-                               host_to_device(torch.from_numpy(np.ascontiguousarray(kv_rows, np.int64)), device),
-                               host_to_device(torch.from_numpy(merge.astype(np.int64)), device), n,
-                               self.kernel.bind(arrays, lay.static)))
+            call = self._kernel_call(ins, device)
+            n = len(call.q_rows)
+            merge = np.stack((call.q_rows, s + np.arange(n)), 1).reshape(-1)
+            steps.append(_Step(call.q, call.kv, call.out,
+                               host_to_device(torch.from_numpy(np.ascontiguousarray(call.kv_rows, np.int64)), device),
+                               host_to_device(torch.from_numpy(merge.astype(np.int64)), device), n, call.meta))
         self._device, self._steps = device, steps
         return steps
 
@@ -182,14 +156,6 @@ class RingExecutor(StaticRuntime):
         held = torch.empty(self.shard_rows, 2 * k.shape[1] * k.shape[2], dtype=k.dtype, device=k.device)
         torch.cat((k.flatten(1), v.flatten(1)), 1, out=held[:self.local_rows])
         return held
-
-    def _timed(self, step: int, backward: bool, fn: Any) -> Any:
-        if not self.record_timings:
-            return fn()
-        t0 = self._clock.start(self._device)
-        out = fn()
-        self._clock.stop(self._device, t0, step, "attention", backward)
-        return out
 
     # ------------------------------------------------------------------ passes
     def forward_steps(self, q, k, v, scale: float | None = None, keep: bool = False) -> Generator[None, None, tuple]:

@@ -81,7 +81,8 @@ from .ring import plan_ring
 _RIVALS = {"ring": plan_ring, "megatron": plan_megatron, "allgather": plan_allgather, "documents": plan_documents}
 
 __all__ = ["plan_dcp", "dcp_candidates", "DEFAULT_RIVALS", "OWN_RIVALS", "DCPHypergraph", "estimate_seconds",
-           "zigzag_tiles_bound", "RIVAL_TILE_BUDGET", "RING_RUNTIME_MAX_RANKS", "CONTIGUOUS_NODES"]
+           "zigzag_tiles_bound", "RIVAL_TILE_BUDGET", "RING_RUNTIME_MAX_RANKS", "offers_ring_runtime",
+           "CONTIGUOUS_NODES"]
 
 #: compute bounds (max/mean - 1) of the extra greedy layouts the time objective starts from
 _GREEDY_BOUNDS = (0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
@@ -101,6 +102,12 @@ RIVAL_TILE_BUDGET = 1 << 22
 #: ``W`` steps of small launches never won on the paper's batches (ring at 32 ranks: 1.7-2x the
 #: best static configuration, ``benchmarks compare``) and simulating them costs planning time
 RING_RUNTIME_MAX_RANKS = 8
+
+
+def offers_ring_runtime(world_size: int) -> bool:
+    """Whether dcp's candidates include ring attention on its own runtime over a group of
+    ``world_size`` ranks: a ring of 2 to :data:`RING_RUNTIME_MAX_RANKS`."""
+    return 1 < int(world_size) <= RING_RUNTIME_MAX_RANKS
 
 
 def zigzag_tiles_bound(batch: BatchSpec, world_size: int) -> int:
@@ -449,7 +456,7 @@ def _static_runtimes(batch: BatchSpec, topology: Topology, eps_memory: float) ->
 
     out = []
     w = topology.world_size
-    if 1 < w <= RING_RUNTIME_MAX_RANKS and zigzag_tiles_bound(batch, w) <= RIVAL_TILE_BUDGET:
+    if offers_ring_runtime(w) and zigzag_tiles_bound(batch, w) <= RIVAL_TILE_BUDGET:
         ring = plan_ring(batch, topology)
         tokens = ring.rank_tokens()
         if tokens.max() <= (1.0 + eps_memory) * tokens.mean():

@@ -39,9 +39,6 @@ from ..workload import Buf, item_token_bytes
 
 __all__ = ["estimate_seconds", "pass_estimate_seconds"]
 
-#: ring attention on its own runtime: estimated by the ring's step formula
-_RINGS = (Runtime.TE_RING, Runtime.DCP_RING)
-
 
 def estimate_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = None) -> float:
     """Estimated forward + backward time of ``plan`` (seconds; see the module docstring), a
@@ -61,9 +58,12 @@ def estimate_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None
         from .runtimes import simulate_allgather
 
         return simulate_allgather(plan, cm).makespan_s
-    if plan.placement.runtime in _RINGS and (cm.executor is None or cm.executor.ring is not None):
-        from .runtimes import ring_estimate_seconds
+    from .runtimes import ring_estimate_seconds, ring_priced_as_executor
 
+    # a ring on its own runtime by its steps (TransformerEngine's always; torch_dcp's unless the
+    # model prices it as the executor runs it)
+    rt = plan.placement.runtime
+    if rt is Runtime.TE_RING or (rt is Runtime.DCP_RING and not ring_priced_as_executor(cm)):
         return ring_estimate_seconds(plan, cm)
     return sum(pass_estimate_seconds(plan, cm, backward) for backward in (False, True))
 

@@ -62,8 +62,8 @@ from ..planners.base import Routing, Runtime
 from .timeline import PassResult, SimResult, _on_shared_cores, _Pass, pass_local_bytes, simulate_programs
 from ..workload import Buf
 
-__all__ = ["RUNTIMES", "te_ring_step_seconds", "ring_estimate_seconds", "simulate_allgather", "allgather_pass_seconds",
-           "on_executor"]
+__all__ = ["RUNTIMES", "te_ring_step_seconds", "ring_estimate_seconds", "ring_priced_as_executor", "simulate_allgather",
+           "allgather_pass_seconds", "on_executor"]
 
 
 def on_executor(plan: "Plan | HeadParallelPlan") -> "Plan | HeadParallelPlan":
@@ -119,14 +119,20 @@ class _DCPRingPass(_TERingPass):
         self._compute(r, t, "reduction", 0.0)  # in the step's counted operations
 
 
+def ring_priced_as_executor(cm: CostModel) -> bool:
+    """Whether ``cm`` prices torch_dcp's ring runtime as its executor runs the same layout: a
+    model with executor costs but without the ring's counted operations (a CPU calibration)."""
+    return cm.executor is not None and cm.executor.ring is None
+
+
 def _simulate_dcp_ring(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult | None:
     """torch_dcp's ring runtime (``Runtime.DCP_RING``): TransformerEngine's timeline (its steps,
     its dK/dV in the K/V dtype) with the runtime's own counted operations per step; a model
-    without that count (a CPU calibration) charges the plan as torch_dcp's executor runs it."""
-    ex = cm.executor
-    if ex is not None and ex.ring is None:
+    without that count charges the plan as torch_dcp's executor runs it
+    (:func:`ring_priced_as_executor`)."""
+    if ring_priced_as_executor(cm):
         return simulate_programs(plan, cm, bound)
-    steps = (0.0, 0.0) if ex is None else ex.ring
+    steps = (0.0, 0.0) if cm.executor is None else cm.executor.ring
     return simulate_programs(plan, cm.with_executor(None), bound,
                              functools.partial(_DCPRingPass, step_seconds=steps), Runtime.DCP_RING)
 
