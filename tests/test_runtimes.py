@@ -29,18 +29,49 @@ def longtail():
                          ids=["a100-4x8", "h100-1x8"])
 @pytest.mark.parametrize("mask", [Causal(), Lambda(sink=64, window=4096)], ids=["causal", "lambda"])
 def test_ring_is_transformer_engines_step_formula(preset, nodes, cost, mask, longtail):
-    """Simulated ring attention within 0.9-1.1x of TransformerEngine's step formula (per step one
-    attention call and one merge, the transfer overlapped with the previous step's compute, dK/dV
-    in the K/V dtype), under the executor presets: TE's ring does not pay torch_dcp's executor."""
+    """Simulated ring attention with the kernels alone within 0.9-1.1x of TransformerEngine's
+    step formula (per step one attention call and one merge, the transfer overlapped with the
+    previous step's compute, dK/dV in the K/V dtype); under the executor presets TE's ring pays
+    its own operations per step, not torch_dcp's executor's per division."""
     batch = bench_batch(longtail, mask)
-    plan = torch_dcp.plan(batch, Topology.preset(preset, n_nodes=nodes), planner="ring", cost_model=cost)
+    kernels = cost.split("-")[0]
+    plan = torch_dcp.plan(batch, Topology.preset(preset, n_nodes=nodes), planner="ring", cost_model=kernels)
     assert plan.placement.runtime is Runtime.TE_RING
     sim, formula = simulate(plan).makespan_s, ring_step_seconds(plan)
     assert 0.9 <= sim / formula <= 1.1, (sim, formula)
-    # the executor's fixed costs are not charged: the kernels-alone preset times it the same
-    assert sim == pytest.approx(simulate(plan, cost.split("-")[0]).makespan_s, rel=1e-12)
-    # torch_dcp's executor running the same plan pays its per-division costs (and float32 dK/dV)
-    assert simulate(on_executor(plan)).makespan_s > 1.05 * sim
+    # its counted operations per step in place of the merges' bytes and launches
+    counted = simulate(plan, cost).makespan_s
+    assert counted != pytest.approx(sim, rel=1e-3)
+    assert counted < sim + plan.world_size * sum(CostModel.load(cost).executor.te_ring)
+    # torch_dcp's executor running the same plan pays its own per-division costs (and float32 dK/dV)
+    assert simulate(on_executor(plan), cost).makespan_s != pytest.approx(counted, rel=1e-3)
+
+
+def test_ring_runtimes_pay_their_own_counted_operations_per_step(longtail):
+    """On a GPU preset TransformerEngine's ring and torch_dcp's ring runtime share one timeline
+    (the same steps and transfers, dK/dV in the K/V dtype) and differ only in the device
+    operations each issues per step: TransformerEngine's counted from its source, torch_dcp's
+    under fake CUDA, both at the preset's cost per operation."""
+    import json
+
+    from torch_dcp.cost.model import GPU_EXECUTOR_PRESET
+    from torch_dcp.sim.runtimes import ring_estimate_seconds, te_ring_step_seconds
+
+    preset = json.loads(GPU_EXECUTOR_PRESET.read_text())
+    per_op, te, ours = preset["seconds_per_op"], preset["baselines"]["te_ring"], preset["counted"]["ring"]
+    cm = CostModel.load("h100-executor")
+    assert cm.executor.te_ring == pytest.approx((te["forward"] * per_op, te["backward"] * per_op))
+    assert cm.executor.ring == pytest.approx((ours["forward"] * per_op, ours["backward"] * per_op))
+    topo = Topology.preset("h100", n_nodes=1)
+    baseline = torch_dcp.plan(bench_batch(longtail, Causal()), topo, planner="ring", cost_model="h100")
+    mine = torch_dcp.Plan(dataclasses.replace(baseline.placement, runtime=Runtime.DCP_RING), topo,
+                          baseline.tile_division, baseline.divisions)
+    same = cm.with_executor(dataclasses.replace(cm.executor, te_ring=cm.executor.ring))
+    assert simulate(baseline, same).makespan_s == pytest.approx(simulate(mine, same).makespan_s, rel=1e-12)
+    assert simulate(baseline, cm).makespan_s != pytest.approx(simulate(mine, cm).makespan_s, rel=1e-3)
+    for plan, steps in ((baseline, cm.executor.te_ring), (mine, cm.executor.ring)):
+        extra = ring_estimate_seconds(plan, cm) - te_ring_step_seconds(plan, cm)
+        assert extra == pytest.approx(topo.world_size * sum(steps), rel=1e-9)
 
 
 def test_ring_sends_dkv_in_the_kv_dtype():

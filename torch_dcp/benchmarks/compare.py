@@ -33,8 +33,8 @@ and dcp ran that configuration (or a faster one) on torch_dcp's own all-gather r
 operations per pass (torch_dcp's counted on its runtime; TransformerEngine's counted from its
 source, where the cost model has them; else its kernels alone), and likewise where the baseline
 is ring attention or HCP and dcp ran that layout on its own ring runtime (``Runtime.DCP_RING``:
-its counted operations per step, where TransformerEngine's ring pays its kernels and its
-merges' bytes); ``executor`` where the
+its counted operations per step, TransformerEngine's ring those counted from its source, where
+the cost model has them; else its kernels and its merges' bytes); ``executor`` where the
 baseline's own layout at its CP size, run by torch_dcp's executor, is no faster than dcp (within
 1 %; the gap is how the baseline's implementation runs it: one attention call per step without
 the executor's costs per division, for which dcp has no runtime of its own); ``executor costs``
@@ -173,8 +173,8 @@ def _cause(row: dict, best: str, batch, topology: Topology, cm) -> str:
             row[f"{best}_on_dcp_runtime_ms"] = ours
             if ms <= ours * 1.01:
                 return (f"runtime costs: the same layout on torch_dcp's ring runtime takes {ours:.2f} ms (dcp {ms:.2f} "
-                        f"ms), the baseline's implementation {row['best_baseline_ms']:.2f} ms: torch_dcp's counted "
-                        "device operations per step, where the baseline pays its kernels and its merges' bytes")
+                        f"ms), the baseline's implementation {row['best_baseline_ms']:.2f} ms: each pays its own "
+                        "device operations per step")
         same = static_cp_seconds(best, batch, topology, cm, [c], runtime=Runtime.EXECUTOR)[c] * 1e3
         row[f"{best}_on_executor_ms"] = same
         if ms <= same * 1.01:  # dcp within 1 % of the same layout on the executor

@@ -177,6 +177,11 @@ class ExecutorCosts:
             TransformerEngine's all-gather CP issues on a rank that gathers, the baseline's own
             (counted from its source; the preset's ``baselines`` names it), at the same cost
             per operation as torch_dcp's; None: the baseline is charged its kernels alone.
+        te_ring: seconds per ring step with tiles, ``(forward, backward)``, of the device
+            operations TransformerEngine's ring (its P2P context parallelism) issues, the
+            baseline's own (counted from its source, its one-off operations per pass spread over
+            the steps; the preset's ``baselines`` names it), at the same cost per operation as
+            torch_dcp's; None: the baseline is charged its kernels and its merges' bytes.
     """
 
     general: KernelCosts
@@ -190,6 +195,7 @@ class ExecutorCosts:
     allgather: tuple[float, float, float, float] | None = None
     te_allgather: tuple[float, float] | None = None
     ring: tuple[float, float] | None = None
+    te_ring: tuple[float, float] | None = None
 
     def kernels(self) -> tuple[KernelCosts, ...]:
         return (self.general,) if self.fast is None else (self.general, self.fast)
@@ -210,7 +216,8 @@ class ExecutorCosts:
                    tuple(float(x) for x in d["pass_fixed"]), float(d["pass_byte"]),
                    None if d.get("allgather") is None else tuple(float(x) for x in d["allgather"]),
                    None if d.get("te_allgather") is None else tuple(float(x) for x in d["te_allgather"]),
-                   None if d.get("ring") is None else tuple(float(x) for x in d["ring"]))
+                   None if d.get("ring") is None else tuple(float(x) for x in d["ring"]),
+                   None if d.get("te_ring") is None else tuple(float(x) for x in d["te_ring"]))
 
     def memory(self, kind: str) -> MemoryCosts | None:
         """The costs of a memory-bound instruction of ``kind`` (:func:`memory_kind`); None:

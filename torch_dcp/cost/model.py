@@ -120,8 +120,9 @@ def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
     operation; the ``fast`` kernel (varlen) from the causal count, the ``general`` one
     (FlexAttention) from the λ count; the all-gather runtime's operations per pass (its
     ``alone`` and ``gathered`` counts, where the preset has them) likewise, the ring runtime's
-    per step (``ring``), and those of TransformerEngine's all-gather CP
-    (``baselines.te_allgather``, counted from its source).
+    per step (``ring``), and those of TransformerEngine's all-gather CP per pass
+    (``baselines.te_allgather``) and of its ring per step (``baselines.te_ring``), counted from
+    its source.
 
     Raises:
         ValueError: a file without the counts or the seconds per operation.
@@ -140,13 +141,16 @@ def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
         if "alone" in counted and "gathered" in counted:  # torch_dcp's all-gather runtime, per pass
             allgather = tuple(float(counted[case][name]) * per_op for case in ("alone", "gathered")
                               for name in ("forward", "backward"))
-        te = d.get("baselines", {}).get("te_allgather")  # the baseline's own operations, per pass
-        te_allgather = None if te is None else (float(te["forward"]) * per_op, float(te["backward"]) * per_op)
+        def baseline(name: str) -> tuple[float, float] | None:  # a baseline's own operations
+            te = d.get("baselines", {}).get(name)
+            return None if te is None else (float(te["forward"]) * per_op, float(te["backward"]) * per_op)
+
+        te_allgather, te_ring = baseline("te_allgather"), baseline("te_ring")  # per pass; per step
         ring = None
         if "ring" in counted:  # torch_dcp's ring runtime, per step with tiles
             ring = (float(counted["ring"]["forward"]) * per_op, float(counted["ring"]["backward"]) * per_op)
         return ExecutorCosts(general=costs("flex", general), fast=costs("varlen", fast), allgather=allgather,
-                             te_allgather=te_allgather, ring=ring)
+                             te_allgather=te_allgather, ring=ring, te_ring=te_ring)
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a GPU executor preset (counted.fast/general forward and backward, "
                          f"seconds_per_op): {e}") from e

@@ -18,8 +18,12 @@ backward each step runs one attention-backward call, and the dK/dV partials trav
 in the K/V dtype (``dkv`` buffers of ``k.dtype``), each rank adding its own before passing them
 on. The timeline is the ring plan's programs on the simulator with the kernels alone (the cost
 model without its executor costs: FLOPs over the kernel table's throughput plus one launch
-overhead per call), transfers sized with dK/dV in the K/V dtype and the output merges charged
-one per step. Its closed form, ``sum_s max(compute_s, transfer_{s+1})`` per pass, is
+overhead per call), transfers sized with dK/dV in the K/V dtype; where the cost model counts
+them (a GPU preset: :attr:`~torch_dcp.cost.executor.ExecutorCosts.te_ring`), each step with
+tiles is charged the device operations TransformerEngine's source issues per step (its
+half-reads, LSE and output corrections among them), at the same cost per operation as
+torch_dcp's; otherwise the output merges one per step at the memory bandwidth. Its closed form
+with the kernels alone, ``sum_s max(compute_s, transfer_{s+1})`` per pass, is
 :func:`te_ring_step_seconds`.
 
 **torch_dcp's ring** (``Runtime.DCP_RING``, :class:`~torch_dcp.executor.ring.RingExecutor`):
@@ -94,15 +98,11 @@ class _TERingPass(_Pass):
         self._compute(r, t, "reduction", nbytes / self.cm.memory_bandwidth + steps * self.cm.launch_overhead)
 
 
-def _simulate_te_ring(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult | None:
-    """TransformerEngine's ring (module docstring): the programs with the kernels alone."""
-    return simulate_programs(plan, cm.with_executor(None), bound, _TERingPass, Runtime.TE_RING)
-
-
-class _DCPRingPass(_TERingPass):
-    """A pass of torch_dcp's ring runtime (:class:`~torch_dcp.executor.ring.RingExecutor`): the
-    ring's programs with the kernels alone, each step with tiles charged the runtime's own
-    counted device operations (``step_seconds``, forward or backward: its gathers, partial writes
+class _CountedRingPass(_TERingPass):
+    """A pass of a ring runtime whose device operations per step are counted (torch_dcp's
+    :class:`~torch_dcp.executor.ring.RingExecutor`, or TransformerEngine's ring counted from its
+    source): the ring's programs with the kernels alone, each step with tiles charged the
+    runtime's own operations (``step_seconds``, forward or backward: its reads, partial writes
     and the step's LSE merge, so the merge costs nothing more here)."""
 
     def __init__(self, plan: Plan, cm: CostModel, backward: bool, runtime: Runtime,
@@ -117,6 +117,16 @@ class _DCPRingPass(_TERingPass):
         if ins.op is not ReduceOp.LSE_MERGE:
             return super().on_reduction(ins, r, t)
         self._compute(r, t, "reduction", 0.0)  # in the step's counted operations
+
+
+def _simulate_te_ring(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult | None:
+    """TransformerEngine's ring (module docstring): the programs with the kernels alone, each
+    step charged its counted operations where the model has them."""
+    steps = None if cm.executor is None else cm.executor.te_ring
+    if steps is None:
+        return simulate_programs(plan, cm.with_executor(None), bound, _TERingPass, Runtime.TE_RING)
+    return simulate_programs(plan, cm.with_executor(None), bound,
+                             functools.partial(_CountedRingPass, step_seconds=steps), Runtime.TE_RING)
 
 
 def ring_priced_as_executor(cm: CostModel) -> bool:
@@ -134,7 +144,7 @@ def _simulate_dcp_ring(plan: Plan, cm: CostModel, bound: float = float("inf")) -
         return simulate_programs(plan, cm, bound)
     steps = (0.0, 0.0) if cm.executor is None else cm.executor.ring
     return simulate_programs(plan, cm.with_executor(None), bound,
-                             functools.partial(_DCPRingPass, step_seconds=steps), Runtime.DCP_RING)
+                             functools.partial(_CountedRingPass, step_seconds=steps), Runtime.DCP_RING)
 
 
 def _simulate_executor(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult | None:
@@ -192,12 +202,14 @@ def te_ring_step_seconds(plan: Plan, cost_model: CostModel | None = None) -> flo
 
 def ring_estimate_seconds(plan: Plan, cm: CostModel) -> float:
     """Forward + backward of a ring on its own runtime in closed form (seconds):
-    :func:`te_ring_step_seconds`, plus, on ``Runtime.DCP_RING`` with a model that counts them,
-    the runtime's own operations in each of the ``W`` steps of both passes."""
+    :func:`te_ring_step_seconds`, plus, with a model that counts them, the runtime's own
+    operations (torch_dcp's on ``Runtime.DCP_RING``, TransformerEngine's on ``Runtime.TE_RING``)
+    in each of the ``W`` steps of both passes."""
     seconds = te_ring_step_seconds(plan, cm)
     ex = cm.executor
-    if plan.placement.runtime is Runtime.DCP_RING and ex is not None and ex.ring is not None:
-        seconds += plan.world_size * sum(ex.ring)
+    steps = None if ex is None else {Runtime.DCP_RING: ex.ring, Runtime.TE_RING: ex.te_ring}.get(plan.placement.runtime)
+    if steps is not None:
+        seconds += plan.world_size * sum(steps)
     return float(seconds)
 
 
