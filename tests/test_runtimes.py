@@ -72,6 +72,10 @@ def test_ring_runtimes_pay_their_own_counted_operations_per_step(longtail):
     for plan, steps in ((baseline, cm.executor.te_ring), (mine, cm.executor.ring)):
         extra = ring_estimate_seconds(plan, cm) - te_ring_step_seconds(plan, cm)
         assert extra == pytest.approx(topo.world_size * sum(steps), rel=1e-9)
+    # Ulysses on one node: an outer ring of one rank, which TransformerEngine does not run as a ring
+    ulysses = torch_dcp.plan(bench_batch(longtail, Causal()), topo, planner="ulysses", cost_model="h100")
+    assert ulysses.outer.world_size == 1 and ulysses.outer.placement.runtime is Runtime.TE_RING
+    assert simulate(ulysses, cm).makespan_s == pytest.approx(simulate(ulysses, "h100").makespan_s, rel=1e-12)
 
 
 def test_ring_sends_dkv_in_the_kv_dtype():

@@ -19,11 +19,11 @@ in the K/V dtype (``dkv`` buffers of ``k.dtype``), each rank adding its own befo
 on. The timeline is the ring plan's programs on the simulator with the kernels alone (the cost
 model without its executor costs: FLOPs over the kernel table's throughput plus one launch
 overhead per call), transfers sized with dK/dV in the K/V dtype; where the cost model counts
-them (a GPU preset: :attr:`~torch_dcp.cost.executor.ExecutorCosts.te_ring`), each step with
-tiles is charged the device operations TransformerEngine's source issues per step (its
-half-reads, LSE and output corrections among them), at the same cost per operation as
-torch_dcp's; otherwise the output merges one per step at the memory bandwidth. Its closed form
-with the kernels alone, ``sum_s max(compute_s, transfer_{s+1})`` per pass, is
+them (a GPU preset: :attr:`~torch_dcp.cost.executor.ExecutorCosts.te_ring`) and the ring has
+more than one rank, each step with tiles is charged the device operations TransformerEngine's
+source issues per step (its half-reads, LSE and output corrections among them), at the same cost
+per operation as torch_dcp's; otherwise the output merges one per step at the memory bandwidth.
+Its closed form with the kernels alone, ``sum_s max(compute_s, transfer_{s+1})`` per pass, is
 :func:`te_ring_step_seconds`.
 
 **torch_dcp's ring** (``Runtime.DCP_RING``, :class:`~torch_dcp.executor.ring.RingExecutor`):
@@ -119,10 +119,17 @@ class _CountedRingPass(_TERingPass):
         self._compute(r, t, "reduction", 0.0)  # in the step's counted operations
 
 
+def _te_ring_steps(plan: Plan, cm: CostModel) -> tuple[float, float] | None:
+    """TransformerEngine's counted operations per ring step (seconds, forward and backward) where
+    ``cm`` has them and the ring has more than one rank (at CP size 1, as Ulysses' outer plan on
+    one node, TransformerEngine runs no ring: one attention call, its kernels alone)."""
+    return None if cm.executor is None or plan.world_size < 2 else cm.executor.te_ring
+
+
 def _simulate_te_ring(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult | None:
     """TransformerEngine's ring (module docstring): the programs with the kernels alone, each
     step charged its counted operations where the model has them."""
-    steps = None if cm.executor is None else cm.executor.te_ring
+    steps = _te_ring_steps(plan, cm)
     if steps is None:
         return simulate_programs(plan, cm.with_executor(None), bound, _TERingPass, Runtime.TE_RING)
     return simulate_programs(plan, cm.with_executor(None), bound,
@@ -207,7 +214,8 @@ def ring_estimate_seconds(plan: Plan, cm: CostModel) -> float:
     in each of the ``W`` steps of both passes."""
     seconds = te_ring_step_seconds(plan, cm)
     ex = cm.executor
-    steps = None if ex is None else {Runtime.DCP_RING: ex.ring, Runtime.TE_RING: ex.te_ring}.get(plan.placement.runtime)
+    steps = None if ex is None else {Runtime.DCP_RING: ex.ring, Runtime.TE_RING: _te_ring_steps(plan, cm)}.get(
+        plan.placement.runtime)
     if steps is not None:
         seconds += plan.world_size * sum(steps)
     return float(seconds)
