@@ -162,10 +162,16 @@ def plan(
     t0 = time.perf_counter()
     with _collector_paused():
         plans: list[Plan | HeadParallelPlan] = []
+        hopeless = {} if cm is None else _hopeless_searches(batch, topology, inner, sizes, block_size, planner,
+                                                            options, cm)
         for n in sizes:
             search = _search_at(n, sizes, topology, options)
             if search is not None:
-                plans += _plans_at(batch, topology, inner, n, block_size, divisions, planner, *search)
+                opts, relabel = search
+                if n in hopeless:
+                    opts = {**opts, "search": False}
+                plans += _plans_at(batch, topology, inner, n, block_size, divisions, planner, opts, relabel,
+                                   hopeless.get(n))
         timed: list[tuple[str, float]] = []
         if len(plans) > 1:
             chosen, timed = _fastest(plans, cm, SIMULATED, deeper=divisions is None)
@@ -308,19 +314,63 @@ def _search_at(n: int, sizes: list[int], topology: Topology,
     return None
 
 
+def _hopeless_searches(batch: BatchSpec, topology: Topology, planner: str, sizes: list[int], block_size: int,
+                       label: str, options: dict[str, Any], cm: "CostModel") -> dict[int, int]:
+    """The head parallelisms ``N`` (among ``sizes``) at which no placement of dcp's own can win,
+    each with the number of tiles of its blocks (what ``divisions`` is checked against), so
+    :func:`plan` skips its search there (``search=False``: the rivals alone): where some
+    static runtime's plan (all-gather CP as its authors run it, a candidate at any ``N``, its
+    time in closed form) simulates faster than
+    :func:`~torch_dcp.sim.floors.search_floor_seconds` of the ``N``'s blocks, which no placement
+    of them on torch_dcp's executor beats. Empty unless ``planner`` is ``"dcp"`` with its time
+    objective and the static rival."""
+    from .planners.dcp import DEFAULT_RIVALS
+    from .sim.floors import search_floor_seconds
+    from .sim.simulate import simulate_within
+    from .workload import Workload
+
+    if planner != "dcp" or options.get("objective", "time") != "time" or "static" not in options.get(
+            "rivals", DEFAULT_RIVALS):
+        return {}
+    searched = []
+    for n in sizes:
+        search = _search_at(n, sizes, topology, options)
+        if search is not None and search[0].get("objective", "time") == "time":
+            searched.append((n, search))
+    best = float("inf")
+    for n, (opts, relabel) in searched:
+        statics = {**opts, "search": False, "rivals": ("static",)}
+        for p in _plans_at(batch, topology, planner, n, block_size, None, label, statics, relabel):
+            if not _outer(p).placement.runtime.gathers:  # the ring's timeline: simulated later, if at all
+                continue
+            run = simulate_within(p, cm, best)
+            if run is not None:
+                best = min(best, run.makespan_s)
+    hopeless = {}
+    for n, _ in searched:
+        wl = Workload.uniform(HeadLayout.of(batch, n).outer_batch(batch), block_size)
+        if search_floor_seconds(wl, topology.world_size // n, cm) >= best:
+            hopeless[n] = wl.n_tiles
+    return hopeless
+
+
 def _plans_at(batch: BatchSpec, topology: Topology, planner: str, n: int, block_size: int, divisions: int | None,
-              label: str, options: dict[str, Any], relabel: str | None = None) -> "list[Plan | HeadParallelPlan]":
+              label: str, options: dict[str, Any], relabel: str | None = None,
+              n_tiles: int | None = None) -> "list[Plan | HeadParallelPlan]":
     """The divided candidates of ``planner`` with head parallelism ``n`` (wrapped when ``n > 1``;
-    their placements labelled ``relabel`` where given)."""
+    their placements labelled ``relabel`` where given); ``divisions`` is checked against
+    ``n_tiles``, by default the tiles of the first placement (the planner's own)."""
     layout = HeadLayout.of(batch, n)
     ob, ot = layout.outer_batch(batch), layout.outer_topology(topology)
     offer = CANDIDATES.get(planner)
     if offer and n > 1 and "shortlist" not in options:
         options = {**options, "shortlist": HEAD_PARALLEL_SHORTLIST}
     placements = offer(ob, ot, block_size, **options) if offer else [get_planner(planner)(ob, ot, block_size, **options)]
+    if not placements:  # a search skipped, and no rival within its bounds
+        return []
     if relabel:
         placements = [dataclasses.replace(p, planner=relabel) for p in placements]
-    n_tiles = placements[0].workload.n_tiles
+    n_tiles = placements[0].workload.n_tiles if n_tiles is None else n_tiles
     bound = max(1, n_tiles)  # a batch with no tiles still runs as one (empty) division
     auto = divisions is None
     if divisions is None:

@@ -50,7 +50,7 @@ from ..masks import Causal, Full
 from ..workload import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR, Buf, Workload, item_token_bytes
 
 __all__ = ["memory_kind", "KernelWork", "KERNEL_WORK", "LaunchCosts", "KernelCosts", "MemoryCosts", "ExecutorCosts",
-           "LAUNCH_FEATURES", "launch_features", "cell_kernels"]
+           "LAUNCH_FEATURES", "launch_features", "cell_kernels", "least_launch_seconds"]
 
 #: the key split of PyTorch's CPU flash attention (``kvSplitSize`` for 512 keys or more)
 CPU_KV_SPLIT = 512
@@ -356,3 +356,59 @@ def _one_launch(t: _Tiles, out: np.ndarray, done: np.ndarray) -> None:
 #: each kernel work's columns of :func:`launch_features` (beyond the launch and the executor's bytes)
 _WORK_FEATURES = {KernelWork.RECTANGLE: _rectangle_features, KernelWork.BLOCKS: _blocks_features,
                   KernelWork.VISIBLE: _visible_features}
+
+
+def least_launch_seconds(workload: Workload, costs: ExecutorCosts, backward: bool, seconds_per_flop: float) -> float:
+    """The least total seconds the attention launches of all of ``workload``'s tiles can cost in
+    one pass, however the tiles are spread over ranks and divisions: a lower bound of the sum, over
+    any placement's launches (cells), of what :meth:`torch_dcp.cost.CostModel.launch_seconds`
+    charges them (seconds). Each tile is charged the cheapest work any of ``costs``' kernels could
+    do it with (for ``RECTANGLE``: masked or not, a causal tail or not, whichever its launch makes
+    it) with, for ``RECTANGLE``, the keys its call copies; each query and key block its rows gathered
+    and written once (at the cheapest kernel's ``byte``); where one kernel runs every launch (a
+    CPU) and it is ``RECTANGLE``, one call per query block and its query rows copied once. The
+    per-launch, mask and masked-call terms are left out (none is negative): a launch's features
+    only grow when its tiles are split over more launches.
+
+    Args:
+        seconds_per_flop: the work's cost per FLOP where a kernel's ``flop`` or ``masked_flop`` is
+            None (charged at the kernel table's throughput): the table's best, ``1 / (TFLOP/s x
+            1e12)``.
+    """
+    n = workload.n_tiles
+    if n == 0:
+        return 0.0
+    t = _Tiles(workload, np.arange(n, dtype=np.int64), np.zeros(n, np.int64), 1, backward)  # one launch
+    b = workload.batch
+    acc = 8 if b.dtype == "float64" else 4
+    per_key = 2.0 * b.n_heads * b.head_dim * acc * (2 if backward else 1)  # as _rectangle_features copies
+    per_query = b.n_heads * b.head_dim * acc * (3 if backward else 1)
+    partial = ~t.full
+    causal_doc = np.array([isinstance(m, Causal) for m in b.masks], bool)[b.doc_mask[workload.block_doc[t.tq]]]
+    diag = partial & (t.tq == t.tk) & causal_doc
+    side = np.maximum(t.blen[t.tq], 1.0)
+    tail_done = t.rect * (0.5 + 0.5 * np.minimum(1.0, CPU_KV_SPLIT / side))
+    cheapest = np.full(n, np.inf)
+    kernels = costs.kernels()
+    for kern in kernels:
+        lc = kern.of(backward)
+        flop = seconds_per_flop if lc.flop is None else lc.flop
+        masked = seconds_per_flop if lc.masked_flop is None else lc.masked_flop
+        if kern.work is KernelWork.RECTANGLE:
+            work = np.where(diag, np.minimum(tail_done * flop, t.rect * masked),
+                            np.where(partial, t.rect * masked, t.rect * min(flop, masked)))
+            tile = work * t.fpp + lc.call_byte * t.blen[t.tk] * per_key
+        else:
+            done = t.pairs if kern.work is KernelWork.VISIBLE else np.where(
+                t.full, t.rect, np.minimum(t.rect, t.pairs + FLEX_BLOCK / 2.0 * (t.blen[t.tq] + t.blen[t.tk])))
+            tile = done * t.fpp * np.where(t.full, flop, masked)
+        cheapest = np.minimum(cheapest, tile)
+    itb = item_token_bytes(b)
+    res_row = itb[(True, Buf.DQ)] if backward else itb[(False, Buf.OPART)]
+    rows = float(t.q_rows[0]) * (itb[(backward, Buf.Q)] + res_row) + float(t.k_rows[0]) * (
+        itb[(backward, Buf.KV)] + (itb[(True, Buf.DKV)] if backward else 0))
+    seconds = float(cheapest.sum()) + min(k.of(backward).byte for k in kernels) * rows
+    if len(kernels) == 1 and kernels[0].work is KernelWork.RECTANGLE:
+        lc = kernels[0].of(backward)
+        seconds += lc.call * len(t.g_key) + lc.call_byte * float(t.q_rows[0]) * per_query
+    return seconds

@@ -337,6 +337,22 @@ class CostModel:
             seconds = np.where(cells, sec, seconds)
         return seconds
 
+    def least_launch_seconds(self, workload: Any, backward: bool) -> float:
+        """The least total seconds the attention launches of all of ``workload``'s tiles can cost
+        in one pass, however they are spread over ranks and divisions: a lower bound of the sum of
+        :meth:`launch_seconds` over any placement's launches. Without :attr:`executor`, every FLOP
+        at the kernel table's best throughput; with it,
+        :func:`torch_dcp.cost.executor.least_launch_seconds`."""
+        from .executor import least_launch_seconds
+
+        b = workload.batch
+        table = self.table_for(b.head_dim, b.dtype)
+        best = max(table.bwd_full + table.bwd_causal) if backward else max(table.fwd_full + table.fwd_causal)
+        per_flop = 1.0 / (best * 1e12)
+        if self.executor is None:
+            return float((workload.tile_flops_bwd if backward else workload.tile_flops_fwd).sum()) * per_flop
+        return least_launch_seconds(workload, self.executor, backward, per_flop)
+
     def memory_seconds(self, nbytes: float) -> float:
         """A memory-bound pass that reads and writes ``nbytes`` in total."""
         return nbytes / self.memory_bandwidth + (self.launch_overhead if nbytes > 0 else 0.0)

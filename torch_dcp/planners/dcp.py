@@ -275,6 +275,7 @@ def dcp_candidates(
     node_routes: bool = True,
     shortlist: int | None = None,
     rivals: tuple[str, ...] = DEFAULT_RIVALS,
+    search: bool = True,
 ) -> list[Placement]:
     """DCP hypergraph placements, best first (see module docstring).
 
@@ -318,9 +319,12 @@ def dcp_candidates(
             ``"dcp:ring/cpW"`` (inside head groups: HCP), under the same memory and tile
             bounds: so the plan :func:`torch_dcp.plan` keeps is never slower on the simulator
             than those static configurations.
+        search: ``False``: none of dcp's own placements, only the time objective's rivals
+            (:func:`torch_dcp.plan` passes it where no placement of the batch's blocks can beat a
+            static runtime's plan, :func:`~torch_dcp.sim.floors.search_floor_seconds`).
 
     Returns:
-        Placements (at least one), the planner's own best first.
+        Placements, the planner's own best first (at least one, unless ``search`` is False).
 
     Raises:
         ValueError: bad block size, tolerances or objective.
@@ -342,6 +346,8 @@ def dcp_candidates(
     unknown = [r for r in rivals if r not in _RIVALS and r != "static"]
     if unknown:
         raise ValueError(f"rivals must be among {sorted(_RIVALS) + ['static']}, got {unknown}")
+    if not search:
+        return _rival_placements(batch, topology, block_size, rivals, eps_memory) if objective == "time" else []
     wl = Workload.uniform(batch, block_size)
     hg = DCPHypergraph(wl)
     w = topology.world_size
@@ -435,16 +441,29 @@ def dcp_candidates(
     out = [Placement(wl, w, p[blocks], p[tiles], planner=bytes_label if np.array_equal(p, fewest) else "dcp",
                      routing=routing) for p in chosen]
     if objective == "time":
-        for name in (r for r in rivals if r != "static"):
-            if name in _ZIGZAG_RIVALS and zigzag_tiles_bound(batch, w) > RIVAL_TILE_BUDGET:
-                continue  # ring / all-gather CP at hundreds of ranks: a plan of minutes and GBs
-            rival = megatron if name == "megatron" else _RIVALS[name](batch, topology, block_size)
-            tokens = rival.rank_tokens()
-            if tokens.max() <= (1.0 + eps_memory) * tokens.mean():
-                # run by torch_dcp's executor, not by the rival's own implementation
-                out.append(dataclasses.replace(rival, planner=f"dcp:{name}", runtime=Runtime.EXECUTOR))
-        if "static" in rivals:
-            out += _static_runtimes(batch, topology, eps_memory)
+        out += _rival_placements(batch, topology, block_size, rivals, eps_memory, megatron)
+    return out
+
+
+def _rival_placements(batch: BatchSpec, topology: Topology, block_size: int, rivals: tuple[str, ...],
+                      eps_memory: float, megatron: Placement | None = None) -> list[Placement]:
+    """The time objective's rivals (``rivals`` of :func:`dcp_candidates`) within its memory and
+    tile bounds: labelled ``"dcp:<name>"``, on torch_dcp's executor, then the static runtimes."""
+    out = []
+    w = topology.world_size
+    for name in (r for r in rivals if r != "static"):
+        if name in _ZIGZAG_RIVALS and zigzag_tiles_bound(batch, w) > RIVAL_TILE_BUDGET:
+            continue  # ring / all-gather CP at hundreds of ranks: a plan of minutes and GBs
+        if name == "megatron":
+            rival = megatron if megatron is not None else plan_megatron(batch, topology)
+        else:
+            rival = _RIVALS[name](batch, topology, block_size)
+        tokens = rival.rank_tokens()
+        if tokens.max() <= (1.0 + eps_memory) * tokens.mean():
+            # run by torch_dcp's executor, not by the rival's own implementation
+            out.append(dataclasses.replace(rival, planner=f"dcp:{name}", runtime=Runtime.EXECUTOR))
+    if "static" in rivals:
+        out += _static_runtimes(batch, topology, eps_memory)
     return out
 
 

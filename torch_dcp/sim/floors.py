@@ -16,7 +16,7 @@ from ..planners.base import Runtime
 from ..workload import Workload
 
 __all__ = ["link_floor_seconds", "link_busy_seconds", "compute_floor_seconds", "division_launch_seconds",
-           "kernel_floor_seconds", "floor_seconds", "batch_floor_seconds"]
+           "kernel_floor_seconds", "floor_seconds", "batch_floor_seconds", "search_floor_seconds"]
 
 
 def link_floor_seconds(plan: Plan, backward: bool | None = None) -> float:
@@ -161,3 +161,20 @@ def batch_floor_seconds(batch: BatchSpec, world_size: int, cost_model: CostModel
     pairs = float(wl.tile_pairs.sum()) * batch.n_heads / world_size
     return sum(cm.attention_seconds(pairs, float(flops.sum()) / world_size, bw, masked, batch.head_dim, batch.dtype)
                for bw, flops in ((False, wl.tile_flops_fwd), (True, wl.tile_flops_bwd)))
+
+
+def search_floor_seconds(workload: Workload, world_size: int, cost_model: CostModel | None = None) -> float:
+    """What no placement of ``workload``'s tiles over ``world_size`` ranks can beat on torch_dcp's
+    executor (seconds, forward + backward): each pass's least total launch cost
+    (:meth:`~torch_dcp.cost.CostModel.least_launch_seconds`) spread evenly over the ranks. Every
+    simulated run of such a placement, at any number of divisions, takes at least this long (its
+    busiest rank's launches take at least the mean), so :func:`torch_dcp.plan` skips the search
+    over placements of ``workload`` where a static runtime's plan is already faster.
+
+    Raises:
+        ValueError: ``world_size`` is not a positive integer.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    cm = cost_model or CostModel.a100()
+    return sum(cm.least_launch_seconds(workload, bw) for bw in (False, True)) / world_size
