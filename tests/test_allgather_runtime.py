@@ -17,6 +17,7 @@ from torch_dcp.benchmarks.static_cp import static_cp_seconds
 from torch_dcp.executor import InProcessTransport, Mailbox, make_executor
 from torch_dcp.executor.allgather import AllGatherExecutor, collective_groups
 from torch_dcp.planners import Runtime, plan_allgather
+from torch_dcp.planners.documents import plan_documents
 from torch_dcp.planners.static import cp_sizes
 from torch_dcp.sim.runtimes import on_executor
 from torch_dcp.sim.simulate import simulate
@@ -115,6 +116,44 @@ def test_priced_per_cp_group_as_the_static_configuration():
     for c, want in static.items():
         got = simulate(divide(plan_allgather(batch, topo, cp_size=c), topo, 4), cm).makespan_s
         assert got == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_a_placement_that_moves_nothing_runs_alone_exactly(mask, world):
+    """Every document whole on one rank with its tiles: the placement runs alone (one attention
+    call per rank and pass on the all-gather runtime, CP groups of one rank), exact; a placement
+    that moves a block, or runs on another runtime, does not."""
+    heads = list(HEADS)[world % len(HEADS)]
+    batch = _batch(mask, heads)
+    topo = Topology.single_node(world)
+    docs = plan_documents(batch, topo, 64)
+    alone = docs.alone()
+    assert alone is not None and alone.runtime is Runtime.DCP_ALLGATHER and alone.cp_size == 1
+    assert (alone.block_rank == docs.block_rank).all() and (alone.tile_rank == docs.tile_rank).all()
+    plan = divide(alone, topo, 1)
+    assert isinstance(make_executor(plan, 0, InProcessTransport(Mailbox(), 0)), AllGatherExecutor)
+    _check(plan, batch)
+    moved = docs.tile_rank.copy()
+    moved[-1] = (moved[-1] + 1) % world
+    assert dataclasses.replace(docs, tile_rank=moved).alone() is None
+    assert plan_allgather(batch, topo, cp_size=1).alone() is None  # already its own runtime
+
+
+def test_dcp_candidates_that_move_nothing_run_alone():
+    # a long-tail causal batch on 2 x 8 H100s: every candidate that moves nothing runs alone (at
+    # N = 8, one head group per node, some of dcp's own placements keep every document whole on
+    # one; at N = 1 and 2 they all move blocks)
+    from torch_dcp.api import _plans_at
+
+    batch = BatchSpec([9000, 3000] + [400] * 30, Causal(), n_heads=8, n_kv_heads=2, head_dim=128, dtype="bfloat16")
+    topo = Topology.preset("h100", n_nodes=2)
+    for n in (1, 2, 8):
+        plans = _plans_at(batch, topo, "dcp", n, 1024, None, "dcp", {})
+        outer = [p.outer if n > 1 else p for p in plans]
+        assert all(o.placement.alone() is None for o in outer)  # none left on the executor
+        assert any(o.placement.runtime is Runtime.DCP_ALLGATHER and o.placement.cp_size == 1
+                   and not o.planner.startswith("dcp:allgather") for o in outer) == (n == 8)
 
 
 def test_among_dcp_candidates_and_chosen_where_fastest():

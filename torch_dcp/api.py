@@ -370,6 +370,8 @@ def _plans_at(batch: BatchSpec, topology: Topology, planner: str, n: int, block_
         return []
     if relabel:
         placements = [dataclasses.replace(p, planner=relabel) for p in placements]
+    if offer:  # a candidate that moves nothing runs alone: one attention call per rank and pass
+        placements = [p.alone() or p for p in placements]
     n_tiles = placements[0].workload.n_tiles if n_tiles is None else n_tiles
     bound = max(1, n_tiles)  # a batch with no tiles still runs as one (empty) division
     auto = divisions is None

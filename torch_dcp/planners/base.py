@@ -176,6 +176,26 @@ class Placement:
             g.setflags(write=False)
             object.__setattr__(self, "ring_groups", g)
 
+    def alone(self) -> "Placement | None":
+        """This placement as its ranks run it alone, or None: where every tile runs on its
+        query's and its key/value block's home and every document lies on one rank, nothing
+        moves, so each rank runs its part as one attention call per pass over its own rows, on
+        torch_dcp's all-gather runtime with CP groups of one rank (``Runtime.DCP_ALLGATHER``,
+        ``cp_size=1``: nothing gathered), without the executor's steps per division; None
+        where a block would move or a document spans ranks, or the placement runs on another
+        runtime than torch_dcp's executor."""
+        wl, home = self.workload, self.block_rank
+        if self.runtime is not Runtime.EXECUTOR or self.tile_round is not None:
+            return None
+        if np.any(home[wl.tile_q] != self.tile_rank) or np.any(home[wl.tile_kv] != self.tile_rank):
+            return None
+        doc_rank = np.full(wl.batch.n_docs, -1, np.int64)
+        doc_rank[wl.block_doc] = home
+        if np.any(doc_rank[wl.block_doc] != home):
+            return None
+        return dataclasses.replace(self, routing=Routing.DIRECT, ring_groups=None, runtime=Runtime.DCP_ALLGATHER,
+                                   cp_size=1)
+
     def cp_group(self, rank: int) -> tuple[int, ...]:
         """The ranks of ``rank``'s CP group (:attr:`cp_size`; all ranks where it is None),
         ascending."""
