@@ -106,11 +106,13 @@ class _DryRun(TorchDispatchMode):
 
 
 @functools.lru_cache(maxsize=None)
-def _plan(mask: str, dtype: str, world: int):
+def _plan(mask: str, dtype: str, world: int, head_parallel: "int | str" = 1):
     batch = BatchSpec(list(LENS), MASKS[mask], n_heads=H, n_kv_heads=HKV, head_dim=D, dtype=dtype)
-    # dcp's own placements (its divisions and merges; the static runtime has its own test below)
+    # dcp's own placements (its divisions and merges; the static runtimes have their own tests
+    # below), by default without head parallelism (at N = W every placement runs alone)
     return torch_dcp.plan(batch, Topology(n_nodes=1, ranks_per_node=world), planner="dcp", block_size=1024,
-                          cost_model=GPU_MODEL, rivals=("ring", "megatron", "allgather", "documents"))
+                          cost_model=GPU_MODEL, rivals=("ring", "megatron", "allgather", "documents"),
+                          head_parallel=head_parallel)
 
 
 def _dry_run(plan, kernel, dtype: torch.dtype):
@@ -160,6 +162,25 @@ def test_allgather_runtime_on_the_cuda_path(mask, n):
     calls = seen[FLASH] + seen["flex_attention"]
     assert calls == 4  # one forward call per rank
     assert seen[MERGE] == 0  # every query's tiles on its rank: nothing to merge
+
+
+@pytest.mark.parametrize("mask", ["causal", "lambda"])
+def test_a_placement_alone_on_the_cuda_path(mask):
+    """A placement that moves nothing, its documents in blocks of 256 tokens, run alone (the
+    all-gather runtime with CP groups of one rank): one attention call per rank and pass over
+    its blocks, nothing merged, no host read of device data."""
+    import numpy as np
+
+    from torch_dcp import Placement, Workload
+    from torch_dcp.api import divide
+
+    batch = BatchSpec(list(LENS), MASKS[mask], n_heads=H, n_kv_heads=HKV, head_dim=D, dtype="bfloat16")
+    topo = Topology(n_nodes=1, ranks_per_node=4)
+    wl = Workload.uniform(batch, 256)
+    home = np.array([1, 0, 3, 2])[wl.block_doc]  # document d on rank (1, 0, 3, 2)[d], with its tiles
+    placement = Placement(wl, 4, home, home[wl.tile_q], planner="dcp")
+    _, seen = _dry_run(divide(placement.alone(), topo, 1), None, torch.bfloat16)
+    assert seen[FLASH] + seen["flex_attention"] == 4 and seen[MERGE] == 0  # one forward call per rank
 
 
 def test_head_all_to_alls_issue_a_few_operations_per_tensor():
@@ -238,10 +259,14 @@ def test_flex_traced_by_torch_compile():
 
     torch._dynamo.reset()  # nothing compiled earlier in this process reused
     graphs, breaks = counters["stats"]["unique_graphs"], collections.Counter(counters["graph_break"])
-    _dry_run(_plan("lambda", "float16", 1), FlexKernel(compile="aot_eager"), torch.float16)
+    from torch_dcp.sim.runtimes import on_executor
+
+    # one rank: its placement runs alone, unless on torch_dcp's executor (one division)
+    _dry_run(on_executor(_plan("lambda", "float16", 1)), FlexKernel(compile="aot_eager"), torch.float16)
     assert "flex:aot_eager" in flex_mod._COMPILED and "backward:aot_eager" in flex_mod._COMPILED
     assert counters["stats"]["unique_graphs"] == graphs + 1  # the forward (no tensor op before flex's backward op)
-    _, seen = _dry_run(_plan("shared_question", "bfloat16", 4), FlexKernel(compile="aot_eager"), torch.bfloat16)
+    plan = on_executor(_plan("shared_question", "bfloat16", 4, "auto"))
+    _, seen = _dry_run(plan, FlexKernel(compile="aot_eager"), torch.bfloat16)
     assert counters["stats"]["unique_graphs"] == graphs + 2  # the forward, recompiled
     new = collections.Counter(counters["graph_break"]) - breaks
     assert new and all("FlexAttentionBackward" in reason for reason in new), list(new)
