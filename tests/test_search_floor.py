@@ -78,19 +78,23 @@ def test_plan_skips_the_search_where_a_static_runtime_wins(lengths, monkeypatch)
     batch = _batch(lengths, "causal", "cpu")
     cm = CostModel.load(MODELS["cpu"])
     topo = Topology.single_node(4)
-    hopeless = api._hopeless_searches(batch, topo, "dcp", [1, 2, 4], 256, "dcp", {}, cm)
+    hopeless, statics = api._hopeless_searches(batch, topo, "dcp", [1, 2, 4], 256, 2, "dcp", {}, cm)
     assert sorted(hopeless) == [1, 2, 4]
     assert set(hopeless.values()) == {Workload.uniform(batch, 256).n_tiles}
     fast = torch_dcp.plan(batch, topo, block_size=256, divisions=2, cost_model=cm)
+    # the static runtimes' plans made for the check are the candidates, each once
+    made = sorted(p.planner for n in (1, 2, 4) for p in statics[n])
+    assert all(any(p.planner.startswith("dcp:allgather/cp") for p in statics[n]) for n in (1, 2, 4))
+    assert sorted(label for label, _ in fast.candidates if label in made) == made
     own = {"dcp", "dcp:bytes"}
     assert not any(label.split("/")[0].split(" ")[0] in own for label, _ in fast.candidates)
-    monkeypatch.setattr(api, "_hopeless_searches", lambda *args: {})
+    monkeypatch.setattr(api, "_hopeless_searches", lambda *args: ({}, {}))
     full = torch_dcp.plan(batch, topo, block_size=256, divisions=2, cost_model=cm)
     assert any(label.split("/")[0] in own for label, _ in full.candidates)
     assert simulate(fast, cm).makespan_s <= simulate(full, cm).makespan_s * (1 + 1e-9)
     # the search is kept where the caller leaves out the static runtimes (nothing to beat)
-    assert api._hopeless_searches(batch, topo, "dcp", [1, 2, 4], 256, "dcp",
-                                  {"rivals": ("ring", "documents")}, cm) == {}
+    assert api._hopeless_searches(batch, topo, "dcp", [1, 2, 4], 256, 2, "dcp",
+                                  {"rivals": ("ring", "documents")}, cm) == ({}, {})
 
 
 def test_explicit_divisions_are_checked_against_the_blocks_tiles_when_the_search_is_skipped():

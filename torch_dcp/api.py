@@ -14,6 +14,7 @@ from .batch import BatchSpec
 from .plan import Plan
 from .plan.heads import HeadLayout, HeadParallelPlan, head_parallel_sizes
 from .planners import CANDIDATES, HEAD_PLANNERS, Placement, Routing, Runtime, get_planner
+from .planners.dcp import DEFAULT_RIVALS
 from .schedule import assign_divisions, mixes_nodes
 from .topology import Topology
 from .workload import check_block_size
@@ -162,16 +163,18 @@ def plan(
     t0 = time.perf_counter()
     with _collector_paused():
         plans: list[Plan | HeadParallelPlan] = []
-        hopeless = {} if cm is None else _hopeless_searches(batch, topology, inner, sizes, block_size, planner,
-                                                            options, cm)
+        hopeless, statics = ({}, {}) if cm is None else _hopeless_searches(
+            batch, topology, inner, sizes, block_size, divisions, planner, options, cm)
         for n in sizes:
             search = _search_at(n, sizes, topology, options)
             if search is not None:
                 opts, relabel = search
+                if n in statics:  # timed already: not made twice
+                    opts = {**opts, "rivals": tuple(r for r in opts.get("rivals", DEFAULT_RIVALS) if r != "static")}
                 if n in hopeless:
                     opts = {**opts, "search": False}
                 plans += _plans_at(batch, topology, inner, n, block_size, divisions, planner, opts, relabel,
-                                   hopeless.get(n))
+                                   hopeless.get(n)) + statics.get(n, [])
         timed: list[tuple[str, float]] = []
         if len(plans) > 1:
             chosen, timed = _fastest(plans, cm, SIMULATED, deeper=divisions is None)
@@ -277,7 +280,9 @@ def _rival(p: "Plan | HeadParallelPlan", widest: int) -> bool:
     by estimate like dcp's own."""
     n = _head_parallel(p)
     widest_rival = p.planner.startswith(("dcp:ring", "dcp:documents"))
-    static = _outer(p).placement.runtime.gathers  # a closed form: simulated at every N
+    # all-gather CP's configurations, a closed form: simulated at every N (a placement run alone
+    # competes by its estimate, which is its simulated time)
+    static = _outer(p).placement.runtime.gathers and p.planner.startswith("dcp:allgather/cp")
     return ":" in p.planner and (n == 1 or static or (n == widest and widest_rival))
 
 
@@ -315,43 +320,45 @@ def _search_at(n: int, sizes: list[int], topology: Topology,
 
 
 def _hopeless_searches(batch: BatchSpec, topology: Topology, planner: str, sizes: list[int], block_size: int,
-                       label: str, options: dict[str, Any], cm: "CostModel") -> dict[int, int]:
+                       divisions: int | None, label: str, options: dict[str, Any], cm: "CostModel"
+                       ) -> "tuple[dict[int, int], dict[int, list[Plan | HeadParallelPlan]]]":
     """The head parallelisms ``N`` (among ``sizes``) at which no placement of dcp's own can win,
     each with the number of tiles of its blocks (what ``divisions`` is checked against), so
     :func:`plan` skips its search there (``search=False``: the rivals alone): where some
     static runtime's plan (all-gather CP as its authors run it, a candidate at any ``N``, its
     time in closed form) simulates faster than
     :func:`~torch_dcp.sim.floors.search_floor_seconds` of the ``N``'s blocks, which no placement
-    of them on torch_dcp's executor beats. Empty unless ``planner`` is ``"dcp"`` with its time
-    objective and the static rival."""
-    from .planners.dcp import DEFAULT_RIVALS
+    of them on torch_dcp's executor beats. Also the static runtimes' plans made for it, by ``N``
+    (the candidates :func:`plan` adds rather than making them again). Both empty unless
+    ``planner`` is ``"dcp"`` with its time objective and the static rival."""
     from .sim.floors import search_floor_seconds
     from .sim.simulate import simulate_within
     from .workload import Workload
 
     if planner != "dcp" or options.get("objective", "time") != "time" or "static" not in options.get(
             "rivals", DEFAULT_RIVALS):
-        return {}
-    searched = []
+        return {}, {}
+    best = float("inf")
+    blocks, statics = {}, {}
     for n in sizes:
         search = _search_at(n, sizes, topology, options)
-        if search is not None and search[0].get("objective", "time") == "time":
-            searched.append((n, search))
-    best = float("inf")
-    for n, (opts, relabel) in searched:
-        statics = {**opts, "search": False, "rivals": ("static",)}
-        for p in _plans_at(batch, topology, planner, n, block_size, None, label, statics, relabel):
+        if search is None or search[0].get("objective", "time") != "time":
+            continue
+        opts, relabel = search
+        blocks[n] = Workload.uniform(HeadLayout.of(batch, n).outer_batch(batch), block_size)
+        statics[n] = _plans_at(batch, topology, planner, n, block_size, divisions, label,
+                               {**opts, "search": False, "rivals": ("static",)}, relabel, blocks[n].n_tiles)
+        for p in statics[n]:
             if not _outer(p).placement.runtime.gathers:  # the ring's timeline: simulated later, if at all
                 continue
             run = simulate_within(p, cm, best)
             if run is not None:
                 best = min(best, run.makespan_s)
     hopeless = {}
-    for n, _ in searched:
-        wl = Workload.uniform(HeadLayout.of(batch, n).outer_batch(batch), block_size)
+    for n, wl in blocks.items():
         if search_floor_seconds(wl, topology.world_size // n, cm) >= best:
             hopeless[n] = wl.n_tiles
-    return hopeless
+    return hopeless, statics
 
 
 def _plans_at(batch: BatchSpec, topology: Topology, planner: str, n: int, block_size: int, divisions: int | None,

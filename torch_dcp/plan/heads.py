@@ -30,6 +30,8 @@ import dataclasses
 import hashlib
 import json
 import struct
+import weakref
+from collections import OrderedDict
 from functools import cached_property
 from typing import Any
 
@@ -41,6 +43,10 @@ from .ir import PlanError
 from .plan import Plan
 
 __all__ = ["HeadLayout", "HeadParallelPlan", "head_parallel_sizes", "load_plan", "HEAD_MAGIC"]
+
+#: outer batches by (id(batch), N): the last few made (:meth:`HeadLayout.outer_batch`)
+_OUTER: "OrderedDict[tuple[int, int], tuple[weakref.ref, BatchSpec]]" = OrderedDict()
+_OUTER_KEEP = 16
 
 HEAD_MAGIC = b"TDCHEAD\0"
 _HEAD_VERSION = 1
@@ -109,15 +115,26 @@ class HeadLayout:
 
     def outer_batch(self, batch: BatchSpec) -> BatchSpec:
         """The batch the outer plan places: the same documents and masks, ``H / N`` query and
-        :attr:`kv_heads` key/value heads."""
+        :attr:`kv_heads` key/value heads. The same batch object and ``N`` give the same outer
+        batch object while it is among the last few made (so that its blocks,
+        ``Workload.uniform``, are made once per plan)."""
         if (batch.n_heads, batch.n_kv_heads) != (self.n_heads, self.n_kv_heads):
             raise ValueError(f"HeadLayout for heads {self.n_heads}/{self.n_kv_heads}, batch has "
                              f"{batch.n_heads}/{batch.n_kv_heads}")
         if self.size == 1:
             return batch
+        key = (id(batch), self.size)
+        hit = _OUTER.get(key)
+        if hit is not None and hit[0]() is batch:
+            _OUTER.move_to_end(key)
+            return hit[1]
         masks = [batch.masks[m] for m in batch.doc_mask] if len(batch.masks) > 1 else batch.masks[0]
-        return BatchSpec(batch.doc_lens, masks, n_heads=self.q_heads, n_kv_heads=self.kv_heads,
-                         head_dim=batch.head_dim, dtype=batch.dtype)
+        outer = BatchSpec(batch.doc_lens, masks, n_heads=self.q_heads, n_kv_heads=self.kv_heads,
+                          head_dim=batch.head_dim, dtype=batch.dtype)
+        _OUTER[key] = (weakref.ref(batch), outer)
+        while len(_OUTER) > _OUTER_KEEP:
+            _OUTER.popitem(last=False)
+        return outer
 
     def check_topology(self, topology: Topology) -> None:
         """Raises ``ValueError`` unless head groups are ``N`` ranks inside one node (``N``

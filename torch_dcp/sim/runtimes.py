@@ -236,7 +236,13 @@ def allgather_pass_seconds(plan: Plan, cm: CostModel, backward: bool) -> tuple[n
     (``Runtime.DCP_ALLGATHER``), plus that runtime's own device operations per pass
     (:attr:`~torch_dcp.cost.executor.ExecutorCosts.allgather`: counted, on a GPU preset), or,
     for a model without that count (a CPU calibration), charged as one division and one pass
-    of the executor."""
+    of the executor. Computed once per plan, cost model and pass (:meth:`~torch_dcp.plan.Plan.memo`:
+    the planner times these closed forms more than once); the arrays are read-only."""
+    return plan.memo(("allgather_pass_seconds", bool(backward)), cm,
+                     lambda: _allgather_pass_seconds(plan, cm, backward))
+
+
+def _allgather_pass_seconds(plan: Plan, cm: CostModel, backward: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     from ..planners.static import group_topology
 
     kern = cm.with_executor(None)
