@@ -82,8 +82,9 @@ def test_plan_skips_the_search_where_a_static_runtime_wins(lengths, monkeypatch)
     assert sorted(hopeless) == [1, 2, 4]
     assert set(hopeless.values()) == {Workload.uniform(batch, 256).n_tiles}
     fast = torch_dcp.plan(batch, topo, block_size=256, divisions=2, cost_model=cm)
-    # the static runtimes' plans made for the check are the candidates, each once
-    made = sorted(p.planner for n in (1, 2, 4) for p in statics[n])
+    # all-gather CP's plans made for the check are the candidates, each once (the ring runtime's,
+    # priced as the executor on a CPU, are not: the ring rival is the same)
+    made = sorted(p.planner for n in (1, 2, 4) for p in statics[n] if p.planner.startswith("dcp:allgather"))
     assert all(any(p.planner.startswith("dcp:allgather/cp") for p in statics[n]) for n in (1, 2, 4))
     assert sorted(label for label, _ in fast.candidates if label in made) == made
     own = {"dcp", "dcp:bytes"}
@@ -103,3 +104,20 @@ def test_explicit_divisions_are_checked_against_the_blocks_tiles_when_the_search
     n_tiles = Workload.uniform(batch, 256).n_tiles
     with pytest.raises(ValueError, match=f"divisions must lie in 1..{n_tiles}"):
         torch_dcp.plan(batch, 4, block_size=256, divisions=n_tiles + 1, cost_model=cm)
+
+
+def test_a_ring_runtime_priced_as_the_executor_is_not_timed_twice():
+    """A CPU calibration prices torch_dcp's ring runtime as the executor runs the same layout, the
+    ring rival's (``dcp:ring``): plan() times the rival alone; without that rival, or with a GPU
+    preset (the runtime's own count per step), the ring runtime is a candidate."""
+    topo = Topology.single_node(4)
+    cpu = CostModel.load(MODELS["cpu"])
+    batch = _batch([4096, 2500, 1000, 596], "causal", "cpu")
+    labels = [label for label, _ in torch_dcp.plan(batch, topo, block_size=256, cost_model=cpu,
+                                                   head_parallel=1).candidates]
+    assert "dcp:ring" in labels and not any(label.startswith("dcp:ring/cp") for label in labels)
+    alone = torch_dcp.plan(batch, topo, block_size=256, cost_model=cpu, head_parallel=1, rivals=("static",))
+    assert any(label.startswith("dcp:ring/cp4") for label, _ in alone.candidates)
+    gpu = torch_dcp.plan(_batch([4096, 2500, 1000, 596], "causal", "h100-executor"), topo, block_size=256,
+                         cost_model="h100-executor", head_parallel=1)
+    assert any(label.startswith("dcp:ring/cp4") for label, _ in gpu.candidates)

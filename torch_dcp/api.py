@@ -175,6 +175,12 @@ def plan(
                     opts = {**opts, "search": False}
                 plans += _plans_at(batch, topology, inner, n, block_size, divisions, planner, opts, relabel,
                                    hopeless.get(n)) + statics.get(n, [])
+        if cm is not None and "ring" in options.get("rivals", DEFAULT_RIVALS) and any(
+                _outer(p).placement.runtime is Runtime.DCP_RING for p in plans):
+            from .sim.runtimes import ring_priced_as_executor
+
+            if ring_priced_as_executor(cm):  # the same layout as the ring rival, priced the same: not timed twice
+                plans = [p for p in plans if _outer(p).placement.runtime is not Runtime.DCP_RING] or plans
         timed: list[tuple[str, float]] = []
         if len(plans) > 1:
             chosen, timed = _fastest(plans, cm, SIMULATED, deeper=divisions is None)
