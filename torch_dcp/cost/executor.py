@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from typing import Any
 
 import numpy as np
@@ -272,11 +273,8 @@ def launch_features(workload: Workload, tiles: np.ndarray, tile_cell: np.ndarray
     if len(tiles) == 0:
         return out
     t = _Tiles(workload, np.asarray(tiles, np.int64), np.asarray(tile_cell, np.int64), n_cells, backward)
-    itb = item_token_bytes(workload.batch)
-    q_row, kv_row = itb[(backward, Buf.Q)], itb[(backward, Buf.KV)]
-    res_row = (itb[(True, Buf.DQ)] if backward else itb[(False, Buf.OPART)])
     out[:, 0] = np.bincount(t.cell, minlength=n_cells) > 0
-    out[:, 2] = t.q_rows * (q_row + res_row) + t.k_rows * (kv_row + (itb[(True, Buf.DKV)] if backward else 0))
+    out[:, 2] = t.row_bytes(t.q_rows, t.k_rows)
     _WORK_FEATURES[work](t, out)
     return out
 
@@ -300,6 +298,47 @@ class _Tiles:
         self.q_rows = np.bincount(self.g_cell, weights=self.blen[self.g_key % nb], minlength=n_cells)
         self.k_rows = np.bincount(k_key // nb, weights=self.blen[k_key % nb], minlength=n_cells)
 
+    def row_bytes(self, q_rows: Any, k_rows: Any) -> Any:
+        """Bytes the executor gathers and writes for ``q_rows`` query rows and ``k_rows``
+        key/value rows: their Q and result (output or dQ) rows, their K/V (and dK/dV) rows."""
+        itb, bw = item_token_bytes(self.workload.batch), self.backward
+        res_row = itb[(True, Buf.DQ)] if bw else itb[(False, Buf.OPART)]
+        kv_row = itb[(bw, Buf.KV)] + (itb[(True, Buf.DKV)] if bw else 0)
+        return q_rows * (itb[(bw, Buf.Q)] + res_row) + k_rows * kv_row
+
+    @property
+    def copy_bytes(self) -> tuple[float, float]:
+        """``(per key row, per query row)``: what a ``RECTANGLE`` call copies for itself (K and V
+        with the query heads, GQA expanded; its Q rows)."""
+        b = self.workload.batch
+        acc = 8 if b.dtype == "float64" else 4
+        return (2.0 * b.n_heads * b.head_dim * acc * (2 if self.backward else 1),
+                b.n_heads * b.head_dim * acc * (3 if self.backward else 1))
+
+    @functools.cached_property
+    def causal_diagonal(self) -> np.ndarray:
+        """bool ``[n]``: partial tiles on their query block's own diagonal under a causal mask."""
+        b = self.workload.batch
+        causal = np.array([isinstance(m, Causal) for m in b.masks], bool)
+        return ~self.full & (self.tq == self.tk) & causal[b.doc_mask[self.workload.block_doc[self.tq]]]
+
+    @functools.cached_property
+    def tail_work(self) -> np.ndarray:
+        """Pairs a causal diagonal tile costs run as a causal call of its own on the CPU: the CPU
+        flash kernel skips key splits of 512 past the diagonal, so a causal block of n keys
+        costs its whole square up to n = 512, 3/4 of it at 1024, half as n grows."""
+        side = np.maximum(self.blen[self.tq], 1.0)
+        return self.rect * (0.5 + 0.5 * np.minimum(1.0, CPU_KV_SPLIT / side))
+
+    def one_launch_work(self, work: KernelWork) -> np.ndarray:
+        """Pairs every tile costs a one-launch kernel: ``BLOCKS`` rounds a partial tile's pairs
+        up to 128 x 128 blocks (about half a block per 128 rows at its mask boundary),
+        ``VISIBLE`` computes the visible pairs."""
+        if work is KernelWork.VISIBLE:
+            return self.pairs
+        edge = FLEX_BLOCK / 2.0 * (self.blen[self.tq] + self.blen[self.tk])
+        return np.where(self.full, self.rect, np.minimum(self.rect, self.pairs + edge))
+
     def per_cell(self, weights: np.ndarray) -> np.ndarray:
         """Sums of per-tile ``weights`` by launch: ``[n_cells]``."""
         return np.bincount(self.cell, weights=weights, minlength=self.n_cells)
@@ -312,25 +351,18 @@ class _Tiles:
 def _rectangle_features(t: _Tiles, out: np.ndarray) -> None:
     """``KernelWork.RECTANGLE`` (module docstring): a call per group, whole rectangles, masks
     built in partial tiles, causal diagonal blocks as causal calls of their own."""
-    b, partial = t.workload.batch, ~t.full
+    b, partial, diag = t.workload.batch, ~t.full, t.causal_diagonal
     g_partial = t.per_group(partial)
-    causal_doc = np.array([isinstance(m, Causal) for m in b.masks], bool)[b.doc_mask[t.workload.block_doc[t.tq]]]
-    diag = partial & (t.tq == t.tk) & causal_doc
     g_tail = (g_partial == 1) & (t.per_group(diag) == 1)  # the group's one partial tile is its causal diagonal
     tail = g_tail[t.g_inv]
     t_masked = (g_partial > 0)[t.g_inv] & ~tail
     g_rest = t.per_group(~diag) > 0  # a tail group's other keys: one more call
     out[:, 1] = np.bincount(t.g_cell, weights=1.0 + (g_tail & g_rest), minlength=t.n_cells)
     # each call copies its keys' K and V with the query heads (GQA expanded) and its own Q rows
-    acc = 8 if b.dtype == "float64" else 4
-    per_key = 2.0 * b.n_heads * b.head_dim * acc * (2 if t.backward else 1)
-    per_query = b.n_heads * b.head_dim * acc * (3 if t.backward else 1)
+    per_key, per_query = t.copy_bytes
     out[:, 3] = t.per_cell(t.blen[t.tk]) * per_key + t.q_rows * per_query
     out[:, 4] = t.per_cell(t.rect * (partial & t_masked)) * max(m.n_ranges for m in b.masks)
-    # the CPU flash kernel skips key splits of 512 past the diagonal: a causal block of n keys
-    # costs its whole square up to n = 512, 3/4 of it at 1024, half as n grows
-    side = np.maximum(t.blen[t.tq], 1.0)
-    done = np.where(tail & diag, t.rect * (0.5 + 0.5 * np.minimum(1.0, CPU_KV_SPLIT / side)), t.rect)
+    done = np.where(tail & diag, t.tail_work, t.rect)
     out[:, 5] = t.per_cell(done * ~t_masked) * t.fpp
     out[:, 6] = t.per_cell(t.rect * t_masked) * t.fpp
     out[:, 7] = np.bincount(t.g_cell, weights=(g_partial > 0) & ~g_tail, minlength=t.n_cells)
@@ -338,13 +370,12 @@ def _rectangle_features(t: _Tiles, out: np.ndarray) -> None:
 
 def _blocks_features(t: _Tiles, out: np.ndarray) -> None:
     """``KernelWork.BLOCKS``: one launch; partial tiles' pairs rounded up to 128 x 128 blocks."""
-    edge = FLEX_BLOCK / 2.0 * (t.blen[t.tq] + t.blen[t.tk])
-    _one_launch(t, out, np.where(t.full, t.rect, np.minimum(t.rect, t.pairs + edge)))
+    _one_launch(t, out, t.one_launch_work(KernelWork.BLOCKS))
 
 
 def _visible_features(t: _Tiles, out: np.ndarray) -> None:
     """``KernelWork.VISIBLE``: one launch over the visible pairs."""
-    _one_launch(t, out, t.pairs)
+    _one_launch(t, out, t.one_launch_work(KernelWork.VISIBLE))
 
 
 def _one_launch(t: _Tiles, out: np.ndarray, done: np.ndarray) -> None:
@@ -379,15 +410,8 @@ def least_launch_seconds(workload: Workload, costs: ExecutorCosts, backward: boo
     if n == 0:
         return 0.0
     t = _Tiles(workload, np.arange(n, dtype=np.int64), np.zeros(n, np.int64), 1, backward)  # one launch
-    b = workload.batch
-    acc = 8 if b.dtype == "float64" else 4
-    per_key = 2.0 * b.n_heads * b.head_dim * acc * (2 if backward else 1)  # as _rectangle_features copies
-    per_query = b.n_heads * b.head_dim * acc * (3 if backward else 1)
-    partial = ~t.full
-    causal_doc = np.array([isinstance(m, Causal) for m in b.masks], bool)[b.doc_mask[workload.block_doc[t.tq]]]
-    diag = partial & (t.tq == t.tk) & causal_doc
-    side = np.maximum(t.blen[t.tq], 1.0)
-    tail_done = t.rect * (0.5 + 0.5 * np.minimum(1.0, CPU_KV_SPLIT / side))
+    per_key, per_query = t.copy_bytes
+    partial, diag = ~t.full, t.causal_diagonal
     cheapest = np.full(n, np.inf)
     kernels = costs.kernels()
     for kern in kernels:
@@ -395,18 +419,13 @@ def least_launch_seconds(workload: Workload, costs: ExecutorCosts, backward: boo
         flop = seconds_per_flop if lc.flop is None else lc.flop
         masked = seconds_per_flop if lc.masked_flop is None else lc.masked_flop
         if kern.work is KernelWork.RECTANGLE:
-            work = np.where(diag, np.minimum(tail_done * flop, t.rect * masked),
+            work = np.where(diag, np.minimum(t.tail_work * flop, t.rect * masked),
                             np.where(partial, t.rect * masked, t.rect * min(flop, masked)))
             tile = work * t.fpp + lc.call_byte * t.blen[t.tk] * per_key
         else:
-            done = t.pairs if kern.work is KernelWork.VISIBLE else np.where(
-                t.full, t.rect, np.minimum(t.rect, t.pairs + FLEX_BLOCK / 2.0 * (t.blen[t.tq] + t.blen[t.tk])))
-            tile = done * t.fpp * np.where(t.full, flop, masked)
+            tile = t.one_launch_work(kern.work) * t.fpp * np.where(t.full, flop, masked)
         cheapest = np.minimum(cheapest, tile)
-    itb = item_token_bytes(b)
-    res_row = itb[(True, Buf.DQ)] if backward else itb[(False, Buf.OPART)]
-    rows = float(t.q_rows[0]) * (itb[(backward, Buf.Q)] + res_row) + float(t.k_rows[0]) * (
-        itb[(backward, Buf.KV)] + (itb[(True, Buf.DKV)] if backward else 0))
+    rows = float(t.row_bytes(t.q_rows[0], t.k_rows[0]))  # every query and key block's rows once
     seconds = float(cheapest.sum()) + min(k.of(backward).byte for k in kernels) * rows
     if len(kernels) == 1 and kernels[0].work is KernelWork.RECTANGLE:
         lc = kernels[0].of(backward)

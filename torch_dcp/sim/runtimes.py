@@ -126,14 +126,18 @@ def _te_ring_steps(plan: Plan, cm: CostModel) -> tuple[float, float] | None:
     return None if cm.executor is None or plan.world_size < 2 else cm.executor.te_ring
 
 
+def _ring_timeline(plan: Plan, cm: CostModel, bound: float, runtime: Runtime,
+                   steps: tuple[float, float] | None) -> SimResult | None:
+    """A ring's programs with the kernels alone, each step with tiles charged ``steps`` (its
+    counted operations, seconds forward and backward), or, where None, its merges' bytes."""
+    pass_cls = _TERingPass if steps is None else functools.partial(_CountedRingPass, step_seconds=steps)
+    return simulate_programs(plan, cm.with_executor(None), bound, pass_cls, runtime)
+
+
 def _simulate_te_ring(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult | None:
     """TransformerEngine's ring (module docstring): the programs with the kernels alone, each
     step charged its counted operations where the model has them."""
-    steps = _te_ring_steps(plan, cm)
-    if steps is None:
-        return simulate_programs(plan, cm.with_executor(None), bound, _TERingPass, Runtime.TE_RING)
-    return simulate_programs(plan, cm.with_executor(None), bound,
-                             functools.partial(_CountedRingPass, step_seconds=steps), Runtime.TE_RING)
+    return _ring_timeline(plan, cm, bound, Runtime.TE_RING, _te_ring_steps(plan, cm))
 
 
 def ring_priced_as_executor(cm: CostModel) -> bool:
@@ -149,9 +153,7 @@ def _simulate_dcp_ring(plan: Plan, cm: CostModel, bound: float = float("inf")) -
     (:func:`ring_priced_as_executor`)."""
     if ring_priced_as_executor(cm):
         return simulate_programs(plan, cm, bound)
-    steps = (0.0, 0.0) if cm.executor is None else cm.executor.ring
-    return simulate_programs(plan, cm.with_executor(None), bound,
-                             functools.partial(_CountedRingPass, step_seconds=steps), Runtime.DCP_RING)
+    return _ring_timeline(plan, cm, bound, Runtime.DCP_RING, (0.0, 0.0) if cm.executor is None else cm.executor.ring)
 
 
 def _simulate_executor(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult | None:
