@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 import torch_dcp
 from torch_dcp import BatchSpec, Causal
-from torch_dcp.data import PlannedBatch, PlanningConfig, PlanningError, PlanningLoader, PlanningTimeoutError, planning_pool
+from torch_dcp.data import (PlannedBatch, PlanningConfig, PlanningError, PlanningLoader, PlanningPool, PlanningTimeoutError,
+                            planning_pool)
 from reference import random_qkv, reference_with_grads
 from spawn import run_ranks
 
@@ -291,3 +292,42 @@ def test_loader_arguments_and_items():
         next(inline)
     assert _config(2).digest(_batch(0)) != _config(2, block_size=32).digest(_batch(0))
     assert _config(2).digest(_batch(0)) != _config(2).digest(_batch(1))
+
+
+class _CountingPool(PlanningPool):
+    """A pool that counts the batches submitted to it; ``cold`` keeps it starting for ever."""
+
+    def __init__(self, cold: bool):
+        super().__init__(1)
+        self.jobs = 0
+        if cold:
+            self._warmups = [cf.Future()]  # a warm-up that never ends: its workers never ready
+
+    def submit(self, fn, *args, **kwargs):
+        self.jobs += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize("cold", [True, False])
+def test_a_pool_still_starting_leaves_the_steps_to_the_loaders_thread(cold):
+    """While the pool's workers start (importing torch takes seconds), the loader's own thread plans
+    each step (step 0 does not wait for them): the same plans; once warm, the workers plan."""
+    ref = [torch_dcp.plan(_batch(s), 1, planner="dcp", block_size=16, divisions=2).digest() for s in range(4)]
+    pool = _CountingPool(cold)
+    try:
+        assert pool.warm() is not cold
+        with PlanningLoader(_source(4), _config(1), pool=pool, timeout=60) as loader:
+            assert [pb.plan.digest() for pb in loader] == ref
+        assert pool.jobs == (0 if cold else 4)
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def test_a_planning_pool_warms_up_within_a_bounded_time():
+    pool = planning_pool(1, _config(1))
+    try:
+        assert isinstance(pool, PlanningPool)
+        cf.wait(pool._warmups, timeout=120)
+        assert pool.warm()
+    finally:
+        pool.shutdown(cancel_futures=True)

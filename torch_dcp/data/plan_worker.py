@@ -25,7 +25,7 @@ from ..topology import Topology
 from ..workload import check_block_size
 from .plan_store import encode_plan
 
-__all__ = ["PlanningConfig", "plan_batch", "planning_pool"]
+__all__ = ["PlanningConfig", "PlanningPool", "plan_batch", "planning_pool"]
 
 
 @dataclass(frozen=True)
@@ -146,16 +146,32 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=watch, name="torch_dcp-parent-watch", daemon=True).start()
 
 
-def planning_pool(workers: int = 1, config: PlanningConfig | None = None) -> cf.ProcessPoolExecutor:
+class PlanningPool(cf.ProcessPoolExecutor):
+    """The planning workers' process pool ("spawn"), which knows whether a worker has warmed up.
+
+    Args:
+        workers: worker processes.
+        config: each worker first makes one tiny plan of this configuration (imports and the
+            partitioner's start-up paid before step 0; not waited for); ``None``: no warm-up.
+    """
+
+    def __init__(self, workers: int = 1, config: PlanningConfig | None = None):
+        super().__init__(max_workers=int(workers), mp_context=multiprocessing.get_context("spawn"),
+                         initializer=_watch_parent, initargs=(os.getpid(),))
+        self._warmups = [] if config is None else [self.submit(_warm_up, config) for _ in range(int(workers))]
+
+    def warm(self) -> bool:
+        """Whether a worker can take a batch now (it has started and made its tiny plan; true
+        without warm-up). A loader plans a step in line, in its own thread, while its pool is
+        not warm: a spawned worker takes seconds to import torch, and step 0 would wait for it."""
+        return not self._warmups or any(f.done() for f in self._warmups)
+
+
+def planning_pool(workers: int = 1, config: PlanningConfig | None = None) -> PlanningPool:
     """A pool of ``workers`` planning processes, started with "spawn" (the parent has threads
     and torch: forking it is unsafe); with ``config``, each worker makes one tiny plan first
     (imports and the partitioner's start-up paid before step 0; not waited for). A worker
     leaves by itself within 0.5 s when its parent process is gone. Share the pool between
     loaders with ``PlanningLoader(..., pool=)``; shut it down yourself.
     """
-    pool = cf.ProcessPoolExecutor(max_workers=int(workers), mp_context=multiprocessing.get_context("spawn"),
-                                  initializer=_watch_parent, initargs=(os.getpid(),))
-    if config is not None:
-        for _ in range(int(workers)):
-            pool.submit(_warm_up, config)
-    return pool
+    return PlanningPool(workers, config)

@@ -10,8 +10,9 @@ upcoming batches while the devices train, and the plans are shared through a key
   loop, in the loop's own thread (so a source may run collectives: every rank pulls items at
   the same points);
 * step ``i`` is planned by rank ``i % W``'s worker processes (``ProcessPoolExecutor``,
-  "spawn" start method), which return the plan's bytes (:meth:`Plan.to_bytes`), its
-  ``stats()`` and its planning time; that rank publishes them in the ``torch.distributed``
+  "spawn" start method; while a :class:`PlanningPool`'s workers are still starting, by that
+  rank's own loader thread, so step 0 does not wait seconds for their imports), which return
+  the plan's bytes (:meth:`Plan.to_bytes`), its ``stats()`` and its planning time; that rank publishes them in the ``torch.distributed``
   Store under a key naming the step and the batch's digest (:mod:`.plan_store`), or an error
   record naming the cause;
 * a daemon thread per rank fetches every step's record (bounded wait), checks it (the plan's
@@ -44,10 +45,10 @@ from ..executor.kernels import DivisionKernel, get_kernel
 from ..executor.runtime import RUNTIME_EXECUTORS
 from ..plan import Plan, PlanError, load_plan
 from .plan_store import PlanningError, PlanningTimeoutError, PlanStore, decode_record, encode_error
-from .plan_worker import PlanningConfig, _worker_job, failure_cause, plan_batch, planning_pool
+from .plan_worker import PlanningConfig, PlanningPool, _worker_job, failure_cause, plan_batch, planning_pool
 
 __all__ = ["PlanningConfig", "PlannedBatch", "PlanningLoader", "PlanningError", "PlanningTimeoutError", "plan_batch",
-           "planning_pool"]
+           "PlanningPool", "planning_pool"]
 
 T = TypeVar("T")
 _LOADERS = itertools.count()  # default namespaces: loaders made in the same order on every rank
@@ -279,7 +280,7 @@ class PlanningLoader(Generic[T]):
             old = step - self.lookahead - 1
             gate = (old, self._digests.pop(old)) if old in self._digests else None
             st = _Step(step, batch, data, digest, step % self.world, state, gate)
-            if self._plans(st):
+            if self._plans(st) and self._pool_warm():  # else planned in line by the serving thread
                 st.job = self._submit(batch)
             self._steps[step] = st
             self._queue.put(st)
@@ -287,6 +288,11 @@ class PlanningLoader(Generic[T]):
     def _plans(self, st: _Step) -> bool:
         """Whether this rank plans and publishes step ``st`` (its planning rank, of replica 0)."""
         return st.planning_rank == self.rank and self.replica == 0
+
+    def _pool_warm(self) -> bool:
+        """Whether the workers can take a batch now: a :class:`PlanningPool` still starting (its
+        workers importing torch) is not; any other executor is taken to be."""
+        return not isinstance(self._pool, PlanningPool) or self._pool.warm()
 
     def _submit(self, batch: BatchSpec) -> cf.Future:
         try:
@@ -359,9 +365,10 @@ class PlanningLoader(Generic[T]):
 
     def _publish(self, st: _Step) -> None:
         ps = self._store
-        assert ps is not None and st.job is not None
+        assert ps is not None
         try:
-            kind, payload = st.job.result(timeout=self.timeout)
+            kind, payload = _worker_job(st.batch.to_dict(), self.config) if st.job is None else \
+                st.job.result(timeout=self.timeout)
             record = payload if kind == "plan" else encode_error(payload)
         except cf.TimeoutError:
             record = encode_error(f"planning took longer than the loader's timeout ({self.timeout:g} s)")
