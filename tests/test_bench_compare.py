@@ -84,6 +84,22 @@ def test_compare_row_names_the_best_baseline_and_the_exceptions():
     assert row["ring_cp"] in (4, 8) and set(row["ring_by_cp_ms"]) == {"4", "8"}
 
 
+def test_a_baseline_that_holds_more_memory_is_met_by_dcp_given_that_memory():
+    """Ulysses with whole documents per node holds 1.5x the mean tokens on one node: dcp, bound to
+    1.1x, splits the long document across the slow link; given the same memory it is within target."""
+    from torch_dcp.benchmarks.common import MASKS
+    from torch_dcp.benchmarks.compare import summarize
+
+    batch = _batch([12000, 1500, 1500, 1000], MASKS["blockwise"])
+    row = compare_batch(batch, Topology.preset("a100", n_nodes=2), CostModel.load("a100-executor"), [1024])
+    assert row["best_baseline"] == "ulysses@8" and row["dcp_over_best"] > TARGET
+    assert row["exception"].startswith("memory: the baseline's CP groups hold up to 1.50x") and "eps_memory 0.50" in \
+        row["exception"]
+    assert row["dcp_same_memory_ms"] <= TARGET * row["best_baseline_ms"] < row["dcp_ms"]
+    s = summarize([dict(row, scale=1.0, batch="b", mask="blockwise")])
+    assert (s["within_target"], s["within_target_same_memory"]) == (0, 1)
+
+
 def test_compare_command_json_lines():
     out = io.StringIO()
     rows = bench_compare([("h100", 1)], ["causal"], [1.0], [1024], cost="h100", as_json=True, out=out, total=8192)
