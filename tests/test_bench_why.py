@@ -32,6 +32,37 @@ def test_the_split_adds_up_to_the_simulated_time():
     assert row["dcp_over_allgather"] == pytest.approx(row["dcp_time_ms"] / row["allgather_time_ms"])
     assert not row["dcp_plan"].startswith("dcp:allgather")  # the static runtimes are left out
     assert row["allgather_max_recv_gb"] > 0 and row["dcp_inter_node_gb"] >= 0 and row["dcp_max_recv_gb"] >= 0
+    assert 0 <= row["dcp_node_once_gb"] <= row["dcp_inter_node_gb"] * (1 + 1e-12)
+
+
+def test_node_routes_cross_each_node_once_and_direct_routes_pay_again():
+    """The node-once floor of a placement: met by routes through one rank per node (``Routing.NODE``,
+    every block into a node once, partial results summed in it), exceeded by direct routes (a block
+    needed by n ranks of a node crosses n times), equal for the ring (each block into each node
+    once around it); the direct placement routed again through the nodes moves its floor."""
+    import dataclasses
+
+    import torch_dcp
+    from torch_dcp.api import divide
+    from torch_dcp.planners.base import Routing
+    from torch_dcp.sim.floors import node_once_bytes
+
+    topo = Topology.preset("a100", n_nodes=2)
+    for routes in (True, False):
+        plan = torch_dcp.plan(_batch(), topo, planner="dcp", block_size=512, head_parallel=1, rivals=(),
+                              node_routes=routes, cost_model="a100")
+        inter = plan.stats()["inter_node_bytes"]
+        assert plan.placement.routing is (Routing.NODE if routes else Routing.DIRECT)
+        if routes:
+            assert node_once_bytes(plan) == inter > 0
+        else:
+            assert 0 < node_once_bytes(plan) < inter
+            src, dst, nb, _ = plan.transfers()
+            assert inter == pytest.approx(nb[topo.node_of(src) != topo.node_of(dst)].sum())
+            routed = divide(dataclasses.replace(plan.placement, routing=Routing.NODE), topo, 2)
+            assert routed.stats()["inter_node_bytes"] == node_once_bytes(plan) == node_once_bytes(routed)
+    ring = torch_dcp.plan(_batch(), topo, planner="ring")
+    assert node_once_bytes(ring) == ring.stats()["inter_node_bytes"] > 0
 
 
 def test_split_time_takes_the_rank_that_finishes_last():

@@ -20,7 +20,9 @@ critical rank's busy time over that mean) and ``exposed`` (the critical rank's t
 transfers: dcp's fetches and returns not hidden behind compute, the all-to-alls of a
 head-parallel plan, the all-gather's collectives). Beside them: bytes between nodes and the most
 bytes one rank receives, forward + backward (:meth:`~torch_dcp.plan.Plan.stats`; the all-gather's
-as NCCL's ring moves them), and the busiest rail and the busiest NVLink port of each plan: the
+as NCCL's ring moves them; in brackets, the fewest bytes between nodes any routing of dcp's
+placement could move, each block into each node once and each node's partial results summed
+before they leave it: :func:`~torch_dcp.sim.floors.node_once_bytes`), and the busiest rail and the busiest NVLink port of each plan: the
 milliseconds that link is busy over both passes at its bandwidth, and its GB
 (:func:`~torch_dcp.sim.floors.link_busy_seconds`: sender's out and receiver's in, every
 transfer of the plan; a head-parallel plan's all-to-alls with it). A plan whose busiest link
@@ -41,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from ..planners.dcp import OWN_RIVALS
-from ..sim.floors import link_busy_seconds
+from ..sim.floors import link_busy_seconds, node_once_bytes
 from ..topology import Topology
 from .common import cluster_cases, rounded
 
@@ -105,6 +107,7 @@ def why_batch(batch, topology: Topology, cm, block_sizes: list[int]) -> dict[str
         for kind, bandwidth in (("rail", topology.rail_bandwidth), ("port", topology.intra_bandwidth)):
             sec = max(float(busy[(kind, way)].max(initial=0.0)) for way in ("out", "in"))
             row[f"{name}_{kind}_ms"], row[f"{name}_{kind}_gb"] = sec * 1e3, sec * bandwidth / 1e9
+    row["dcp_node_once_gb"] = node_once_bytes(best[0]) / 1e9
     row["dcp_over_allgather"] = row["dcp_time_ms"] / row["allgather_time_ms"]
     return row
 
@@ -149,7 +152,7 @@ def _table(cluster: str, source: str, rows: list[dict], summary: dict, out) -> N
     p = lambda s="": print(s, file=out)  # noqa: E731
     p(f"\n### {cluster}, simulated ({source})\n")
     p("| scale | batch | mask | dcp plan | dcp ms: compute + imbalance + exposed | allgather (c) ms: compute + "
-      "imbalance + exposed | dcp / allgather | GB between nodes dcp / allgather | most GB into a rank dcp / "
+      "imbalance + exposed | dcp / allgather | GB between nodes dcp (node-once) / allgather | most GB into a rank dcp / "
       "allgather | busiest rail ms (GB) dcp / allgather | busiest NVLink port ms (GB) dcp / allgather |")
     p("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -157,7 +160,7 @@ def _table(cluster: str, source: str, rows: list[dict], summary: dict, out) -> N
                  for n in ("dcp", "allgather")}
         p(f"| {r['scale']:g} | {r['batch']} | {r['mask']} | {r['dcp_plan']} | {split['dcp']} | "
           f"({r['allgather_cp']}) {split['allgather']} | {r['dcp_over_allgather']:.3f} | "
-          f"{r['dcp_inter_node_gb']:.2f} / {r['allgather_inter_node_gb']:.2f} | "
+          f"{r['dcp_inter_node_gb']:.2f} ({r['dcp_node_once_gb']:.2f}) / {r['allgather_inter_node_gb']:.2f} | "
           f"{r['dcp_max_recv_gb']:.3f} / {r['allgather_max_recv_gb']:.3f} | "
           + " | ".join(" / ".join(f"{r[f'{n}_{k}_ms']:.2f} ({r[f'{n}_{k}_gb']:.2f})" for n in ("dcp", "allgather"))
                        for k in ("rail", "port")) + " |")

@@ -13,9 +13,9 @@ from ..cost import CostModel
 from ..plan import Plan
 from ..plan.heads import HeadParallelPlan
 from ..planners.base import Runtime
-from ..workload import Workload
+from ..workload import Buf, Workload
 
-__all__ = ["link_floor_seconds", "link_busy_seconds", "compute_floor_seconds", "division_launch_seconds",
+__all__ = ["link_floor_seconds", "link_busy_seconds", "node_once_bytes", "compute_floor_seconds", "division_launch_seconds",
            "kernel_floor_seconds", "floor_seconds", "batch_floor_seconds", "search_floor_seconds"]
 
 
@@ -59,6 +59,40 @@ def link_busy_seconds(plan: Plan | HeadParallelPlan) -> dict[tuple[str, str], np
         if plan.placement.runtime.gathers:  # NCCL's rings across nodes: a channel per NIC, every rail
             src, dst, nbytes = _over_every_rail(plan.topology, src, dst, nbytes)
     return plan.topology.link_seconds(src, dst, nbytes)
+
+
+def node_once_bytes(plan: Plan | HeadParallelPlan) -> float:
+    """The fewest bytes between nodes any routing of ``plan``'s placement moves, both passes: every
+    block (queries or keys/values, per pass) that ranks of another node need crosses into that
+    node once, and every block's partial results from one node (output parts, dQ, dK/dV) are
+    summed there and leave it once (the node-once exchange of MagiAttention's hierarchical
+    group-cast / group-reduce). :meth:`Plan.stats` ``inter_node_bytes`` equals it when the plan's
+    routes cross each node once (``Routing.NODE``); above it, the bytes that routing pays again. A
+    head-parallel plan: its outer plan's, on every inner index, plus its all-to-alls between
+    nodes; a plan on the all-gather runtime: its collectives' (no route to change)."""
+    if isinstance(plan, HeadParallelPlan):
+        cross = plan.topology.node_of(np.arange(plan.world_size))
+        a2a = sum(float(m[cross[:, None] != cross[None, :]].sum()) for m in (plan.all_to_all_bytes(bw)
+                                                                              for bw in (False, True)))
+        return node_once_bytes(plan.outer) * plan.head_parallel + a2a
+    if plan.placement.runtime.gathers:
+        return float(plan.stats()["inter_node_bytes"])
+    node, wl, t = plan.topology.node_of, plan.workload, plan.tables
+    itb = plan.placement.token_bytes()
+    total = 0.0
+    fb, fk = t["fetch_block"], t["fetch_kind"]
+    into = node(t["fetch_rank"])
+    cross = node(t["fetch_src"]) != into
+    once = np.unique(np.stack([fb[cross], fk[cross], into[cross]]), axis=1, return_index=True)[1]
+    for backward in (False, True):  # each (block, kind) into each node once, per pass
+        per = np.where(fk == 0, itb[(backward, Buf.Q)], itb[(backward, Buf.KV)]) * wl.block_len[fb]
+        total += float(per[cross][once].sum())
+    for backward, side, kind in ((False, "q", Buf.OPART), (True, "q", Buf.DQ), (True, "kv", Buf.DKV)):
+        b, out = t[f"ret_{side}_block"], node(t[f"ret_{side}_rank"])
+        cross = out != node(t[f"ret_{side}_dst"])
+        once = np.unique(np.stack([b[cross], out[cross]]), axis=1, return_index=True)[1]
+        total += float((itb[(backward, kind)] * wl.block_len[b[cross][once]]).sum())  # each block out of a node once
+    return total
 
 
 def _over_every_rail(topo, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> tuple[np.ndarray, ...]:
