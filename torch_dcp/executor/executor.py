@@ -29,7 +29,7 @@ from ..workload import Buf
 from .device_plan import AttentionStep, CopyStep, DevicePlan, LaunchStep, ReductionStep, UploadedPlan, WaitStep
 from .kernels import DivisionKernel, get_kernel
 from .kernels.base import output_delta
-from .reduce import add_rows, merge_partials, put_rows, take_rows
+from .reduce import add_gradients, merge_partials, put_rows, take_rows
 from .transport import TransferError, Transport, located
 
 __all__ = ["RankExecutor", "RowChecks", "InstructionTime", "dcp_attention"]
@@ -495,15 +495,7 @@ class RankExecutor(RowChecks):
             return
         dq, dk, dv = self.kernel.backward(qf["q"], kvf["k"], kvf["v"], qf["do"], qf["lse"], qf["delta"], bound["meta"],
                                           scale, self.acc)
-        add_rows(run.bufs[Buf.DQ].fields["dq"], bound["out"], dq)
-        dkv = run.bufs[Buf.DKV]
-        if isinstance(bound["kv_out"], slice) or dkv.flat is None:
-            add_rows(dkv.fields["dk"], bound["kv_out"], dk)
-            add_rows(dkv.fields["dv"], bound["kv_out"], dv)
-        else:  # scattered rows: dK and dV side by side, converted as they are concatenated, one index_add_
-            flat = dkv.flat.unflatten(1, (2 * dk.shape[1], dk.shape[2]))
-            both = torch.empty(dk.shape[0], *flat.shape[1:], dtype=flat.dtype, device=dk.device)
-            add_rows(flat, bound["kv_out"], torch.cat((dk, dv), 1, out=both))
+        add_gradients(run.bufs[Buf.DQ].fields["dq"], bound["out"], dq, run.bufs[Buf.DKV], bound["kv_out"], dk, dv)
 
     def on_reduction(self, step: ReductionStep, bound: dict, run: _Run, scale: float) -> None:
         src = run.bufs[step.src_buf]

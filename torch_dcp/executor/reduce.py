@@ -11,6 +11,8 @@
   (:func:`~torch_dcp.executor.triton_merge.merge_lse_triton`, the ``torch_dcp::merge_lse``
   operator: under ``FakeTensorMode`` -- fake CUDA tensors, no GPU needed -- it runs its fake
   implementation, and ``torch.compile`` traces into it).
+* :func:`add_gradients` -- a division's dQ, dK and dV added into the backward's accumulators
+  (on CUDA with Triton one launch, :mod:`~torch_dcp.executor.triton_grads`).
 * :func:`reduce_loop` -- one step per destination block; the reference.
 
 LSE merge (``op=LSE_MERGE``): ``lse = log sum_i exp(lse_i)``, ``o = sum_i exp(lse_i - lse) o_i``;
@@ -28,7 +30,7 @@ import torch
 
 from ..plan import BlockwiseReduction, ReduceOp
 
-__all__ = ["merge_partials", "reduce_loop"]
+__all__ = ["merge_partials", "add_gradients", "reduce_loop"]
 
 
 def take_rows(t: torch.Tensor, rows: Any) -> torch.Tensor:
@@ -78,6 +80,37 @@ def triton_runs_on(t: torch.Tensor) -> bool:
 def _use_triton(t: torch.Tensor, use_triton: bool | None) -> bool:
     """``use_triton`` if given, else :func:`triton_runs_on`."""
     return triton_runs_on(t) if use_triton is None else use_triton
+
+
+def add_gradients(dq_acc: torch.Tensor, q_rows: Any, dq: torch.Tensor, dkv: Any, kv_rows: Any, dk: torch.Tensor,
+                  dv: torch.Tensor, use_triton: bool | None = None) -> None:
+    """A division's gradients added into the backward's accumulators: ``dq_acc[q_rows] += dq`` and
+    ``dkv``'s ``dk`` / ``dv`` fields at ``kv_rows`` ``+= dk`` / ``dv`` (repeated rows add up),
+    converted to the accumulators' dtypes. On CUDA with Triton, one launch
+    (:func:`~torch_dcp.executor.triton_grads.add_grads_triton`); else one ``add_`` or
+    ``index_add_`` for ``dQ`` and, for scattered key/value rows of a buffer whose row is ``dK``
+    then ``dV`` (``dkv.flat``), both concatenated into one ``index_add_``.
+
+    Args:
+        dq_acc: ``[R, H, D]``; dq: ``[nq, H, D]``; dk, dv: ``[nk, Hkv, D]``.
+        dkv: the key/value gradient buffer (``fields["dk"]``, ``fields["dv"]`` ``[R', Hkv, D]``,
+            ``flat`` the rows' words or None).
+        q_rows, kv_rows: slices or int64 index tensors.
+        use_triton: the one launch; None (default): :func:`triton_runs_on`.
+    """
+    if _use_triton(dq, use_triton):
+        from .triton_grads import add_grads_triton
+
+        add_grads_triton(dq, dk, dv, dq_acc, dkv.fields["dk"], dkv.fields["dv"], q_rows, kv_rows)
+        return
+    add_rows(dq_acc, q_rows, dq)
+    if isinstance(kv_rows, slice) or dkv.flat is None:
+        add_rows(dkv.fields["dk"], kv_rows, dk)
+        add_rows(dkv.fields["dv"], kv_rows, dv)
+    else:  # scattered rows: dK and dV side by side, converted as they are concatenated, one index_add_
+        flat = dkv.flat.unflatten(1, (2 * dk.shape[1], dk.shape[2]))
+        both = torch.empty(dk.shape[0], *flat.shape[1:], dtype=flat.dtype, device=dk.device)
+        add_rows(flat, kv_rows, torch.cat((dk, dv), 1, out=both))
 
 
 def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: Any, n: int, p: int,
