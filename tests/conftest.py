@@ -9,3 +9,12 @@ import tempfile  # noqa: E402
 
 os.environ.pop("TORCH_DCP_COST_MODEL", None)
 os.environ["TORCH_DCP_COST_CACHE"] = tempfile.mkdtemp(prefix="torch_dcp_cost_")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    """Triton's interpreter on for one test (``TRITON_INTERPRET=1``: Triton reads it at each
+    launch), so that the executor's Triton kernels run on CPU tensors."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")

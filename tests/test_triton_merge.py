@@ -27,11 +27,6 @@ cuda = needs_cuda("needs a CUDA device")
 
 
 @pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
 def calls(monkeypatch):
     """Counts the Triton merges run."""
     seen = []
