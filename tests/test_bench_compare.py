@@ -100,6 +100,32 @@ def test_a_baseline_that_holds_more_memory_is_met_by_dcp_given_that_memory():
     assert (s["within_target"], s["within_target_same_memory"]) == (0, 1)
 
 
+def test_the_tuned_configuration_given_its_memory():
+    """The tuned configuration's groups hold more tokens than dcp allows on one batch and not on
+    the other: dcp is planned again on the first only, with that imbalance as its bound."""
+    from torch_dcp.benchmarks.common import MASKS
+    from torch_dcp.benchmarks.compare import group_imbalance, summarize, tuned_same_memory
+
+    topo, cm = Topology.preset("a100", n_nodes=2), CostModel.load("a100-executor")
+    batches = [_batch(lens, MASKS["blockwise"]) for lens in ([12000, 1500, 1500, 1000], [4000, 4000, 4000, 4000])]
+    rows = [dict(compare_batch(b, topo, cm, [1024]), scale=1.0, batch=str(i), mask="blockwise")
+            for i, b in enumerate(batches)]
+    tuned = summarize(rows)["tuned"]
+    assert (tuned["family"], tuned["cp"]) == ("ulysses", 8)
+    assert group_imbalance(batches[0], topo, 8) == pytest.approx(1.5) and group_imbalance(batches[1], topo, 8) == 1.0
+    got = tuned_same_memory(list(zip(rows, batches)), tuned, topo, cm)
+    assert got["same_memory_replanned"] == 1
+    theirs = [r["ulysses_by_cp_ms"]["8"] for r in rows]
+    lo, _, hi = got["same_memory_speedup"]
+    # the balanced batch keeps dcp's time; the other is within the target of Ulysses given its memory
+    assert theirs[1] / rows[1]["dcp_ms"] in (pytest.approx(lo), pytest.approx(hi))
+    assert min(lo, hi) >= 1 / TARGET and got["same_memory_total_speedup"] > tuned["total_speedup"]
+    out = io.StringIO()
+    bench_compare([("h100", 1)], ["lambda"], [1.0], [2048], as_json=True, out=out, total=8192, same_memory=True)
+    summary = json.loads(out.getvalue().splitlines()[-1])["summary"]
+    assert "same_memory_speedup" in summary["tuned_by_mask"]["lambda"]
+
+
 def test_compare_command_json_lines():
     out = io.StringIO()
     rows = bench_compare([("h100", 1)], ["causal"], [1.0], [1024], cost="h100", as_json=True, out=out, total=8192)

@@ -94,6 +94,9 @@ def parser() -> argparse.ArgumentParser:
     cm_.add_argument("--batches", default=None, help="length sources to run (default: corpus, longtail)")
     cm_.add_argument("--own", action="store_true",
                      help="dcp's own plans only: the static CP runtimes left out of its candidates")
+    cm_.add_argument("--same-memory", action="store_true",
+                     help="also dcp against each mask's tuned configuration given that configuration's memory (dcp "
+                          "planned again where its CP groups hold more tokens than dcp allows)")
     cm_.set_defaults(run=_compare, error=cm_.error)
     wp = sub.add_parser("why", help="where dcp's own plans lose time to all-gather CP: compute, imbalance, exposed "
                         "communication and bytes, per batch", description=why.__doc__, formatter_class=raw)
@@ -323,7 +326,7 @@ def _compare(args) -> int:
     try:
         compare.bench_compare(clusters, args.masks.split(","), [float(x) for x in args.scales.split(",")],
                               _ints(args.block_sizes), args.cost, _heads(args), args.json, sources=sources, jsonl=jsonl,
-                              own=args.own)
+                              own=args.own, same_memory=args.same_memory)
     finally:
         if jsonl is not None:
             jsonl.close()

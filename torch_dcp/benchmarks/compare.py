@@ -53,7 +53,9 @@ family's best CP size (``<family>_peak_by_cp_mib`` at each), ``best_baseline_pea
 cluster's summary gives the best baseline's peak over dcp's (min-median-max), the tuned
 configuration's, and names the batches where the best baseline holds more than ``1 +
 eps_memory`` times dcp's peak (dcp's own memory tolerance): its speed bought with memory dcp does
-not spend.
+not spend. ``--same-memory`` gives dcp that memory against each mask's tuned configuration: dcp
+planned again on every batch whose CP groups, in that configuration, hold more than ``1 +
+eps_memory`` times the mean tokens, with the groups' imbalance as its bound.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ from ..topology import Topology
 from .common import cluster_cases, rounded
 from .static_cp import STATIC_FAMILIES, split_documents, static_cp_runs, static_cp_seconds
 
-__all__ = ["tuned_static", "TARGET", "parse_clusters", "compare_batch", "bench_compare", "summarize"]
+__all__ = ["tuned_static", "tuned_same_memory", "dcp_with_memory", "group_imbalance", "TARGET", "parse_clusters",
+           "compare_batch", "bench_compare", "summarize"]
 
 #: dcp's time over the best baseline's above which a batch is listed as an exception
 TARGET = 1.03
@@ -150,22 +153,36 @@ def compare_batch(batch, topology: Topology, cm, block_sizes: list[int], own: bo
     return row
 
 
-def _same_memory(row: dict, batch, topology: Topology, cm, own: bool, imbalance: float) -> str:
-    """dcp given the memory the baseline spends: re-planned with ``eps_memory = imbalance - 1``
-    (every rank may hold what the baseline's fullest CP group holds per rank), its time in
-    ``row["dcp_same_memory_ms"]`` and over the best baseline in ``row["dcp_same_memory_over_best"]``;
-    the words for the exception's cause."""
+def dcp_with_memory(batch, topology: Topology, cm, block_size: int, imbalance: float, own: bool = False) -> float:
+    """dcp's simulated time (ms) when every rank may hold ``imbalance`` times the mean tokens
+    (``eps_memory = imbalance - 1``): what it does with the memory a static configuration whose
+    CP groups hold whole documents spends."""
     from ..planners.dcp import OWN_RIVALS
     from ..sim.simulate import simulate
 
     import torch_dcp
 
-    eps = imbalance - 1.0
-    plan = torch_dcp.plan(batch, topology, planner="dcp", block_size=row["dcp_block_size"], cost_model=cm,
-                          head_parallel="auto", eps_memory=eps, **({"rivals": OWN_RIVALS} if own else {}))
-    ms = simulate(plan, cm).makespan_s * 1e3
+    plan = torch_dcp.plan(batch, topology, planner="dcp", block_size=block_size, cost_model=cm, head_parallel="auto",
+                          eps_memory=imbalance - 1.0, **({"rivals": OWN_RIVALS} if own else {}))
+    return simulate(plan, cm).makespan_s * 1e3
+
+
+def group_imbalance(batch, topology: Topology, cp: int) -> float:
+    """The most tokens a CP group of ``cp`` ranks holds over the mean, documents split whole
+    between the ``W / cp`` groups as the static families split them."""
+    groups = topology.world_size // cp
+    load = np.bincount(split_documents(batch.doc_lens, groups), weights=batch.doc_lens, minlength=groups)
+    return float(load.max() / load.mean())
+
+
+def _same_memory(row: dict, batch, topology: Topology, cm, own: bool, imbalance: float) -> str:
+    """dcp given the memory the best baseline spends (:func:`dcp_with_memory`): its time in
+    ``row["dcp_same_memory_ms"]`` and over the best baseline in ``row["dcp_same_memory_over_best"]``;
+    the words for the exception's cause."""
+    ms = dcp_with_memory(batch, topology, cm, row["dcp_block_size"], imbalance, own)
     row["dcp_same_memory_ms"], row["dcp_same_memory_over_best"] = ms, ms / row["best_baseline_ms"]
-    return f"; given that memory (eps_memory {eps:.2f}), dcp takes {ms:.2f} ms ({ms / row['best_baseline_ms']:.3f}x)"
+    return (f"; given that memory (eps_memory {imbalance - 1.0:.2f}), dcp takes {ms:.2f} ms "
+            f"({ms / row['best_baseline_ms']:.3f}x)")
 
 
 def _cause(row: dict, best: str, batch, topology: Topology, cm, own: bool = False) -> str:
@@ -175,9 +192,7 @@ def _cause(row: dict, best: str, batch, topology: Topology, cm, own: bool = Fals
     ms, kern = row["dcp_ms"], row["dcp_kernels_ms"]
     if best in STATIC_FAMILIES:
         c = row[f"{best}_cp"]
-        groups = topology.world_size // c
-        load = np.bincount(split_documents(batch.doc_lens, groups), weights=batch.doc_lens, minlength=groups)
-        imbalance = float(load.max() / load.mean())
+        imbalance = group_imbalance(batch, topology, c)
         if imbalance > 1.0 + DCP_MEMORY_EPS:
             return (f"memory: the baseline's CP groups hold up to {imbalance:.2f}x the mean tokens (whole documents), "
                     f"beyond the {1.0 + DCP_MEMORY_EPS:.2f}x dcp holds every candidate to"
@@ -237,22 +252,28 @@ def _own_allgather_ms(batch, topology: Topology, cm, c: int) -> float:
 def bench_compare(clusters: list[tuple[str, int]], masks: list[str], scales: list[float], block_sizes: list[int],
                   cost: str = "executor", heads: tuple[int, int] = (8, 2), as_json: bool = False, out=sys.stdout,
                   sources: dict[str, list[int]] | None = None, total: int = 131072, jsonl=None,
-                  own: bool = False) -> list[dict]:
+                  own: bool = False, same_memory: bool = False) -> list[dict]:
     """Run the comparison (module docstring) and print it: JSON lines (``as_json``: one per batch,
     then one summary per cluster) or Markdown tables; ``own``: dcp's own plans only (the static
-    runtimes left out of its candidates); ``jsonl``: a file that gets the JSON lines
-    too; returns the batch rows."""
+    runtimes left out of its candidates); ``same_memory``: dcp also against each mask's tuned
+    configuration given that configuration's memory (:func:`tuned_same_memory`); ``jsonl``: a
+    file that gets the JSON lines too; returns the batch rows."""
     rows = []
     for cluster, topology, cm, cases in cluster_cases(clusters, masks, scales, cost, heads, "compare", sources, total,
                                                       ", dcp's own plans" if own else ""):
-        mine = []
+        mine, batches = [], []
         for scale, name, mask, batch in cases:
             row = {"cluster": cluster, "cost_model": cm.source, "scale": scale, "batch": name, "mask": mask,
                    **compare_batch(batch, topology, cm, block_sizes, own)}
             mine.append(row)
+            batches.append(batch)
             for f in ([out] if as_json else []) + ([jsonl] if jsonl is not None else []):
                 print(json.dumps(rounded(row)), file=f, flush=True)
         summary = summarize(mine)
+        if same_memory:
+            for mask, tuned in summary["tuned_by_mask"].items():
+                picked = [(r, b) for r, b in zip(mine, batches) if r["mask"] == mask]
+                tuned.update(tuned_same_memory(picked, tuned, topology, cm, own) if tuned else {})
         for f in ([out] if as_json else []) + ([jsonl] if jsonl is not None else []):
             print(json.dumps(rounded({"cluster": cluster, "cost_model": cm.source, "summary": summary})), file=f,
                   flush=True)
@@ -318,6 +339,28 @@ def tuned_static(rows: list[dict]) -> dict[str, Any] | None:
                                     if f"{family}_peak_by_cp_mib" in r])}
 
 
+def tuned_same_memory(rows: list[tuple[dict, Any]], tuned: dict, topology: Topology, cm,
+                      own: bool = False) -> dict[str, Any]:
+    """dcp against the tuned configuration ``tuned`` (:func:`tuned_static` of these rows) given that
+    configuration's memory: per ``(row, batch)``, where its CP groups hold more than ``1 +``
+    :data:`DCP_MEMORY_EPS` times the mean tokens (whole documents per group), dcp planned again with
+    that imbalance as its memory bound (:func:`dcp_with_memory`, at the row's block size), else its
+    time as it is. Returns ``same_memory_total_speedup`` and ``same_memory_speedup`` (min-median-max
+    per batch) and ``same_memory_replanned`` (how many batches were planned again)."""
+    family, cp = tuned["family"], str(tuned["cp"])
+    ms, replanned = [], 0
+    for row, batch in rows:
+        imbalance = group_imbalance(batch, topology, int(cp))
+        if imbalance > 1.0 + DCP_MEMORY_EPS:
+            replanned += 1
+            ms.append(dcp_with_memory(batch, topology, cm, row["dcp_block_size"], imbalance, own))
+        else:
+            ms.append(row["dcp_ms"])
+    theirs = [row[f"{family}_by_cp_ms"][cp] for row, _ in rows]
+    return {"same_memory_total_speedup": sum(theirs) / sum(ms),
+            "same_memory_speedup": _span([t / m for t, m in zip(theirs, ms)]), "same_memory_replanned": replanned}
+
+
 def _fmt(span: list[float] | None) -> str:
     return "-" if span is None else f"{span[0]:.2f}-{span[1]:.2f}-{span[2]:.2f}"
 
@@ -343,7 +386,10 @@ def _table(cluster: str, source: str, rows: list[dict], summary: dict, out) -> N
     for name, t in (*summary["tuned_by_mask"].items(), ("all masks", summary["tuned"])):
         if t:
             p(f"- {name}: {t['family']}@{t['cp']}, its total / dcp's {t['total_speedup']:.2f}, per batch "
-              f"{_fmt(t['speedup'])}; its peak attention memory per rank / dcp's {_fmt(t['peak_over_dcp'])}")
+              f"{_fmt(t['speedup'])}; its peak attention memory per rank / dcp's {_fmt(t['peak_over_dcp'])}"
+              + (f"; given its memory (dcp planned again on {t['same_memory_replanned']} batches), its total / "
+                 f"dcp's {t['same_memory_total_speedup']:.2f}, per batch {_fmt(t['same_memory_speedup'])}"
+                 if "same_memory_speedup" in t else ""))
     p(f"\nPeak attention memory per rank, the best baseline / dcp: {_fmt(summary['best_peak_over_dcp'])}; "
       f"{len(summary['more_memory'])} batches where the best baseline holds more than {1.0 + DCP_MEMORY_EPS:.2f}x dcp's"
       + "".join(f"\n- more memory: scale {m['scale']:g} {m['batch']} {m['mask']}: {m['best_baseline']} holds "
