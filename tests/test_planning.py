@@ -294,7 +294,7 @@ def test_loader_arguments_and_items():
     assert _config(2).digest(_batch(0)) != _config(2).digest(_batch(1))
 
 
-class _CountingPool(PlanningPool):
+class _StartingPool(PlanningPool):
     """A pool that counts the batches submitted to it; ``cold`` keeps it starting for ever."""
 
     def __init__(self, cold: bool):
@@ -313,7 +313,7 @@ def test_a_pool_still_starting_leaves_the_steps_to_the_loaders_thread(cold):
     """While the pool's workers start (importing torch takes seconds), the loader's own thread plans
     each step (step 0 does not wait for them): the same plans; once warm, the workers plan."""
     ref = [torch_dcp.plan(_batch(s), 1, planner="dcp", block_size=16, divisions=2).digest() for s in range(4)]
-    pool = _CountingPool(cold)
+    pool = _StartingPool(cold)
     try:
         assert pool.warm() is not cold
         with PlanningLoader(_source(4), _config(1), pool=pool, timeout=60) as loader:
