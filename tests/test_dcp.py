@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import torch_dcp
 from torch_dcp.sim.runtimes import on_executor
-from torch_dcp import BatchSpec, BlockwiseCausal, Causal, Lambda, SharedQuestion, Topology
+from torch_dcp import BatchSpec, BlockwiseCausal, Causal, CostModel, Lambda, SharedQuestion, Topology
 from torch_dcp.planners import Routing
 from torch_dcp.planners.dcp import DCPHypergraph, estimate_seconds
 
@@ -298,3 +298,26 @@ def test_many_nodes_plan_with_contiguous_runs_inside_nodes(monkeypatch):
     runs.validate()
     assert runs.stats()["memory_imbalance"] <= 1.1 + 1e-9
     assert plan.digest() != runs.digest()
+
+
+def test_a_looser_memory_bound_never_gives_a_slower_plan(monkeypatch):
+    """The search follows the memory bound it is given, so a looser one may find a slower plan
+    (this batch: 0.5 % slower on its own); planned again at the default bound, the faster is kept."""
+    from torch_dcp import api
+    from torch_dcp.benchmarks.common import MASKS
+    from torch_dcp.planners.dcp import EPS_MEMORY
+    from torch_dcp.sim.simulate import simulate
+
+    topo, cm = Topology.preset("h100", n_nodes=2), CostModel.load("h100-executor")
+    batch = BatchSpec([4616, 1701, 1781, 1601, 1415, 5351], MASKS["causal"], n_heads=8, n_kv_heads=2, head_dim=128,
+                      dtype="bfloat16")
+
+    def seconds(eps):
+        p = torch_dcp.plan(batch, topo, planner="dcp", block_size=512, cost_model=cm, eps_memory=eps)
+        return simulate(p, cm).makespan_s, p
+
+    tight, _ = seconds(EPS_MEMORY)
+    loose, plan = seconds(1.0)
+    assert loose <= tight and any(label.endswith(f"(eps_memory {EPS_MEMORY:g})") for label, _ in plan.candidates)
+    monkeypatch.setattr(api, "_no_slower_than_tighter", lambda chosen, *args: chosen)
+    assert seconds(1.0)[0] > tight  # the search alone

@@ -14,7 +14,7 @@ from .batch import BatchSpec
 from .plan import Plan
 from .plan.heads import HeadLayout, HeadParallelPlan, head_parallel_sizes
 from .planners import CANDIDATES, HEAD_PLANNERS, Placement, Routing, Runtime, get_planner
-from .planners.dcp import DEFAULT_RIVALS
+from .planners.dcp import DEFAULT_RIVALS, EPS_MEMORY
 from .schedule import assign_divisions, mixes_nodes
 from .topology import Topology
 from .workload import check_block_size
@@ -198,7 +198,29 @@ def plan(
         chosen.outer.cost_model = source
     chosen.cost_model_object = cm  # what simulate(plan) times with (torch_dcp.sim.simulate.model_of)
     chosen.candidates = timed
+    if cm is not None and float(options.get("eps_memory", EPS_MEMORY)) > EPS_MEMORY:
+        chosen = _no_slower_than_tighter(chosen, batch, topology, planner, block_size, divisions, cm, head_parallel,
+                                         options)
     return chosen
+
+
+def _no_slower_than_tighter(chosen: "Plan | HeadParallelPlan", batch: BatchSpec, topology: Topology, planner: str,
+                            block_size: int, divisions: int | None, cm: "CostModel", head_parallel: Any,
+                            options: dict[str, Any]) -> "Plan | HeadParallelPlan":
+    """A looser memory bound admits every plan the default bound does, but the search follows
+    the bound it is given (candidates rebalanced to it, the fewest-bytes one under it): planned
+    again at :data:`~torch_dcp.planners.dcp.EPS_MEMORY`, the faster of the two on the simulator is
+    kept, so loosening the bound never gives a slower plan than the default. Planning times
+    add up; the candidates of the tighter run are listed with ``"(eps_memory 0.1)"``."""
+    from .sim.simulate import simulate
+
+    tight = plan(batch, topology, planner=planner, block_size=block_size, divisions=divisions, cost_model=cm,
+                 head_parallel=head_parallel, **{**options, "eps_memory": EPS_MEMORY})
+    keep = tight if simulate(tight, cm).makespan_s < simulate(chosen, cm).makespan_s else chosen
+    keep.candidates = list(chosen.candidates) + [(f"{label} (eps_memory {EPS_MEMORY:g})", t)
+                                                 for label, t in tight.candidates]
+    keep.plan_seconds = chosen.plan_seconds + tight.plan_seconds
+    return keep
 
 
 @contextlib.contextmanager

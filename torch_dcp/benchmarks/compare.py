@@ -67,6 +67,7 @@ from typing import Any
 
 import numpy as np
 
+from ..planners.dcp import EPS_MEMORY
 from ..topology import Topology
 from .common import cluster_cases, rounded
 from .static_cp import STATIC_FAMILIES, split_documents, static_cp_runs, static_cp_seconds
@@ -80,7 +81,7 @@ TARGET = 1.03
 MIB = float(1 << 20)
 #: dcp's memory tolerance (``eps_memory``, its default): every candidate holds at most this much
 #: over the mean resident tokens on a rank
-DCP_MEMORY_EPS = 0.1
+DCP_MEMORY_EPS = EPS_MEMORY
 
 
 def parse_clusters(spec: str) -> list[tuple[str, int]]:

@@ -82,7 +82,11 @@ _RIVALS = {"ring": plan_ring, "megatron": plan_megatron, "allgather": plan_allga
 
 __all__ = ["plan_dcp", "dcp_candidates", "DEFAULT_RIVALS", "OWN_RIVALS", "DCPHypergraph", "estimate_seconds",
            "zigzag_tiles_bound", "RIVAL_TILE_BUDGET", "RING_RUNTIME_MAX_RANKS", "offers_ring_runtime",
-           "CONTIGUOUS_NODES"]
+           "CONTIGUOUS_NODES", "EPS_MEMORY"]
+
+#: dcp's default memory tolerance: every rank holds at most ``1 + EPS_MEMORY`` times the mean
+#: resident bytes (the DCP paper balances memory as tightly as it can, §4.2)
+EPS_MEMORY = 0.1
 
 #: compute bounds (max/mean - 1) of the extra greedy layouts the time objective starts from
 _GREEDY_BOUNDS = (0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0)
@@ -267,7 +271,7 @@ def dcp_candidates(
     eps_inter: float = 0.4,
     eps_intra: float = 0.1,
     eps_compute: float = 0.1,
-    eps_memory: float = 0.1,
+    eps_memory: float = EPS_MEMORY,
     seed: int = 0,
     objective: str = "time",
     max_compute_imbalance: float = 2.0,
