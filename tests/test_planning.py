@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 import torch_dcp
 from torch_dcp import BatchSpec, Causal
-from torch_dcp.data import (PlannedBatch, PlanningConfig, PlanningError, PlanningLoader, PlanningPool, PlanningTimeoutError,
-                            planning_pool)
+from torch_dcp.data import (PlannedBatch, PlanningConfig, PlanningError, PlanningLoader, PlanningPool,
+                            PlanningTimeoutError, planning_pool)
 from reference import random_qkv, reference_with_grads
 from spawn import run_ranks
 

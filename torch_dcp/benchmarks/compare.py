@@ -29,22 +29,22 @@ A batch where dcp takes more than :data:`TARGET` times the best baseline is an e
 with its cause, the first that holds: ``memory`` where the baseline's CP groups hold more tokens
 than dcp's memory bound lets any rank hold (dcp is then planned again with that memory,
 ``eps_memory`` raised to the baseline's token imbalance: ``dcp_same_memory_ms``, and the summary's
-``within_target_same_memory`` counts the batches within the target either way); ``runtime costs`` where the baseline is all-gather CP
-and dcp ran that configuration (or a faster one) on torch_dcp's own all-gather runtime
-(``Runtime.DCP_ALLGATHER``, among dcp's candidates): each implementation pays its own device
-operations per pass (torch_dcp's counted on its runtime; TransformerEngine's counted from its
-source, where the cost model has them; else its kernels alone), and likewise where the baseline
-is ring attention or HCP and dcp ran that layout on its own ring runtime (``Runtime.DCP_RING``:
-its counted operations per step, TransformerEngine's ring those counted from its source, where
-the cost model has them; else its kernels and its merges' bytes); ``executor`` where the
-baseline's own layout at its CP size, run by torch_dcp's executor, is no faster than dcp (within
-1 %; the gap is how the baseline's implementation runs it: one attention call per step without
-the executor's costs per division, for which dcp has no runtime of its own); ``executor costs``
-where dcp's plan, timed with the kernels alone (the model without its executor costs), is within
-the target; else ``placement``. Each cluster ends with
-the range (min-median-max) of ``dcp / best`` and of the speedup over each family at its best CP
-size, and over ring attention across the whole world (CP size ``W``, the configuration the
-paper benchmark's ``ring`` column runs).
+``within_target_same_memory`` counts the batches within the target either way); ``runtime costs``
+where the baseline is all-gather CP and dcp ran that configuration (or a faster one) on
+torch_dcp's own all-gather runtime (``Runtime.DCP_ALLGATHER``, among dcp's candidates): each
+implementation pays its own device operations per pass (torch_dcp's counted on its runtime;
+TransformerEngine's counted from its source, where the cost model has them; else its kernels
+alone), and likewise where the baseline is ring attention or HCP and dcp ran that layout on its
+own ring runtime (``Runtime.DCP_RING``: its counted operations per step, TransformerEngine's ring
+those counted from its source, where the cost model has them; else its kernels and its merges'
+bytes); ``executor`` where the baseline's own layout at its CP size, run by torch_dcp's executor,
+is no faster than dcp (within 1 %; the gap is how the baseline's implementation runs it: one
+attention call per step without the executor's costs per division, for which dcp has no runtime of
+its own); ``executor costs`` where dcp's plan, timed with the kernels alone (the model without its
+executor costs), is within the target; else ``placement``. Each cluster ends with the range
+(min-median-max) of ``dcp / best`` and of the speedup over each family at its best CP size, and
+over ring attention across the whole world (CP size ``W``, the configuration the paper benchmark's
+``ring`` column runs).
 
 Beside the times, every configuration's peak attention memory per rank (MiB: the tokens a rank
 holds plus the keys and values of other ranks it holds at once, as its runtime runs it;

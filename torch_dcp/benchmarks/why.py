@@ -22,8 +22,8 @@ head-parallel plan, the all-gather's collectives). Beside them: bytes between no
 bytes one rank receives, forward + backward (:meth:`~torch_dcp.plan.Plan.stats`; the all-gather's
 as NCCL's ring moves them; in brackets, the fewest bytes between nodes any routing of dcp's
 placement could move, each block into each node once and each node's partial results summed
-before they leave it: :func:`~torch_dcp.sim.floors.node_once_bytes`), and the busiest rail and the busiest NVLink port of each plan: the
-milliseconds that link is busy over both passes at its bandwidth, and its GB
+before they leave it: :func:`~torch_dcp.sim.floors.node_once_bytes`), and the busiest rail and the
+busiest NVLink port of each plan: the milliseconds that link is busy over both passes at its bandwidth, and its GB
 (:func:`~torch_dcp.sim.floors.link_busy_seconds`: sender's out and receiver's in, every
 transfer of the plan; a head-parallel plan's all-to-alls with it). A plan whose busiest link
 is busy for about its whole time is bound by that link; the all-gather's ring keeps every rail
@@ -152,8 +152,8 @@ def _table(cluster: str, source: str, rows: list[dict], summary: dict, out) -> N
     p = lambda s="": print(s, file=out)  # noqa: E731
     p(f"\n### {cluster}, simulated ({source})\n")
     p("| scale | batch | mask | dcp plan | dcp ms: compute + imbalance + exposed | allgather (c) ms: compute + "
-      "imbalance + exposed | dcp / allgather | GB between nodes dcp (node-once) / allgather | most GB into a rank dcp / "
-      "allgather | busiest rail ms (GB) dcp / allgather | busiest NVLink port ms (GB) dcp / allgather |")
+      "imbalance + exposed | dcp / allgather | GB between nodes dcp (node-once) / allgather | most GB into a "
+      "rank dcp / allgather | busiest rail ms (GB) dcp / allgather | busiest NVLink port ms (GB) dcp / allgather |")
     p("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         split = {n: f"{r[f'{n}_time_ms']:.2f}: " + " + ".join(f"{r[f'{n}_{t}_ms']:.2f}" for t in _TERMS)

@@ -12,9 +12,9 @@ upcoming batches while the devices train, and the plans are shared through a key
 * step ``i`` is planned by rank ``i % W``'s worker processes (``ProcessPoolExecutor``,
   "spawn" start method; while a :class:`PlanningPool`'s workers are still starting, by that
   rank's own loader thread, so step 0 does not wait seconds for their imports), which return
-  the plan's bytes (:meth:`Plan.to_bytes`), its ``stats()`` and its planning time; that rank publishes them in the ``torch.distributed``
-  Store under a key naming the step and the batch's digest (:mod:`.plan_store`), or an error
-  record naming the cause;
+  the plan's bytes (:meth:`Plan.to_bytes`), its ``stats()`` and its planning time; that rank
+  publishes them in the ``torch.distributed`` Store under a key naming the step and the
+  batch's digest (:mod:`.plan_store`), or an error record naming the cause;
 * a daemon thread per rank fetches every step's record (bounded wait), checks it (the plan's
   checksums, its batch against the expected one), and builds this rank's
   :class:`~torch_dcp.executor.DevicePlan` (uploaded to ``device``), so the loop gets a

@@ -15,8 +15,9 @@ from ..plan.heads import HeadParallelPlan
 from ..planners.base import Runtime
 from ..workload import Buf, Workload
 
-__all__ = ["link_floor_seconds", "link_busy_seconds", "node_once_bytes", "compute_floor_seconds", "division_launch_seconds",
-           "kernel_floor_seconds", "floor_seconds", "batch_floor_seconds", "search_floor_seconds"]
+__all__ = ["link_floor_seconds", "link_busy_seconds", "node_once_bytes", "compute_floor_seconds",
+           "division_launch_seconds", "kernel_floor_seconds", "floor_seconds", "batch_floor_seconds",
+           "search_floor_seconds"]
 
 
 def link_floor_seconds(plan: Plan, backward: bool | None = None) -> float:
