@@ -198,7 +198,8 @@ def plan(
         chosen.outer.cost_model = source
     chosen.cost_model_object = cm  # what simulate(plan) times with (torch_dcp.sim.simulate.model_of)
     chosen.candidates = timed
-    if cm is not None and float(options.get("eps_memory", EPS_MEMORY)) > EPS_MEMORY:
+    if cm is not None and options.get("objective", "time") == "time" and float(options.get("eps_memory", EPS_MEMORY)) \
+            > EPS_MEMORY:
         chosen = _no_slower_than_tighter(chosen, batch, topology, planner, block_size, divisions, cm, head_parallel,
                                          options)
     return chosen
@@ -211,7 +212,8 @@ def _no_slower_than_tighter(chosen: "Plan | HeadParallelPlan", batch: BatchSpec,
     the bound it is given (candidates rebalanced to it, the fewest-bytes one under it): planned
     again at :data:`~torch_dcp.planners.dcp.EPS_MEMORY`, the faster of the two on the simulator is
     kept, so loosening the bound never gives a slower plan than the default. Planning times
-    add up; the candidates of the tighter run are listed with ``"(eps_memory 0.1)"``."""
+    add up; the candidates of the tighter run are listed with ``"(eps_memory 0.1)"``. Only for the
+    time objective (the bytes objective keeps the fewest-bytes plan under the bound it is given)."""
     from .sim.simulate import simulate
 
     tight = plan(batch, topology, planner=planner, block_size=block_size, divisions=divisions, cost_model=cm,
