@@ -198,8 +198,8 @@ def plan(
         chosen.outer.cost_model = source
     chosen.cost_model_object = cm  # what simulate(plan) times with (torch_dcp.sim.simulate.model_of)
     chosen.candidates = timed
-    if cm is not None and options.get("objective", "time") == "time" and float(options.get("eps_memory", EPS_MEMORY)) \
-            > EPS_MEMORY:
+    looser = float(options.get("eps_memory", EPS_MEMORY)) > EPS_MEMORY
+    if cm is not None and looser and options.get("objective", "time") == "time":
         chosen = _no_slower_than_tighter(chosen, batch, topology, planner, block_size, divisions, cm, head_parallel,
                                          options)
     return chosen
