@@ -79,9 +79,6 @@ __all__ = ["tuned_static", "tuned_same_memory", "dcp_with_memory", "group_imbala
 TARGET = 1.03
 #: bytes per MiB (the memory columns)
 MIB = float(1 << 20)
-#: dcp's memory tolerance (``eps_memory``, its default): every candidate holds at most this much
-#: over the mean resident tokens on a rank
-DCP_MEMORY_EPS = EPS_MEMORY
 
 
 def parse_clusters(spec: str) -> list[tuple[str, int]]:
@@ -194,9 +191,9 @@ def _cause(row: dict, best: str, batch, topology: Topology, cm, own: bool = Fals
     if best in STATIC_FAMILIES:
         c = row[f"{best}_cp"]
         imbalance = group_imbalance(batch, topology, c)
-        if imbalance > 1.0 + DCP_MEMORY_EPS:
+        if imbalance > 1.0 + EPS_MEMORY:
             return (f"memory: the baseline's CP groups hold up to {imbalance:.2f}x the mean tokens (whole documents), "
-                    f"beyond the {1.0 + DCP_MEMORY_EPS:.2f}x dcp holds every candidate to"
+                    f"beyond the {1.0 + EPS_MEMORY:.2f}x dcp holds every candidate to"
                     + _same_memory(row, batch, topology, cm, own, imbalance))
         if best == "allgather":
             ours = _own_allgather_ms(batch, topology, cm, c)
@@ -310,7 +307,7 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
     out["more_memory"] = [{"scale": r["scale"], "batch": r["batch"], "mask": r["mask"],
                            "best_baseline": r["best_baseline"],
                            "peak_over_dcp": r["best_baseline_peak_mib"] / r["dcp_peak_mib"]}
-                          for r in peaks if r["best_baseline_peak_mib"] > r["dcp_peak_mib"] * (1.0 + DCP_MEMORY_EPS)]
+                          for r in peaks if r["best_baseline_peak_mib"] > r["dcp_peak_mib"] * (1.0 + EPS_MEMORY)]
     out["total_speedup_vs_best"] = sum(r["best_baseline_ms"] for r in rows) / sum(r["dcp_ms"] for r in rows)
     out["tuned"] = tuned_static(rows)
     out["tuned_by_mask"] = {m: tuned_static([r for r in rows if r["mask"] == m])
@@ -344,17 +341,20 @@ def tuned_same_memory(rows: list[tuple[dict, Any]], tuned: dict, topology: Topol
                       own: bool = False) -> dict[str, Any]:
     """dcp against the tuned configuration ``tuned`` (:func:`tuned_static` of these rows) given that
     configuration's memory: per ``(row, batch)``, where its CP groups hold more than ``1 +``
-    :data:`DCP_MEMORY_EPS` times the mean tokens (whole documents per group), dcp planned again with
-    that imbalance as its memory bound (:func:`dcp_with_memory`, at the row's block size), else its
-    time as it is. Returns ``same_memory_total_speedup`` and ``same_memory_speedup`` (min-median-max
-    per batch) and ``same_memory_replanned`` (how many batches were planned again)."""
+    :data:`~torch_dcp.planners.dcp.EPS_MEMORY` times the mean tokens (whole documents per group),
+    dcp planned again with that imbalance as its memory bound (:func:`dcp_with_memory`, at the row's
+    block size), else its time as it is. Returns ``same_memory_total_speedup`` and
+    ``same_memory_speedup`` (min-median-max per batch) and ``same_memory_replanned`` (how many
+    batches were planned again)."""
     family, cp = tuned["family"], str(tuned["cp"])
     ms, replanned = [], 0
     for row, batch in rows:
         imbalance = group_imbalance(batch, topology, int(cp))
-        if imbalance > 1.0 + DCP_MEMORY_EPS:
+        if imbalance > 1.0 + EPS_MEMORY:
             replanned += 1
-            ms.append(dcp_with_memory(batch, topology, cm, row["dcp_block_size"], imbalance, own))
+            done = row.get("dcp_same_memory_ms") if row["best_baseline"] == f"{family}@{cp}" else None
+            ms.append(done if done is not None else  # the exception's plan at this memory: not made twice
+                      dcp_with_memory(batch, topology, cm, row["dcp_block_size"], imbalance, own))
         else:
             ms.append(row["dcp_ms"])
     theirs = [row[f"{family}_by_cp_ms"][cp] for row, _ in rows]
@@ -392,7 +392,7 @@ def _table(cluster: str, source: str, rows: list[dict], summary: dict, out) -> N
                  f"dcp's {t['same_memory_total_speedup']:.2f}, per batch {_fmt(t['same_memory_speedup'])}"
                  if "same_memory_speedup" in t else ""))
     p(f"\nPeak attention memory per rank, the best baseline / dcp: {_fmt(summary['best_peak_over_dcp'])}; "
-      f"{len(summary['more_memory'])} batches where the best baseline holds more than {1.0 + DCP_MEMORY_EPS:.2f}x dcp's"
+      f"{len(summary['more_memory'])} batches where the best baseline holds more than {1.0 + EPS_MEMORY:.2f}x dcp's"
       + "".join(f"\n- more memory: scale {m['scale']:g} {m['batch']} {m['mask']}: {m['best_baseline']} holds "
                 f"{m['peak_over_dcp']:.2f}x dcp's peak" for m in summary["more_memory"]))
     for e in summary["exceptions"]:
