@@ -175,38 +175,58 @@ class AllGatherExecutor(StaticRuntime):
         return self._meta
 
     # ------------------------------------------------------------------ collectives
-    def _run_collective(self, backward: bool, what: str, post: Any, inp: torch.Tensor,
-                        out: torch.Tensor) -> Generator[None, None, torch.Tensor]:
-        """Post ``what`` (``"all-gather"`` or ``"reduce-scatter"``: the transport's method
-        ``post``) from ``inp`` into ``out`` on the CP group, count its ring bytes, complete it;
-        a failure says where this rank was."""
+    def _post(self, backward: bool, what: str, phase: int, inp: torch.Tensor, out: torch.Tensor,
+              members: tuple[int, ...], group: str = "CP group") -> tuple[Any, str]:
+        """Post ``what`` (``"all-gather"`` or ``"reduce-scatter"``) from ``inp`` into ``out`` on
+        ``members`` (this rank's ``group``) in transport phase ``phase`` and count its ring bytes;
+        returns what :meth:`_complete` takes. A failure says where this rank was."""
         where = f"torch_dcp (plan {self.plan.digest()[:12]}): {'backward' if backward else 'forward'} pass, {what} " \
-                f"on the CP group {list(self.members)}"
+                f"on the {group} {list(members)}"
+        post = self.transport.all_gather if what == "all-gather" else self.transport.reduce_scatter
         try:
-            c = post(COLLECTIVE_PHASES[(backward, what)], inp, out, self.members)
-            yield from self.transport.finish(c)
+            c = post(phase, inp, out, members)
         except TransferError as err:
             raise located(err, where) from None
         # NCCL's ring: every rank sends and receives G - 1 shards
-        nbytes = (len(self.members) - 1) * min(inp.numel(), out.numel()) * out.element_size()
+        nbytes = (len(members) - 1) * min(inp.numel(), out.numel()) * out.element_size()
         self.bytes_sent += nbytes
         self.bytes_received += nbytes
+        return c, where
+
+    def _complete(self, posted: tuple[Any, str]) -> Generator[None, None, None]:
+        """Complete a collective :meth:`_post` posted (yields while it is not complete)."""
+        c, where = posted
+        try:
+            yield from self.transport.finish(c)
+        except TransferError as err:
+            raise located(err, where) from None
+
+    def _run_collective(self, backward: bool, what: str, inp: torch.Tensor,
+                        out: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """:meth:`_post` ``what`` on the CP group, then :meth:`_complete` it: ``out``."""
+        yield from self._complete(self._post(backward, what, COLLECTIVE_PHASES[(backward, what)], inp, out,
+                                             self.members))
         return out
 
-    def _gather(self, backward: bool, k: torch.Tensor, v: torch.Tensor) -> Generator[None, None, torch.Tensor]:
-        """K and V of the CP group: ``[G R, 2 H_kv D]`` (member ``i``'s rows at ``i R``)."""
-        r, n = self.shard_rows, len(self.members)
+    def _shard(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """This rank's K and V rows side by side, padded to the group's shard: ``[R, 2 H_kv D]``."""
+        r = self.shard_rows
         shard = torch.empty(r, 2 * k.shape[1] * k.shape[2], dtype=k.dtype, device=k.device)
         torch.cat((k.flatten(1), v.flatten(1)), 1, out=shard[:self.local_rows])
         if r > self.local_rows:
             shard[self.local_rows:].zero_()  # padding rows: never read
-        out = torch.empty(n * r, shard.shape[1], dtype=shard.dtype, device=shard.device)
-        return (yield from self._run_collective(backward, "all-gather", self.transport.all_gather, shard, out))
+        return shard
+
+    def _gather(self, backward: bool, k: torch.Tensor, v: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """K and V of the CP group: ``[G R, 2 H_kv D]`` (member ``i``'s rows at ``i R``)."""
+        shard = self._shard(k, v)
+        out = torch.empty(len(self.members) * self.shard_rows, shard.shape[1], dtype=shard.dtype, device=shard.device)
+        return (yield from self._run_collective(backward, "all-gather", shard, out))
 
     def _scatter(self, dkv: torch.Tensor) -> Generator[None, None, torch.Tensor]:
         """This rank's rows of the CP group's summed ``dkv`` (``[G 2 R, F]``): ``[2 R, F]``."""
         out = torch.empty(2 * self.shard_rows, dkv.shape[1], dtype=dkv.dtype, device=dkv.device)
-        return (yield from self._run_collective(True, "reduce-scatter", self.transport.reduce_scatter, dkv, out))
+        return (yield from self._run_collective(True, "reduce-scatter", dkv, out))
 
     # ------------------------------------------------------------------ passes
     def _keys(self, backward: bool, k: torch.Tensor, v: torch.Tensor,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from ..plan import Plan
 from ..planners.base import Runtime
 from .allgather import AllGatherExecutor
+from .allgather_node import NodeAllGatherExecutor
 from .executor import RankExecutor
 from .ring import RingExecutor
 
@@ -17,6 +18,7 @@ __all__ = ["RUNTIME_EXECUTORS", "plan_executor"]
 #: (a runtime not listed runs on torch_dcp's executor)
 RUNTIME_EXECUTORS: dict[Runtime, type] = {Runtime.ALLGATHER: AllGatherExecutor,
                                           Runtime.DCP_ALLGATHER: AllGatherExecutor,
+                                          Runtime.DCP_NODE_ALLGATHER: NodeAllGatherExecutor,
                                           Runtime.TE_RING: RingExecutor,
                                           Runtime.DCP_RING: RingExecutor}
 

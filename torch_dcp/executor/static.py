@@ -59,9 +59,11 @@ class StaticRuntime(RowChecks):
             self.kernel = get_kernel(self._kernel_spec, device=device, dtype=self.dtype,
                                      head_dim=self.plan.batch.head_dim)
 
-    def _instruction(self, tiles: np.ndarray, q_offset: int, kv_offset: int) -> BlockwiseAttention | None:
+    def _instruction(self, tiles: np.ndarray, q_offset: int, kv_offset: int,
+                     kv_row: np.ndarray | None = None) -> BlockwiseAttention | None:
         """``tiles`` (on this rank) as one attention call: query rows ``row - q_offset`` of the
-        local tensors, key/value rows ``row - kv_offset`` of the key/value buffer (None: no tiles)."""
+        local tensors, key/value rows ``kv_row - kv_offset`` of the key/value buffer (``kv_row``:
+        every block's first row there; default :attr:`row`) (None: no tiles)."""
         if tiles.size == 0:
             return None
         wl = self.plan.workload
@@ -69,8 +71,9 @@ class StaticRuntime(RowChecks):
         q_block, counts = np.unique(wl.tile_q[tiles], return_counts=True)
         local = self.row[q_block] - q_offset
         kv_block = wl.tile_kv[tiles]
+        kv_row = self.row if kv_row is None else kv_row
         return BlockwiseAttention(0, q_block, local, local, np.concatenate(([0], np.cumsum(counts))).astype(np.int64),
-                                  kv_block, self.row[kv_block] - kv_offset, tiles)
+                                  kv_block, kv_row[kv_block] - kv_offset, tiles)
 
     def _kernel_call(self, ins: BlockwiseAttention, device: torch.device) -> KernelCall:
         """``ins`` laid out by the kernel, its rows and metadata built on the host and uploaded

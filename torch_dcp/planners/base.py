@@ -60,6 +60,12 @@ class Runtime(enum.Enum):
       attention call per rank, charged as torch_dcp's executor charges one division and one
       pass (the cost model's executor costs: its gathers, writes and allocations), how dcp's
       candidates run a static configuration; a plan of ``ALLGATHER`` runs on it too.
+    * ``DCP_NODE_ALLGATHER``: torch_dcp's all-gather CP for CP groups of whole nodes
+      (:class:`~torch_dcp.executor.allgather_node.NodeAllGatherExecutor`): each K/V shard
+      crosses into every other node of the group once, over its sender's rail, and is fanned out
+      over NVLink there; the attention of the tiles on the node's own keys runs while the shards
+      cross; dK/dV partials are summed inside a node before they cross back (two attention
+      calls per rank and pass, one LSE merge).
     * ``DCP_RING``: torch_dcp's own ring (:class:`~torch_dcp.executor.ring.RingExecutor`) on
       the zig-zag layout, as TransformerEngine's ring runs it: per step one attention call over
       the K/V chunk held and one merge of its partial output, the chunk passed on to the next
@@ -76,13 +82,14 @@ class Runtime(enum.Enum):
     TE_RING = "te-ring"
     ALLGATHER = "nccl-allgather"
     DCP_ALLGATHER = "dcp-allgather"
+    DCP_NODE_ALLGATHER = "dcp-node-allgather"
     DCP_RING = "dcp-ring"
 
     @property
     def gathers(self) -> bool:
         """Whether the plan runs as all-gather CP (its collectives, not its routes' transfers;
-        one attention call per rank and pass)."""
-        return self in (Runtime.ALLGATHER, Runtime.DCP_ALLGATHER)
+        the CP group's keys and values gathered on every rank)."""
+        return self in (Runtime.ALLGATHER, Runtime.DCP_ALLGATHER, Runtime.DCP_NODE_ALLGATHER)
 
     @property
     def kv_dtype_gradients(self) -> bool:
