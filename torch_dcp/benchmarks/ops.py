@@ -319,7 +319,8 @@ def _plan(args: argparse.Namespace) -> torch_dcp.Plan:
         from torch_dcp.planners import Runtime, plan_allgather
 
         topo = torch_dcp.Topology.coerce(topo)
-        placement = dataclasses.replace(plan_allgather(batch, topo, cp_size=cp_size), runtime=Runtime.DCP_ALLGATHER)
+        runtime = Runtime.DCP_NODE_ALLGATHER if getattr(args, "node_once", False) else Runtime.DCP_ALLGATHER
+        placement = dataclasses.replace(plan_allgather(batch, topo, cp_size=cp_size), runtime=runtime)
         return divide(placement, topo, 1)
     # dcp's own placements: the general executor's divisions (its static runtimes are counted apart)
     own = {"rivals": ("ring", "megatron", "allgather", "documents")} if args.planner == "dcp" else {}
@@ -334,6 +335,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--planner", default="dcp")
     p.add_argument("--cp-size", type=int, default=None,
                    help="count all-gather CP on torch_dcp's own runtime at this CP size instead of --planner's plan")
+    p.add_argument("--node-once", action="store_true",
+                   help="with --cp-size (whole nodes): the all-gather whose collectives cross each node once")
     p.add_argument("--batch", choices=["corpus", "longtail"], default="corpus")
     p.add_argument("--mask", choices=["causal", "lambda", "blockwise", "shared_question"], default="causal")
     p.add_argument("--tokens", type=int, default=8192)
@@ -367,6 +370,9 @@ PRESET_CASES = {
     # torch_dcp's ring runtime (one attention call and one merge per step): per ring step, on a
     # ring of one node (as dcp's candidates run it: up to 8 ranks, HCP's ring across head groups)
     "ring": {"mask": "causal", "divisions": 8, "planner": "ring", "ranks": 8, "topology": "1x8"},
+    # its all-gather crossing each node once (two attention calls and one merge per pass): CP
+    # groups of two nodes
+    "node": {"mask": "causal", "divisions": 1, "cp_size": 16, "node_once": True},
 }
 _PRESET_BASE = {"ranks": 32, "topology": "4x8", "batch": "longtail", "tokens": 131072, "block_size": 1024,
                 "heads": 8, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16", "kernel": None, "device": "cuda",

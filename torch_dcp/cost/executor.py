@@ -178,6 +178,11 @@ class ExecutorCosts:
             TransformerEngine's all-gather CP issues on a rank that gathers, the baseline's own
             (counted from its source; the preset's ``baselines`` names it), at the same cost
             per operation as torch_dcp's; None: the baseline is charged its kernels alone.
+        node_allgather: seconds per pass, ``(forward, backward)``, of the node-once all-gather
+            runtime's own device operations besides the attention kernels' work
+            (:class:`~torch_dcp.executor.allgather_node.NodeAllGatherExecutor`, on a rank that
+            gathers: counted, on a GPU preset); None: charged as two divisions and one pass of
+            the executor.
         te_ring: seconds per ring step with tiles, ``(forward, backward)``, of the device
             operations TransformerEngine's ring (its P2P context parallelism) issues, the
             baseline's own (counted from its source, its one-off operations per pass spread over
@@ -197,6 +202,7 @@ class ExecutorCosts:
     te_allgather: tuple[float, float] | None = None
     ring: tuple[float, float] | None = None
     te_ring: tuple[float, float] | None = None
+    node_allgather: tuple[float, float] | None = None
 
     def kernels(self) -> tuple[KernelCosts, ...]:
         return (self.general,) if self.fast is None else (self.general, self.fast)
@@ -218,7 +224,8 @@ class ExecutorCosts:
                    None if d.get("allgather") is None else tuple(float(x) for x in d["allgather"]),
                    None if d.get("te_allgather") is None else tuple(float(x) for x in d["te_allgather"]),
                    None if d.get("ring") is None else tuple(float(x) for x in d["ring"]),
-                   None if d.get("te_ring") is None else tuple(float(x) for x in d["te_ring"]))
+                   None if d.get("te_ring") is None else tuple(float(x) for x in d["te_ring"]),
+                   None if d.get("node_allgather") is None else tuple(float(x) for x in d["node_allgather"]))
 
     def memory(self, kind: str) -> MemoryCosts | None:
         """The costs of a memory-bound instruction of ``kind`` (:func:`memory_kind`); None:

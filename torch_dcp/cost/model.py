@@ -120,7 +120,7 @@ def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
     operation; the ``fast`` kernel (varlen) from the causal count, the ``general`` one
     (FlexAttention) from the λ count; the all-gather runtime's operations per pass (its
     ``alone`` and ``gathered`` counts, where the preset has them) likewise, the ring runtime's
-    per step (``ring``), and those of TransformerEngine's all-gather CP per pass
+    per step (``ring``), the node-once all-gather runtime's per pass (``node``), and those of TransformerEngine's all-gather CP per pass
     (``baselines.te_allgather``) and of its ring per step (``baselines.te_ring``), counted from
     its source.
 
@@ -146,11 +146,14 @@ def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
             return None if te is None else (float(te["forward"]) * per_op, float(te["backward"]) * per_op)
 
         te_allgather, te_ring = baseline("te_allgather"), baseline("te_ring")  # per pass; per step
-        ring = None
-        if "ring" in counted:  # torch_dcp's ring runtime, per step with tiles
-            ring = (float(counted["ring"]["forward"]) * per_op, float(counted["ring"]["backward"]) * per_op)
+        def both(case: str) -> tuple[float, float] | None:  # a runtime's count, seconds forward and backward
+            c = counted.get(case)
+            return None if c is None else (float(c["forward"]) * per_op, float(c["backward"]) * per_op)
+
+        # torch_dcp's ring runtime per step with tiles, its node-once all-gather per pass
         return ExecutorCosts(general=costs("flex", general), fast=costs("varlen", fast), allgather=allgather,
-                             te_allgather=te_allgather, ring=ring, te_ring=te_ring)
+                             te_allgather=te_allgather, ring=both("ring"), te_ring=te_ring,
+                             node_allgather=both("node"))
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a GPU executor preset (counted.fast/general forward and backward, "
                          f"seconds_per_op): {e}") from e

@@ -74,7 +74,10 @@ def collective_groups(plan: Any, rank: int) -> list[tuple[int, ...]]:
     (:func:`~torch_dcp.planners.static.cp_sizes`), and the plan's own; a CP group of outer
     ranks ``g`` holds the ranks ``g N + i`` of this rank's inner index ``i``. The whole DCP
     group and groups of one rank need none. Every rank lists its groups in the same order
-    (``N``, then the size), so that members create each group at the same point.
+    (``N``, then the size), so that members create each group at the same point. A CP group of
+    two or more whole nodes is followed by this rank's node and rail groups inside it (the
+    node-once all-gather's, :func:`~torch_dcp.executor.allgather_node.node_layout`), each listed
+    once.
     """
     from ..plan.heads import HeadLayout, HeadParallelPlan, head_parallel_sizes
     from ..planners.static import cp_sizes
@@ -88,14 +91,18 @@ def collective_groups(plan: Any, rank: int) -> list[tuple[int, ...]]:
     own = plan.outer if isinstance(plan, HeadParallelPlan) else plan
     if own.placement.cp_size is not None:
         wanted.setdefault(w // own.world_size, set()).add(own.placement.cp_size)
-    groups = []
+    groups: list[tuple[int, ...]] = []
     for n in sorted(wanted):
         g, inner = divmod(int(rank), n)
+        per_node = max(topo.ranks_per_node // n, 1)  # outer ranks per node
         for c in sorted(wanted[n]):
             first = g // c * c
             members = tuple((first + j) * n + inner for j in range(c))
-            if 1 < len(members) < w:
-                groups.append(members)
+            subsets = [members]
+            if per_node > 1 and c % per_node == 0 and c // per_node >= 2:  # the node-once all-gather's node and rail
+                j, l = divmod(g - first, per_node)
+                subsets += [members[j * per_node:(j + 1) * per_node], members[l::per_node]]
+            groups += [m for m in subsets if 1 < len(m) < w and m not in groups]
     return groups
 
 

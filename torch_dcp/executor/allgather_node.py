@@ -46,7 +46,7 @@ from .allgather import AllGatherExecutor
 from .device_plan import host_to_device, rows_on
 from .kernels import DivisionKernel
 from .kernels.base import output_delta
-from .reduce import add_rows, merge_partials, put_rows, take_rows
+from .reduce import add_gradients, merge_partials, put_rows, take_rows
 from .transport import Transport
 
 __all__ = ["NodeAllGatherExecutor", "NodeLayout", "node_layout", "NODE_PHASES"]
@@ -89,15 +89,14 @@ def node_layout(plan: Plan, rank: int) -> NodeLayout:
 
 class _Call(NamedTuple):
     """One attention call on a device: rows of the local tensors (``q``, ``out``), of its key
-    buffer (``kv``), of its dK/dV in the reduce-scatter's buffer (``dkv``), the kernel's
-    metadata, and whether it reads every key row once."""
+    buffer (``kv``), of its dK in the reduce-scatter's buffer (``dkv``; dV ``R`` rows further),
+    and the kernel's metadata."""
 
     q: Any
     kv: Any
     out: Any
     dkv: Any
     meta: Any
-    kv_once: bool
 
 
 class _Meta(NamedTuple):
@@ -150,9 +149,8 @@ class NodeAllGatherExecutor(AllGatherExecutor):
             return None
         call = self._kernel_call(ins, device)
         r = self.shard_rows  # the reduce-scatter's buffers hold each member's dK rows, then its dV rows
-        dk_rows = call.kv_rows // r * 2 * r + call.kv_rows % r
-        return _Call(call.q, call.kv, call.out, rows_on(np.concatenate((dk_rows, dk_rows + r)), device), call.meta,
-                     len(np.unique(call.kv_rows)) == len(call.kv_rows)), call.q_rows
+        return _Call(call.q, call.kv, call.out, rows_on(call.kv_rows // r * 2 * r + call.kv_rows % r, device),
+                     call.meta), call.q_rows
 
     def prepare(self, device: torch.device | str) -> _Meta:
         """Choose the kernel for ``device``, build both calls' rows and metadata on the host and
@@ -238,8 +236,7 @@ class NodeAllGatherExecutor(AllGatherExecutor):
         lse = torch.empty(s, h, dtype=self.acc, device=q.device)
         if len(parts) == 2:  # one LSE merge of the two partial outputs
             (_, (o1, l1)), (_, (o2, l2)) = parts
-            src = _Parts({"o": torch.cat((o1.to(self.acc), o2.to(self.acc), m.null[0])),
-                          "lse": torch.cat((l1.to(self.acc), l2.to(self.acc), m.null[1]))})
+            src = _Parts({"o": torch.cat((o1, o2, m.null[0])), "lse": torch.cat((l1, l2, m.null[1]))})
             merge_partials(ReduceOp.LSE_MERGE, src, _Parts({"o": out, "lse": lse}), m.pairs, slice(0, s), s, 2)
         elif parts and parts[0][0].out == slice(0, s):
             call, (o, l) = parts[0]
@@ -254,18 +251,13 @@ class NodeAllGatherExecutor(AllGatherExecutor):
         result = (out, lse)
         return result + (torch.empty(0, dtype=torch.uint8, device=q.device),) if keep else result
 
-    def _dkv(self, n_members: int, call: _Call | None, dk: Any, dv: Any, like: torch.Tensor) -> torch.Tensor:
-        """A reduce-scatter's input (``n_members`` slots of ``2 R`` rows: dK rows, then dV rows)
-        holding one call's dK and dV, in the K/V dtype: written where the call read every key
-        row once, else added up in the accumulation dtype first."""
-        once = call is None or call.kv_once
-        dt = like.dtype if once else self.acc
-        buf = torch.zeros(n_members * 2 * self.shard_rows, like.shape[1] * like.shape[2], dtype=dt,
-                          device=like.device)
-        if call is not None:
-            vals = torch.cat((dk.flatten(1), dv.flatten(1)), 0).to(dt)
-            (put_rows if once else add_rows)(buf, call.dkv, vals)
-        return buf.to(like.dtype)
+    def _dkv(self, slots: int, hkv: int, d: int, device: torch.device) -> tuple[_Parts, torch.Tensor]:
+        """A reduce-scatter's input of ``slots`` members (``2 R`` rows each: dK rows, then dV
+        rows) in the accumulation dtype, zeroed, as the fields :func:`~torch_dcp.executor.reduce.add_gradients`
+        adds a call's dK and dV into (dV rows ``R`` further than dK's)."""
+        r = self.shard_rows
+        buf = torch.zeros(slots * 2 * r, hkv * d, dtype=self.acc, device=device)
+        return _Parts({"dk": buf[:-r].view(-1, hkv, d), "dv": buf[r:].view(-1, hkv, d)}), buf
 
     def backward_steps(self, q, k, v, out, lse, dout, scale: float | None = None,
                        state: torch.Tensor | None = None) -> Generator[None, None, tuple]:
@@ -282,16 +274,19 @@ class NodeAllGatherExecutor(AllGatherExecutor):
         lse_acc = lse.to(self.acc)
         dq_all = torch.zeros(s, h, d, dtype=self.acc, device=q.device)
 
-        def grads(division: int, call: _Call, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            qp, dop, lsep, deltap = (take_rows(t, call.q) for t in (q, dout, lse_acc, delta))
-            dq, dk, dv = self._timed(division, True, lambda: self.kernel.backward(
-                qp, *self._kv(buf, call, hkv, d), dop, lsep, deltap, call.meta, scale, self.acc))
-            add_rows(dq_all, call.out, dq)
-            return dk, dv
+        def grads(division: int, call: _Call | None, buf: torch.Tensor, slots: int) -> torch.Tensor:
+            """The call's dQ added into ``dq_all``, its dK / dV into a reduce-scatter's input of
+            ``slots`` members, in the K/V dtype (as TransformerEngine's all-gather CP reduces them)."""
+            dkv, buf_dkv = self._dkv(slots, hkv, d, q.device)
+            if call is not None:
+                qp, dop, lsep, deltap = (take_rows(t, call.q) for t in (q, dout, lse_acc, delta))
+                dq, dk, dv = self._timed(division, True, lambda: self.kernel.backward(
+                    qp, *self._kv(buf, call, hkv, d), dop, lsep, deltap, call.meta, scale, self.acc))
+                add_gradients(dq_all, call.out, dq, dkv, call.dkv, dk, dv)
+            return buf_dkv.to(k.dtype)
 
         yield from self._complete(posted_near)
-        near_grads = grads(0, m.near, near) if m.near is not None else (None, None)
-        near_dkv = self._dkv(lay.r, m.near, *near_grads, k)
+        near_dkv = grads(0, m.near, near, lay.r)
         yield from self._complete(posted_rail)
         far = rail.new_empty(lay.r * (lay.n - 1) * r, rail.shape[1])
         far_posted = self._post(True, "all-gather", NODE_PHASES["backward far"], self._others(rail, r), far, lay.node,
@@ -302,8 +297,7 @@ class NodeAllGatherExecutor(AllGatherExecutor):
         near_sum = self._post(True, "reduce-scatter", NODE_PHASES["backward near sum"], near_dkv, mine_near, lay.node,
                               "node")
         yield from self._complete(far_posted)
-        far_grads = grads(1, m.far, far) if m.far is not None else (None, None)
-        far_dkv = self._dkv(lay.r * (lay.n - 1), m.far, *far_grads, k)
+        far_dkv = grads(1, m.far, far, lay.r * (lay.n - 1))
         # this node's sums of the far keys' dK/dV, one slot per other node of the rail
         far_sums = self._others(rail_in, 2 * r) if lay.j in (0, lay.n - 1) else \
             k.new_empty((lay.n - 1) * 2 * r, hkv * d)

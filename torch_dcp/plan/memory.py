@@ -14,6 +14,8 @@ Per rank ``r``, in bytes:
 
   - all-gather CP (``ALLGATHER``, ``DCP_ALLGATHER``): the gathered buffer of its CP group,
     ``G`` shards of the group's largest rank (NCCL needs equal shards), less its own tokens;
+    crossing each node once (``DCP_NODE_ALLGATHER``): the same, plus the rail's buffer of one
+    shard per node of the group;
   - ring attention (``TE_RING``, ``DCP_RING``): two K/V shards of its group's largest rank, the
     step's and the next step's receive buffer (``AttnFuncWithCPAndKVP2P`` double-buffers);
     none on a ring of one rank;
@@ -64,10 +66,18 @@ def _executor(plan: Any) -> np.ndarray:
     return np.bincount(t["fetch_rank"][kv], weights=blen[t["fetch_block"][kv]], minlength=plan.world_size)
 
 
+def _node_gathered(plan: Any) -> np.ndarray:
+    """:func:`_gathered`, plus the rail's buffer: one shard per node of the CP group."""
+    size = plan.placement.cp_size or plan.world_size
+    shard = plan.placement.rank_tokens().reshape(-1, size).max(axis=1)
+    return _gathered(plan) + np.repeat(shard, size) * (size // plan.topology.ranks_per_node)
+
+
 #: rows of other ranks' K/V a rank holds at once, per runtime
 _OTHER_KV_ROWS: dict[Runtime, Callable[[Any], np.ndarray]] = {
     Runtime.ALLGATHER: _gathered,
     Runtime.DCP_ALLGATHER: _gathered,
+    Runtime.DCP_NODE_ALLGATHER: _node_gathered,
     Runtime.TE_RING: _ring,
     Runtime.DCP_RING: _ring,
     Runtime.EXECUTOR: _executor,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..batch import BatchSpec
-from ..planners.base import Placement
+from ..planners.base import Placement, Runtime
 from ..topology import Topology
 from ..workload import Buf, Workload
 from .compiler import compile_program
@@ -205,11 +205,14 @@ class Plan:
         forward flag, one entry per (fetched or returned block, rank pair, pass). A plan on the
         all-gather runtime moves no blocks of its own: its collectives' bytes as NCCL's ring
         algorithm moves them, one entry per (rank, its successor in its CP group's ring,
-        collective): ``G - 1`` shards of the group's largest rank (:func:`_ring_collectives`).
+        collective): ``G - 1`` shards of the group's largest rank (:func:`_ring_collectives`);
+        crossing each node once, its near, rail and far collectives' (:func:`_node_collectives`).
         """
         return self.memo("transfers", None, self._transfers)
 
     def _transfers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        if self.placement.runtime is Runtime.DCP_NODE_ALLGATHER:
+            return _node_collectives(self)
         if self.placement.runtime.gathers:
             return _ring_collectives(self)
         wl, t = self.workload, self.tables
@@ -338,3 +341,31 @@ def _ring_collectives(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
     return (np.tile(src, 3).astype(np.int64), np.tile(dst, 3).astype(np.int64),
             np.concatenate([rows * b for _, b in per_row]), np.repeat([not bw for bw, _ in per_row], len(src)))
 
+
+
+def _node_collectives(plan: Plan) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:meth:`Plan.transfers` of a plan on the node-once all-gather runtime
+    (:mod:`torch_dcp.executor.allgather_node`): per CP group of ``n`` nodes of ``r`` ranks
+    (shards of ``R`` rows), each collective as NCCL's ring on its group: in each pass the near
+    all-gather (``(r - 1) R`` rows to the next rank of the node), the rail's (``(n - 1) R`` to
+    the rank of the same local index on the next node) and the far one (``(r - 1)(n - 1) R`` on
+    the node); in the backward the same three reduce-scatters of dK/dV (K/V dtype)."""
+    pl, w, r = plan.placement, plan.world_size, plan.topology.ranks_per_node
+    c = pl.cp_size or w
+    n = c // r
+    itb = pl.token_bytes()
+    rows = np.repeat(pl.rank_tokens().reshape(w // c, c).max(axis=1), c).astype(np.float64)
+    ranks = np.arange(w)
+    node_next = ranks // r * r + (ranks % r + 1) % r
+    rail_next = ranks // c * c + (ranks % c + r) % c
+    keep = rows > 0
+    src, dst, nbytes, fwd = [], [], [], []
+    for backward, per_row in ((False, itb[(False, Buf.KV)]), (True, itb[(True, Buf.KV)]), (True, itb[(True, Buf.DKV)])):
+        for nxt, shards in ((node_next, r - 1), (rail_next, n - 1), (node_next, (r - 1) * (n - 1))):
+            if shards:
+                src.append(ranks[keep])
+                dst.append(nxt[keep])
+                nbytes.append(rows[keep] * shards * per_row)
+                fwd.append(np.full(int(keep.sum()), not backward))
+    return (np.concatenate(src).astype(np.int64), np.concatenate(dst).astype(np.int64), np.concatenate(nbytes),
+            np.concatenate(fwd))

@@ -57,7 +57,9 @@ def link_busy_seconds(plan: Plan | HeadParallelPlan) -> dict[tuple[str, str], np
         src, dst, nbytes = (np.concatenate([p[k] for p in parts]) for k in range(3))
     else:
         src, dst, nbytes, _ = plan.transfers()
-        if plan.placement.runtime.gathers:  # NCCL's rings across nodes: a channel per NIC, every rail
+        # NCCL's rings across nodes: a channel per NIC, every rail (the node-once all-gather's rail
+        # collectives: each rank on its own)
+        if plan.placement.runtime.gathers and plan.placement.runtime is not Runtime.DCP_NODE_ALLGATHER:
             src, dst, nbytes = _over_every_rail(plan.topology, src, dst, nbytes)
     return plan.topology.link_seconds(src, dst, nbytes)
 
