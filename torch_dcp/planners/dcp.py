@@ -320,7 +320,10 @@ def dcp_candidates(
             the CP groups), labelled ``"dcp:allgather/cpC"``, and ring attention as its
             authors run it (``Runtime.DCP_RING``, :class:`~torch_dcp.executor.ring.RingExecutor`)
             over groups of at most :data:`RING_RUNTIME_MAX_RANKS` ranks, labelled
-            ``"dcp:ring/cpW"`` (inside head groups: HCP), under the same memory and tile
+            ``"dcp:ring/cpW"`` (inside head groups: HCP); where a CP group is two or more whole
+            nodes, also its all-gather crossing each node once (``Runtime.DCP_NODE_ALLGATHER``,
+            :class:`~torch_dcp.executor.allgather_node.NodeAllGatherExecutor`), labelled
+            ``"dcp:allgather/cpC/node"``; under the same memory and tile
             bounds: so the plan :func:`torch_dcp.plan` keeps is never slower on the simulator
             than those static configurations.
         search: ``False``: none of dcp's own placements, only the time objective's rivals
@@ -491,6 +494,9 @@ def _static_runtimes(batch: BatchSpec, topology: Topology, eps_memory: float) ->
         tokens = p.rank_tokens()
         if tokens.max() <= (1.0 + eps_memory) * tokens.mean():
             out.append(dataclasses.replace(p, planner=f"dcp:allgather/cp{c}", runtime=Runtime.DCP_ALLGATHER))
+            if topology.ranks_per_node > 1 and c // topology.ranks_per_node >= 2:  # groups of whole nodes
+                out.append(dataclasses.replace(p, planner=f"dcp:allgather/cp{c}/node",
+                                               runtime=Runtime.DCP_NODE_ALLGATHER))
     return out
 
 

@@ -247,6 +247,8 @@ def allgather_pass_seconds(plan: Plan, cm: CostModel, backward: bool) -> tuple[n
 def _allgather_pass_seconds(plan: Plan, cm: CostModel, backward: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     from ..planners.static import group_topology
 
+    if plan.placement.runtime is Runtime.DCP_NODE_ALLGATHER:
+        return _node_allgather_pass_seconds(plan, cm, backward)
     kern = cm.with_executor(None)
     wl, pl, topo, w = plan.workload, plan.placement, plan.topology, plan.world_size
     itb = pl.token_bytes()
@@ -275,6 +277,57 @@ def _allgather_pass_seconds(plan: Plan, cm: CostModel, backward: bool) -> tuple[
         elif te is not None:
             compute = compute + te[int(backward)]
     return np.repeat(gather, c), np.repeat(scatter, c), compute
+
+
+def _node_allgather_pass_seconds(plan: Plan, cm: CostModel,
+                                 backward: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`allgather_pass_seconds` of the node-once all-gather
+    (:mod:`torch_dcp.executor.allgather_node`; CP groups of ``n`` whole nodes of ``r`` ranks,
+    shards of ``R`` rows): the near all-gather (``r`` ranks over NVLink, ``t0``) and the rail's
+    (``n`` ranks, one per node, each rank's share of its node's rails, ``tA``) at once; the near
+    keys' attention (``near``) from ``t0``; the far all-gather (``n - 1`` shards per rank on the
+    node, ``tB``) once the rail's is in and the near attention enqueued; then the far keys'
+    attention (``far``). The gather's exposed time is ``max(t0, tA - near) + tB`` (so that it
+    plus the compute is ``max(t0 + near, tA) + tB + far``); compute is both calls plus the
+    runtime's counted operations (:attr:`~torch_dcp.cost.executor.ExecutorCosts.node_allgather`),
+    or, on a model without that count, two divisions and one pass of the executor. Backward:
+    the same, then the node's sums of the far keys' dK/dV (``n - 1`` shards per rank on the
+    node) and the rail's (``n`` ranks), and what the near keys' sums, posted behind the far
+    gather, take beyond the far attention."""
+    from ..planners.static import group_topology
+
+    wl, pl, w = plan.workload, plan.placement, plan.world_size
+    c = pl.cp_size or w
+    g = group_topology(plan.topology, c)
+    r, n = g.ranks_per_node, g.n_nodes
+    near_topo = dataclasses.replace(g, n_nodes=1)
+    rail_topo = dataclasses.replace(g, ranks_per_node=1, nics_per_node=1, inter_bandwidth=g.inter_bandwidth / r)
+    itb = pl.token_bytes()
+    rows = np.repeat(pl.rank_tokens().reshape(w // c, c).max(axis=1), c).astype(np.float64)
+
+    def seconds(shards: float, per_row: float, topo) -> np.ndarray:
+        return np.array([allgather_seconds(x * shards * per_row, topo) if x else 0.0 for x in rows])
+
+    kv = itb[(backward, Buf.KV)]
+    t0, t_rail, t_far = seconds(1, kv, near_topo), seconds(1, kv, rail_topo), seconds(n - 1, kv, near_topo)
+    node = plan.topology.node_of(pl.block_rank)
+    far_tile = (node[wl.tile_kv] != node[wl.tile_q]).astype(np.int64)
+    cell = pl.tile_rank.astype(np.int64) * 2 + far_tile
+    ex = cm.executor
+    if ex is not None and ex.node_allgather is None:  # as two divisions and one pass of the executor
+        calls = cm.launch_seconds(wl, np.arange(wl.n_tiles), cell, 2 * w, backward).reshape(w, 2)
+        own = np.atleast_1d(ex.pass_seconds(pass_local_bytes(plan, backward), backward))
+    else:  # the kernels alone, plus the runtime's counted operations
+        calls = cm.with_executor(None).launch_seconds(wl, np.arange(wl.n_tiles), cell, 2 * w, backward).reshape(w, 2)
+        own = np.zeros(w) if ex is None else np.full(w, ex.node_allgather[int(backward)])
+    near, far = calls[:, 0], calls[:, 1]
+    gather = np.maximum(t0, t_rail - near) + t_far
+    scatter = np.zeros(w)
+    if backward:
+        dkv = itb[(True, Buf.DKV)]
+        scatter = np.maximum(seconds(1, dkv, near_topo) - far, 0.0) + seconds(n - 1, dkv, near_topo) \
+            + seconds(1, dkv, rail_topo)
+    return gather, scatter, near + far + own
 
 
 def simulate_allgather(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult:
@@ -312,5 +365,6 @@ RUNTIMES: dict[Runtime, Callable[..., SimResult | None]] = {
     Runtime.TE_RING: _simulate_te_ring,
     Runtime.ALLGATHER: simulate_allgather,
     Runtime.DCP_ALLGATHER: simulate_allgather,
+    Runtime.DCP_NODE_ALLGATHER: simulate_allgather,
     Runtime.DCP_RING: _simulate_dcp_ring,
 }
