@@ -165,6 +165,29 @@ def test_allgather_runtime_on_the_cuda_path(mask, n):
 
 
 @pytest.mark.parametrize("mask", ["causal", "lambda"])
+def test_node_once_allgather_on_the_cuda_path(mask):
+    """All-gather CP crossing each node once (2 nodes of 2 ranks, one CP group): two attention
+    calls per rank and pass where its tiles read both nodes' keys, one Triton merge of their
+    partial outputs each, no host read of device data."""
+    import dataclasses
+
+    from torch_dcp.api import divide
+    from torch_dcp.planners import Runtime, plan_allgather
+
+    batch = BatchSpec(list(LENS), MASKS[mask], n_heads=H, n_kv_heads=HKV, head_dim=D, dtype="bfloat16")
+    topo = Topology(n_nodes=2, ranks_per_node=2)
+    plan = divide(dataclasses.replace(plan_allgather(batch, topo), runtime=Runtime.DCP_NODE_ALLGATHER), topo, 1)
+    _, seen = _dry_run(plan, None, torch.bfloat16)
+    wl, pl = plan.workload, plan.placement
+    node = topo.node_of(pl.block_rank)
+    both = sum(len(set(node[wl.tile_kv[pl.tile_rank == r]].tolist())) == 2 for r in range(4))
+    assert both >= 2
+    assert seen[FLASH] + seen["flex_attention"] == 4 + both  # forward calls: one or two per rank
+    if triton_available("cuda"):
+        assert seen[MERGE] == both
+
+
+@pytest.mark.parametrize("mask", ["causal", "lambda"])
 def test_a_placement_alone_on_the_cuda_path(mask):
     """A placement that moves nothing, its documents in blocks of 256 tokens, run alone (the
     all-gather runtime with CP groups of one rank): one attention call per rank and pass over
@@ -387,7 +410,7 @@ def test_device_operations_per_division_on_the_cuda_path():
             assert per_div <= bound, (type(mask).__name__, name, per_div)
 
 
-@pytest.mark.parametrize("role", ["fast", "general", "alone", "gathered", "ring"])
+@pytest.mark.parametrize("role", ["fast", "general", "alone", "gathered", "ring", "node"])
 def test_the_gpu_executor_preset_counts_todays_executor(role):
     """The GPU cost presets' fixed costs per division (``torch_dcp.cost.GPU_EXECUTOR``) are built
     from device operations per division counted on the executor (``ops --fake --device cuda

@@ -16,7 +16,7 @@ there. On the ranks ``(j, l)``:
   keys runs as soon as the near buffer is in, while the rail's shards cross; then one all-gather
   on the node of the ``n - 1`` shards its rail brought (the *far* buffer ``[r, n - 1, R]``),
   the attention of the tiles on the other nodes' keys, and one LSE merge of the two partial
-  outputs;
+  outputs (the near buffer is freed before the far one is allocated);
 * backward: the same gathers and two attention-backward calls; dK/dV of the near keys summed
   on the node by one reduce-scatter (posted after the far gather, so it runs during the far
   tiles' backward), those of the far keys by one reduce-scatter on the node (each node's
@@ -227,6 +227,7 @@ class NodeAllGatherExecutor(AllGatherExecutor):
             if m.near is not None:
                 parts.append((m.near, self._timed(0, False, lambda: self.kernel.forward(
                     take_rows(q, m.near.q), *self._kv(near, m.near, hkv, d), m.near.meta, scale, self.acc))))
+            del near, posted_near  # read: freed before the far buffer is allocated
             yield from self._complete(posted_rail)
             far = yield from self._far(False, rail)
             if m.far is not None:
@@ -287,6 +288,7 @@ class NodeAllGatherExecutor(AllGatherExecutor):
 
         yield from self._complete(posted_near)
         near_dkv = grads(0, m.near, near, lay.r)
+        del near, posted_near  # read: freed before the far buffer is allocated
         yield from self._complete(posted_rail)
         far = rail.new_empty(lay.r * (lay.n - 1) * r, rail.shape[1])
         far_posted = self._post(True, "all-gather", NODE_PHASES["backward far"], self._others(rail, r), far, lay.node,

@@ -14,8 +14,10 @@ Per rank ``r``, in bytes:
 
   - all-gather CP (``ALLGATHER``, ``DCP_ALLGATHER``): the gathered buffer of its CP group,
     ``G`` shards of the group's largest rank (NCCL needs equal shards), less its own tokens;
-    crossing each node once (``DCP_NODE_ALLGATHER``): the same, plus the rail's buffer of one
-    shard per node of the group;
+    crossing each node once (``DCP_NODE_ALLGATHER``, ``n`` nodes of ``r`` ranks per group): the
+    larger of its node's ``r`` shards and the rail's ``n`` (while the near keys' attention runs)
+    and the rail's ``n`` and the other nodes' ``r (n - 1)`` (the near buffer freed), less its
+    own tokens;
   - ring attention (``TE_RING``, ``DCP_RING``): two K/V shards of its group's largest rank, the
     step's and the next step's receive buffer (``AttnFuncWithCPAndKVP2P`` double-buffers);
     none on a ring of one rank;
@@ -67,10 +69,13 @@ def _executor(plan: Any) -> np.ndarray:
 
 
 def _node_gathered(plan: Any) -> np.ndarray:
-    """:func:`_gathered`, plus the rail's buffer: one shard per node of the CP group."""
-    size = plan.placement.cp_size or plan.world_size
-    shard = plan.placement.rank_tokens().reshape(-1, size).max(axis=1)
-    return _gathered(plan) + np.repeat(shard, size) * (size // plan.topology.ranks_per_node)
+    """Rows of other ranks' K/V in the node-once all-gather's buffers at their peak."""
+    pl = plan.placement
+    tokens = pl.rank_tokens()
+    size, r = pl.cp_size or plan.world_size, plan.topology.ranks_per_node
+    n = size // r
+    shard = tokens.reshape(-1, size).max(axis=1)
+    return np.repeat(shard, size) * (n + max(r, r * (n - 1))) - tokens
 
 
 #: rows of other ranks' K/V a rank holds at once, per runtime
