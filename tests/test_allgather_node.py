@@ -21,7 +21,7 @@ from torch_dcp.plan.heads import HeadLayout, HeadParallelPlan
 from torch_dcp.plan.memory import attention_memory
 from torch_dcp.planners import Runtime, plan_allgather
 from torch_dcp.sim.simulate import simulate
-from reference import context_step_errors, random_qkv, reference_with_grads
+from reference import assert_replay_matches_eager, context_step_errors, random_qkv, reference_with_grads
 from spawn import run_ranks
 from test_exact import HEADS, MASKS, _batch, _check
 
@@ -183,6 +183,9 @@ def _gloo_worker(rank: int, world: int, mesh) -> None:
         ref = reference_with_grads(batch, q.double(), k.double(), v.double(), go.double())
         errs = context_step_errors(mesh, batch, rank, q, k, v, go, ref, plan=plan)
         assert max(errs.values()) <= 1e-5, f"rank {rank} {type(mask).__name__}: {errs}"
+    # layer replay records the runtime like any plan
+    batch = BatchSpec([70, 13, 41, 90], Causal(), n_heads=4, n_kv_heads=2, head_dim=8, dtype="float32")
+    assert_replay_matches_eager(mesh, rank, _node_plan(batch, 2, 2, None), batch)
 
 
 def test_gloo_context_parallel_exact(tmp_path):
