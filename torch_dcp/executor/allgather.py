@@ -236,6 +236,11 @@ class AllGatherExecutor(StaticRuntime):
         return (yield from self._run_collective(True, "reduce-scatter", dkv, out))
 
     # ------------------------------------------------------------------ passes
+    def _pass_setup(self, q: torch.Tensor, k: torch.Tensor, scale: float | None) -> tuple:
+        """A checked pass's ``(metadata, S_local, H, D, H_kv, scale)``."""
+        return (self.prepare(q.device), self.local_rows, q.shape[1], q.shape[2], k.shape[1],
+                self.scale if scale is None else float(scale))
+
     def _keys(self, backward: bool, k: torch.Tensor, v: torch.Tensor,
               m: _Meta) -> Generator[None, None, tuple[torch.Tensor, torch.Tensor]]:
         """The kernel's packed K and V: rows of the CP group's gathered K/V (of this rank's own
@@ -276,9 +281,7 @@ class AllGatherExecutor(StaticRuntime):
                        state: torch.Tensor | None = None) -> Generator[None, None, tuple]:
         """:meth:`backward` as a generator that yields while a collective is not complete."""
         self._check_backward(q, k, v, out, lse, dout)
-        m = self.prepare(q.device)
-        s, h, d, hkv = self.local_rows, q.shape[1], q.shape[2], k.shape[1]
-        scale = self.scale if scale is None else float(scale)
+        m, s, h, d, hkv, scale = self._pass_setup(q, k, scale)
         if self.shard_rows:
             kp, vp = yield from self._keys(True, k, v, m)
         alone = len(self.members) == 1

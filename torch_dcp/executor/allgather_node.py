@@ -264,9 +264,7 @@ class NodeAllGatherExecutor(AllGatherExecutor):
                        state: torch.Tensor | None = None) -> Generator[None, None, tuple]:
         """:meth:`backward` as a generator that yields while a collective is not complete."""
         self._check_backward(q, k, v, out, lse, dout)
-        m = self.prepare(q.device)
-        s, h, d, hkv = self.local_rows, q.shape[1], q.shape[2], k.shape[1]
-        scale = self.scale if scale is None else float(scale)
+        m, s, h, d, hkv, scale = self._pass_setup(q, k, scale)
         lay, r = self.layout, self.shard_rows
         if not r:
             return q.new_zeros(s, h, d), k.new_zeros(s, hkv, d), v.new_zeros(s, hkv, d)
