@@ -120,9 +120,9 @@ def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
     operation; the ``fast`` kernel (varlen) from the causal count, the ``general`` one
     (FlexAttention) from the λ count; the all-gather runtime's operations per pass (its
     ``alone`` and ``gathered`` counts, where the preset has them) likewise, the ring runtime's
-    per step (``ring``), the node-once all-gather runtime's per pass (``node``), and those of TransformerEngine's all-gather CP per pass
-    (``baselines.te_allgather``) and of its ring per step (``baselines.te_ring``), counted from
-    its source.
+    per step (``ring``), the node-once all-gather runtime's per pass (``node``), and those of
+    TransformerEngine's all-gather CP per pass (``baselines.te_allgather``) and of its ring per
+    step (``baselines.te_ring``), counted from its source.
 
     Raises:
         ValueError: a file without the counts or the seconds per operation.
