@@ -90,7 +90,8 @@ def parser() -> argparse.ArgumentParser:
     cm_.add_argument("--heads", default="8/2", help="query/key-value heads (default: the paper's 8/2)")
     cm_.add_argument("--masks", default=",".join(MASKS))
     cm_.add_argument("--scales", default="0.5,1,2,4")
-    cm_.add_argument("--block-sizes", default="1024,2048", help="dcp's block sizes, its best kept (default 1024,2048)")
+    cm_.add_argument("--block-sizes", default="1024,2048,512",
+                     help="dcp's block sizes, its best kept, the first on a tie (default 1024,2048,512)")
     cm_.add_argument("--batches", default=None, help="length sources to run (default: corpus, longtail)")
     cm_.add_argument("--own", action="store_true",
                      help="dcp's own plans only: the static CP runtimes left out of its candidates")

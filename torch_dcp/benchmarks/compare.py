@@ -3,7 +3,7 @@ implementation runs it, each static family at its best CP size, per batch.
 
     python -m torch_dcp.benchmarks compare [--clusters a100x4,h100x4,h100x1,a100x1] [--cost executor]
                                            [--json | --jsonl FILE] [--masks ...] [--scales ...]
-                                           [--block-sizes 1024,2048]
+                                           [--block-sizes 1024,2048,512]
 
 On the DCP paper's microbenchmark batches (§7.1: 131,072-token global batches of the embedded
 corpus's lengths, the Python standard library's source files as byte tokens, and of a long-tail
@@ -15,7 +15,8 @@ on that card; ``kernels`` for its ``<preset>`` model, the kernels alone, without
 fixed costs; or any name or file :meth:`torch_dcp.CostModel.load` takes):
 
 * ``dcp``: ``torch_dcp.plan(planner="dcp", head_parallel="auto")``, its best over
-  ``--block-sizes``, on the runtime its plan names (torch_dcp's executor, or its own all-gather
+  ``--block-sizes`` (its own knob, tuned as the baselines' CP sizes are: smaller blocks cut the
+  bytes and compute a sparse mask wastes at a block's edges), on the runtime its plan names (torch_dcp's executor, or its own all-gather
   runtime for the static configurations among dcp's candidates); with ``--own``, dcp's own
   plans only (those static runtimes left out of its candidates: what dcp's placements reach);
 * ``ring`` (TransformerEngine's P2P ring), ``allgather`` (an NCCL all-gather of K/V, TE's
