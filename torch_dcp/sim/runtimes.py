@@ -48,6 +48,12 @@ issues (8 forward, 18 backward on a rank that gathers: two halves, each with its
 K and V gathered, dK and dV reduce-scattered, by one collective each). The collectives are
 costed as NCCL runs them on the topology (:mod:`torch_dcp.cost.collectives`); compute does not
 overlap them.
+
+**torch_dcp's all-gather crossing each node once** (``Runtime.DCP_NODE_ALLGATHER``,
+:class:`~torch_dcp.executor.allgather_node.NodeAllGatherExecutor`): the same closed form with its
+own collectives, each NCCL's ring on its group (the node's ranks over NVLink; the rail's, one
+rank per node, each with its share of the node's rails), the attention of the node's own keys
+overlapping the rail's gather, and its counted operations per pass.
 """
 
 from __future__ import annotations
