@@ -90,8 +90,9 @@ def parser() -> argparse.ArgumentParser:
     cm_.add_argument("--heads", default="8/2", help="query/key-value heads (default: the paper's 8/2)")
     cm_.add_argument("--masks", default=",".join(MASKS))
     cm_.add_argument("--scales", default="0.5,1,2,4")
-    cm_.add_argument("--block-sizes", default="1024,2048,512",
-                     help="dcp's block sizes, its best kept, the first on a tie (default 1024,2048,512)")
+    cm_.add_argument("--block-sizes", default="auto",
+                     help="dcp's block sizes, its best kept, the first on a tie (default auto: "
+                          "torch_dcp.api.auto_block_sizes of each batch)")
     cm_.add_argument("--batches", default=None, help="length sources to run (default: corpus, longtail)")
     cm_.add_argument("--own", action="store_true",
                      help="dcp's own plans only: the static CP runtimes left out of its candidates")
@@ -326,7 +327,8 @@ def _compare(args) -> int:
     jsonl = open(args.jsonl, "w") if args.jsonl else None
     try:
         compare.bench_compare(clusters, args.masks.split(","), [float(x) for x in args.scales.split(",")],
-                              _ints(args.block_sizes), args.cost, _heads(args), args.json, sources=sources, jsonl=jsonl,
+                              None if args.block_sizes == "auto" else _ints(args.block_sizes), args.cost, _heads(args),
+                              args.json, sources=sources, jsonl=jsonl,
                               own=args.own, same_memory=args.same_memory)
     finally:
         if jsonl is not None:

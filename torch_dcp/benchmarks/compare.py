@@ -3,7 +3,7 @@ implementation runs it, each static family at its best CP size, per batch.
 
     python -m torch_dcp.benchmarks compare [--clusters a100x4,h100x4,h100x1,a100x1] [--cost executor]
                                            [--json | --jsonl FILE] [--masks ...] [--scales ...]
-                                           [--block-sizes 1024,2048,512]
+                                           [--block-sizes auto | 1024,2048,...]
 
 On the DCP paper's microbenchmark batches (§7.1: 131,072-token global batches of the embedded
 corpus's lengths, the Python standard library's source files as byte tokens, and of a long-tail
@@ -15,9 +15,11 @@ on that card; ``kernels`` for its ``<preset>`` model, the kernels alone, without
 fixed costs; or any name or file :meth:`torch_dcp.CostModel.load` takes):
 
 * ``dcp``: ``torch_dcp.plan(planner="dcp", head_parallel="auto")``, its best over
-  ``--block-sizes`` (its own knob, tuned as the baselines' CP sizes are: smaller blocks cut the
-  bytes and compute a sparse mask wastes at a block's edges), on the runtime its plan names (torch_dcp's executor, or its own all-gather
-  runtime for the static configurations among dcp's candidates); with ``--own``, dcp's own
+  ``--block-sizes`` (its own knob, tuned as the baselines' CP sizes are; by default those of
+  ``block_size="auto"``, :func:`~torch_dcp.api.auto_block_sizes`: 1024, 2048 and 512, and 256 for
+  a sparse mask, whose tiles then waste less of each block's edges), on the runtime its plan
+  names (torch_dcp's executor, or its own all-gather runtime for the static configurations
+  among dcp's candidates); with ``--own``, dcp's own
   plans only (those static runtimes left out of its candidates: what dcp's placements reach);
 * ``ring`` (TransformerEngine's P2P ring), ``allgather`` (an NCCL all-gather of K/V, TE's
   reduce-scatter of dK/dV), ``ulysses`` and ``hcp``, each at its best CP size with data
@@ -101,21 +103,24 @@ def parse_clusters(spec: str) -> list[tuple[str, int]]:
     return out
 
 
-def compare_batch(batch, topology: Topology, cm, block_sizes: list[int], own: bool = False) -> dict[str, Any]:
+def compare_batch(batch, topology: Topology, cm, block_sizes: list[int] | None,
+                  own: bool = False) -> dict[str, Any]:
     """One batch on one cluster (module docstring): a row of milliseconds, CP sizes, the best
     baseline, ``dcp_over_best`` and, past :data:`TARGET`, the ``exception`` and its cause.
+    ``block_sizes``: dcp's (None: :func:`~torch_dcp.api.auto_block_sizes` of the batch);
     ``own``: dcp's own plans only (the static CP runtimes left out of its candidates,
     :data:`~torch_dcp.planners.dcp.OWN_RIVALS`)."""
     from ..planners.dcp import OWN_RIVALS
 
     import torch_dcp
+    from torch_dcp.api import auto_block_sizes
 
     from ..plan.memory import attention_memory
     from ..sim.simulate import simulate
 
     row: dict[str, Any] = {}
     best_dcp = None
-    for bs in block_sizes:
+    for bs in auto_block_sizes(batch) if block_sizes is None else block_sizes:
         t0 = time.perf_counter()
         plan = torch_dcp.plan(batch, topology, planner="dcp", block_size=bs, cost_model=cm, head_parallel="auto",
                               **({"rivals": OWN_RIVALS} if own else {}))
@@ -248,7 +253,7 @@ def _own_allgather_ms(batch, topology: Topology, cm, c: int) -> float:
     return simulate(divide(placement, topology, 1), cm).makespan_s * 1e3
 
 
-def bench_compare(clusters: list[tuple[str, int]], masks: list[str], scales: list[float], block_sizes: list[int],
+def bench_compare(clusters: list[tuple[str, int]], masks: list[str], scales: list[float], block_sizes: list[int] | None,
                   cost: str = "executor", heads: tuple[int, int] = (8, 2), as_json: bool = False, out=sys.stdout,
                   sources: dict[str, list[int]] | None = None, total: int = 131072, jsonl=None,
                   own: bool = False, same_memory: bool = False) -> list[dict]:
