@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-import numpy as np
 import pytest
 import torch
 
@@ -118,7 +117,7 @@ def test_each_shard_crosses_into_each_node_once(monkeypatch):
     q, k, v, go = random_qkv(batch, torch.float32, 0)
     torch_dcp.emulate(plan, q, k, v, go)
     (box,) = boxes
-    topo, c = plan.topology, plan.world_size
+    topo = plan.topology
     shard = int(plan.placement.rank_tokens().max()) * 2 * batch.n_kv_heads * batch.head_dim * 4  # K and V, fp32
     into = {}
     for phase, src, dst, nbytes in box.log:

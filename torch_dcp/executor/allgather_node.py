@@ -167,7 +167,7 @@ class NodeAllGatherExecutor(AllGatherExecutor):
                      for t, row in ((tiles[on_node], self.near_row), (tiles[~on_node], self.far_row)))
         pairs = null = None
         if near is not None and far is not None:  # each local row's two partials (the null row where it has none)
-            s, (nc, nq), (fc, fq) = self.local_rows, near, far
+            s, (_, nq), (_, fq) = self.local_rows, near, far
             at = np.full((s, 2), len(nq) + len(fq), np.int64)
             at[nq, 0] = np.arange(len(nq))
             at[fq, 1] = len(nq) + np.arange(len(fq))
@@ -217,9 +217,7 @@ class NodeAllGatherExecutor(AllGatherExecutor):
     def forward_steps(self, q, k, v, scale: float | None = None, keep: bool = False) -> Generator[None, None, tuple]:
         """:meth:`forward` as a generator that yields while a collective is not complete."""
         self._check_inputs(q, k, v)
-        m = self.prepare(q.device)
-        s, h, d, hkv = self.local_rows, q.shape[1], q.shape[2], k.shape[1]
-        scale = self.scale if scale is None else float(scale)
+        m, s, h, d, hkv, scale = self._pass_setup(q, k, scale)
         parts = []
         if self.shard_rows:  # a group without tokens gathers nothing
             near, rail, posted_near, posted_rail = self._gathers(False, k, v)
