@@ -45,11 +45,6 @@ NODE_FIRST_EXTRA_DIVISIONS = 2
 #: (:data:`~torch_dcp.cost.GPU_EXECUTOR`), more than the overlap buys where the attention is a
 #: fraction of a millisecond (sparse masks on H100s)
 FEWER_DIVISIONS = (1, 2)
-#: the other schedules of the fastest plan on the executor are timed only where it takes at most
-#: this times the best plan's time: on the paper's batches they gained at most 1.17x (node first:
-#: 1.70 -> 1.45x the compute floor), and a static runtime's plan that wins by more leaves them
-#: no chance (timing them cost 0.2 s of a 1-s plan at 131K tokens / 32 ranks)
-RESCHEDULE_REACH = 1.25
 #: dcp's own placements timed at every head parallelism N > 1 (the best by its estimate; the
 #: rivals and the bytes objective's choice follow, as at N = 1, where all are timed): on the
 #: paper's batches (4 x 8 and 1 x 8, A100 and H100, GQA 8/2 and 32/8, causal and lambda) the
@@ -321,8 +316,7 @@ def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel", simulated:
     it cannot win, and so is the backward of one whose forward and backward floor do
     (:func:`torch_dcp.sim.simulate.simulate_within`). The winner is then also timed with other
     schedules of its placement (:func:`_reschedules`; ``deeper``: with more divisions too), or,
-    where a static runtime's plan won, the fastest plan on torch_dcp's executor is, unless it
-    takes more than :data:`RESCHEDULE_REACH` times the winner's time."""
+    where a static runtime's plan won, the fastest plan on torch_dcp's executor is."""
     from .sim.estimate import estimate_seconds
     from .sim.floors import floor_seconds
     from .sim.simulate import simulate_within
@@ -355,10 +349,9 @@ def _fastest(plans: "list[Plan | HeadParallelPlan]", cm: "CostModel", simulated:
     # estimate): a static runtime's plan may beat its first schedule but not its others
     on_executor = [i for i, p in enumerate(plans) if _outer(p).placement.runtime is Runtime.EXECUTOR]
     if on_executor:
-        at = min(on_executor, key=lambda i: (times[i] if times[i] == times[i] else float("inf"), estimates[i]))
-        base = plans[at]
-        reach = times[at] if times[at] == times[at] else estimates[at]
-        for name, other in _reschedules(base, deeper) if reach <= RESCHEDULE_REACH * best else ():
+        base = plans[min(on_executor, key=lambda i: (times[i] if times[i] == times[i] else float("inf"),
+                                                     estimates[i]))]
+        for name, other in _reschedules(base, deeper):
             timed.append((f"{base.planner} ({name})", consider(other, floor_seconds(other, cm))))
     return chosen, timed
 
