@@ -99,7 +99,7 @@ def plan(
             ``"ulysses"`` or ``"hcp"`` (:data:`~torch_dcp.planners.HEAD_PLANNERS`).
         block_size: tokens per block ``B``, an integer in ``1 ..`` :data:`~torch_dcp.batch.MAX_TOKENS`
             (checked for every planner; ``ring`` and ``megatron`` cut chunks of ``L / 2W``
-            instead); or, for a planner that offers candidates, several: a sequence of them, or
+            instead); or, for a planner that offers candidates, several: a list or tuple of them, or
             ``"auto"`` (:func:`auto_block_sizes`), each planned and the fastest plan on the
             simulator kept (the first on a tie; planning times add up; the others' candidates
             listed with ``"(B=...)"``).
@@ -156,7 +156,7 @@ def plan(
             or a head parallelism that is not ``None``, ``"auto"`` or a valid ``N``.
     """
     topology = Topology.coerce(topology)
-    if isinstance(block_size, str) or isinstance(block_size, (tuple, list)):
+    if block_size == "auto" or isinstance(block_size, (tuple, list)):
         return _best_block_size(batch, topology, planner, block_size, divisions, cost_model, head_parallel, options)
     check_block_size(block_size)
     if divisions is not None and (isinstance(divisions, bool) or not isinstance(divisions, (int, np.integer))):
@@ -242,8 +242,6 @@ def _best_block_size(batch: BatchSpec, topology: Topology, planner: str, block_s
     from .cost import CostModel
     from .sim.simulate import simulate
 
-    if isinstance(block_size, str) and block_size != "auto":
-        raise ValueError(f"block_size must be an integer, a sequence of them or 'auto', got {block_size!r}")
     sizes = auto_block_sizes(batch) if isinstance(block_size, str) else tuple(block_size)
     if not sizes:
         raise ValueError("block_size: an empty sequence of block sizes")
