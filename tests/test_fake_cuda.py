@@ -395,12 +395,14 @@ def test_device_operations_per_division_on_the_cuda_path():
     (the paper-scale figures: docs/gpu.md, ``python -m torch_dcp.benchmarks ops --fake``)."""
     from torch_dcp.benchmarks.common import batch_lengths
     from torch_dcp.benchmarks.ops import count_ops
+    from torch_dcp.planners.dcp import OWN_RIVALS
 
     lens = batch_lengths("longtail", 16384, seed=0)
     for mask in (M.Causal(), M.Lambda(sink=64, window=512)):
         batch = BatchSpec(lens, mask, n_heads=8, n_kv_heads=2, head_dim=128, dtype="bfloat16")
+        # dcp's own placements on the executor (its static runtimes are counted apart: PRESET_CASES)
         plan = torch_dcp.plan(batch, Topology(n_nodes=2, ranks_per_node=4), planner="dcp", block_size=512,
-                              divisions=4, head_parallel=1, cost_model=GPU_MODEL)
+                              divisions=4, head_parallel=1, cost_model=GPU_MODEL, rivals=OWN_RIVALS)
         rows = count_ops(plan, "cuda", fake=True)
         for name, launches, bound in (("forward", 1, 5.5), ("backward", 2, 12.0)):
             sel = [r for r in rows if r["pass"] == name]
