@@ -309,10 +309,10 @@ def _node_allgather_pass_seconds(plan: Plan, cm: CostModel,
     near_topo = dataclasses.replace(g, n_nodes=1)
     rail_topo = dataclasses.replace(g, ranks_per_node=1, nics_per_node=1, inter_bandwidth=g.inter_bandwidth / r)
     itb = pl.token_bytes()
-    rows = np.repeat(pl.rank_tokens().reshape(w // c, c).max(axis=1), c).astype(np.float64)
+    rows = pl.rank_tokens().reshape(w // c, c).max(axis=1).astype(np.float64)  # each group's shard
 
-    def seconds(shards: float, per_row: float, topo) -> np.ndarray:
-        return np.array([allgather_seconds(x * shards * per_row, topo) if x else 0.0 for x in rows])
+    def seconds(shards: float, per_row: float, topo) -> np.ndarray:  # per rank: its group's collective
+        return np.repeat([allgather_seconds(x * shards * per_row, topo) if x else 0.0 for x in rows], c)
 
     kv = itb[(backward, Buf.KV)]
     t0, t_rail, t_far = seconds(1, kv, near_topo), seconds(1, kv, rail_topo), seconds(n - 1, kv, near_topo)
