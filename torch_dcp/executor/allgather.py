@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..plan import Plan
-from ..planners.base import Runtime
+from ..planners.base import Runtime, whole_nodes
 from .device_plan import rows_on
 from .kernels import DivisionKernel
 from .kernels.base import output_delta
@@ -99,7 +99,7 @@ def collective_groups(plan: Any, rank: int) -> list[tuple[int, ...]]:
             first = g // c * c
             members = tuple((first + j) * n + inner for j in range(c))
             subsets = [members]
-            if per_node > 1 and c % per_node == 0 and c // per_node >= 2:  # the node-once all-gather's node and rail
+            if per_node > 1 and whole_nodes(c, per_node):  # the node-once all-gather's node and rail groups
                 j, l = divmod(g - first, per_node)
                 subsets += [members[j * per_node:(j + 1) * per_node], members[l::per_node]]
             groups += [m for m in subsets if 1 < len(m) < w and m not in groups]

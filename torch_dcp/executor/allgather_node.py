@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..plan import Plan, ReduceOp
-from ..planners.base import Runtime
+from ..planners.base import Runtime, whole_nodes
 from .allgather import AllGatherExecutor
 from .device_plan import host_to_device, rows_on
 from .kernels import DivisionKernel
@@ -80,7 +80,7 @@ def node_layout(plan: Plan, rank: int) -> NodeLayout:
     """
     members = plan.placement.cp_group(rank)
     r, c = plan.topology.ranks_per_node, len(members)
-    if c % r or c // r < 2 or members[0] % r:
+    if not whole_nodes(c, r) or members[0] % r:
         raise ValueError(f"the node-once all-gather needs CP groups of two or more whole nodes of {r} ranks, got "
                          f"{list(members)}")
     j, l = divmod(members.index(int(rank)), r)

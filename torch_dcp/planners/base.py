@@ -9,7 +9,7 @@ import numpy as np
 
 from ..workload import Workload, item_token_bytes
 
-__all__ = ["Placement", "Routing", "Runtime"]
+__all__ = ["Placement", "Routing", "Runtime", "whole_nodes"]
 
 
 class Routing(enum.Enum):
@@ -97,6 +97,13 @@ class Runtime(enum.Enum):
         accumulation dtype (torch_dcp's executor)."""
         return self is not Runtime.EXECUTOR
 
+
+
+def whole_nodes(cp_size: int, ranks_per_node: int) -> bool:
+    """Whether CP groups of ``cp_size`` consecutive ranks are two or more whole nodes: where
+    ``Runtime.DCP_NODE_ALLGATHER`` can run (a node group and a rail group inside each CP group;
+    dcp offers it where nodes have two or more ranks, as on one rank a node gathers as the ring)."""
+    return cp_size % ranks_per_node == 0 and cp_size // ranks_per_node >= 2
 
 @dataclasses.dataclass(frozen=True)
 class Placement:

@@ -72,7 +72,7 @@ from ..topology import Topology
 from ..workload import Buf, Workload, item_token_bytes
 from .allgather import plan_allgather
 from .documents import plan_documents
-from .base import Placement, Routing, Runtime
+from .base import Placement, Routing, Runtime, whole_nodes
 from .megatron import plan_megatron
 from .partition import _partition_csr
 from .ring import plan_ring
@@ -494,7 +494,7 @@ def _static_runtimes(batch: BatchSpec, topology: Topology, eps_memory: float) ->
         tokens = p.rank_tokens()
         if tokens.max() <= (1.0 + eps_memory) * tokens.mean():
             out.append(dataclasses.replace(p, planner=f"dcp:allgather/cp{c}", runtime=Runtime.DCP_ALLGATHER))
-            if topology.ranks_per_node > 1 and c // topology.ranks_per_node >= 2:  # groups of whole nodes
+            if topology.ranks_per_node > 1 and whole_nodes(c, topology.ranks_per_node):
                 out.append(dataclasses.replace(p, planner=f"dcp:allgather/cp{c}/node",
                                                runtime=Runtime.DCP_NODE_ALLGATHER))
     return out
