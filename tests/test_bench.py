@@ -240,3 +240,21 @@ def test_ops_counts_a_compiled_flex_kernel(monkeypatch):
     rows = ops._count_ops(plan, "cpu", None, 0)
     assert {r["pass"] for r in rows} == {"forward", "backward"} and all(r["kernel_calls"] >= 1 for r in rows)
     assert set(flex._COMPILED) == {"flex:aot_eager", "backward:aot_eager"}
+
+
+def test_operations_per_pass_and_per_division_come_apart():
+    """The GPU executor preset's split (``ops --write-preset``): ranks whose operations are ``a + b
+    x d`` over their ``d`` divisions give back ``a`` per pass and ``b`` per division from a count at
+    several divisions and one at one (ranks without tiles counted as one division); two counts
+    with the same divisions are refused."""
+    from torch_dcp.benchmarks.ops import per_pass_and_division
+
+    def rows(divisions, fwd, bwd):
+        return [r for d in divisions for r in ({"pass": "forward", "divisions": d, "device_ops": fwd(max(1, d))},
+                                                {"pass": "backward", "divisions": d, "device_ops": bwd(max(1, d))})]
+
+    fwd, bwd = (lambda d: 5 + 2 * d), (lambda d: 13 + 3.5 * d)
+    got = per_pass_and_division(rows([4, 3, 0, 2], fwd, bwd), rows([1, 1, 0, 1], fwd, bwd))
+    assert got == pytest.approx({"forward": 2, "forward_pass": 5, "backward": 3.5, "backward_pass": 13})
+    with pytest.raises(ValueError, match="forward: the plan has 1.0 divisions per rank"):
+        per_pass_and_division(rows([1, 0], fwd, bwd), rows([1, 1], fwd, bwd))

@@ -260,8 +260,9 @@ def test_measure_shared_cores_on_gloo(tmp_path):
 
 
 def test_gpu_executor_from_its_counted_preset(tmp_path):
-    """``GPU_EXECUTOR``: each pass's device operations per division (counted on the executor) x
-    the seconds per operation (measured), from the shipped preset; a file without them is refused."""
+    """``GPU_EXECUTOR``: each pass's device operations per division and per pass (counted on the
+    executor) x the seconds per operation (measured), from the shipped preset; a file without
+    them is refused; one without the per-pass counts charges none."""
     from torch_dcp.cost.model import GPU_EXECUTOR, GPU_EXECUTOR_PRESET, gpu_executor
 
     d = json.loads(GPU_EXECUTOR_PRESET.read_text())
@@ -269,10 +270,19 @@ def test_gpu_executor_from_its_counted_preset(tmp_path):
     assert GPU_EXECUTOR.fast.name == "varlen" and GPU_EXECUTOR.general.name == "flex"
     assert GPU_EXECUTOR.fast.forward.fixed == pytest.approx(fast["forward"] * per_op)
     assert GPU_EXECUTOR.general.backward.fixed == pytest.approx(general["backward"] * per_op)
+    # a pass's own operations (counted with either kernel) once per pass, whatever its divisions
+    for i, name in enumerate(("forward_pass", "backward_pass")):
+        assert GPU_EXECUTOR.pass_fixed[i] == pytest.approx((fast[name] + general[name]) / 2 * per_op)
+        assert GPU_EXECUTOR.pass_fixed[i] > GPU_EXECUTOR.general.of(bool(i)).fixed
     assert "measured" in d["seconds_per_op_source"] and "ops --fake --device cuda --write-preset" in d["command"]
     d["seconds_per_op"] = 1e-6
     (tmp_path / "p.json").write_text(json.dumps(d))
     assert gpu_executor(tmp_path / "p.json").fast.forward.fixed == pytest.approx(fast["forward"] * 1e-6)
+    for role in ("fast", "general"):
+        for name in ("forward_pass", "backward_pass"):
+            del d["counted"][role][name]
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    assert gpu_executor(tmp_path / "old.json").pass_fixed == (0.0, 0.0)
     (tmp_path / "bad.json").write_text(json.dumps({"counted": {}}))
     with pytest.raises(ValueError, match="not a GPU executor preset"):
         gpu_executor(tmp_path / "bad.json")

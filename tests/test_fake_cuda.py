@@ -414,8 +414,8 @@ def test_device_operations_per_division_on_the_cuda_path():
 
 @pytest.mark.parametrize("role", ["fast", "general", "alone", "gathered", "ring", "node"])
 def test_the_gpu_executor_preset_counts_todays_executor(role):
-    """The GPU cost presets' fixed costs per division (``torch_dcp.cost.GPU_EXECUTOR``) are built
-    from device operations per division counted on the executor (``ops --fake --device cuda
+    """The GPU cost presets' fixed costs per division and per pass (``torch_dcp.cost.GPU_EXECUTOR``)
+    are built from device operations counted on the executor (``ops --fake --device cuda
     --write-preset``): today's count stays within 10 % of the shipped one, each pass, or the preset
     is regenerated."""
     import json
@@ -423,10 +423,13 @@ def test_the_gpu_executor_preset_counts_todays_executor(role):
     from torch_dcp.benchmarks.ops import count_preset_cases
     from torch_dcp.cost.model import GPU_EXECUTOR_PRESET
 
+    from torch_dcp.benchmarks.ops import PER_PASS_ROLES
+
     shipped = json.loads(GPU_EXECUTOR_PRESET.read_text())["counted"][role]
     counted = count_preset_cases([role])[role]
-    for name in ("forward", "backward"):
+    names = ("forward", "backward") + (("forward_pass", "backward_pass") if role in PER_PASS_ROLES else ())
+    for name in names:
         assert abs(counted[name] - shipped[name]) <= 0.1 * shipped[name], (
-            f"{role} {name}: {counted[name]} device operations per division against {shipped[name]} in "
+            f"{role} {name}: {counted[name]} device operations per division (or pass) against {shipped[name]} in "
             f"{GPU_EXECUTOR_PRESET.name}: regenerate it with python -m torch_dcp.benchmarks ops --fake --device cuda "
             f"--write-preset {GPU_EXECUTOR_PRESET}")

@@ -10,6 +10,7 @@ from torch_dcp import BatchSpec, Causal, Lambda, Topology
 from torch_dcp.cost import CostModel
 from torch_dcp.plan import Plan, PlanError
 from torch_dcp.plan.heads import HeadLayout, HeadParallelPlan, head_parallel_sizes
+from torch_dcp.planners.base import Runtime
 from torch_dcp.sim.floors import floor_seconds
 from torch_dcp.sim.simulate import simulate
 
@@ -76,7 +77,7 @@ def test_ranks_hold_contiguous_chunks_covering_every_token_once():
 def test_all_to_all_bytes_by_hand():
     # one group of 2 ranks, 2 query heads, 2 KV heads (no replication), bf16 head_dim 64
     b = BatchSpec([10, 7], Causal(), n_heads=2, n_kv_heads=2, head_dim=64, dtype="bfloat16")
-    p = torch_dcp.plan(b, 2, planner="ulysses")
+    p = torch_dcp.plan(b, 2, planner="greedy", head_parallel=2, divisions=1)  # torch_dcp's own head parallelism
     assert p.keep_sharded and p.outer.world_size == 1 and p.divisions == 1
     c = [p.local_tokens(0), p.local_tokens(1)]
     assert c == [9, 8]
@@ -96,6 +97,14 @@ def test_all_to_all_bytes_by_hand():
     assert q.all_to_all_bytes(False, "out")[0, 1] == c[1] * (e + 4)
     with pytest.raises(ValueError, match="way"):
         p.all_to_all_bytes(True, "sideways")
+    # TransformerEngine's Ulysses (its a2a CP, on its own ring runtime) as its source moves them: the
+    # LSE stays head-sharded; the backward's all-to-all in carries O again with dO
+    te = torch_dcp.plan(b, 2, planner="ulysses")
+    assert te.outer.placement.runtime is Runtime.TE_RING and [te.local_tokens(0), te.local_tokens(1)] == c
+    np.testing.assert_array_equal(te.all_to_all_bytes(False, "in"), fin)
+    assert te.all_to_all_bytes(False, "out")[0, 1] == c[1] * e
+    assert te.all_to_all_bytes(True, "in")[0, 1] == c[0] * 2 * e
+    assert te.all_to_all_bytes(True, "out")[0, 1] == c[1] * 3 * e
 
 
 def test_ulysses_simulates_as_all_to_all_plus_one_launch():
@@ -114,6 +123,21 @@ def test_ulysses_simulates_as_all_to_all_plus_one_launch():
     assert st["head_parallel"] == 8 and st["inter_node_bytes"] == 0
     assert st["comm_bytes"] == int(sum(p.all_to_all_bytes(bw).sum() for bw in (False, True)))
     assert st["flops_fwd"] == pytest.approx(torch_dcp.plan(b, topo, planner="ring").stats()["flops_fwd"])
+    # with the executor presets TransformerEngine's a2a pays its own counted operations per pass
+    # (9 forward, 11 backward with its attention call; around HCP's ring, whose steps charge the
+    # calls, 8 and 10), as torch_dcp's executor pays its own
+    from torch_dcp.cost.model import GPU_EXECUTOR
+    from torch_dcp.sim.runtimes import te_all_to_all_ops_seconds
+
+    ex = CostModel.load("h100-executor")
+    fwd, bwd = (te_all_to_all_ops_seconds(p, ex, bw) for bw in (False, True))
+    assert (fwd, bwd) == (GPU_EXECUTOR.te_a2a[0], GPU_EXECUTOR.te_a2a[1]) and bwd > fwd > 0
+    assert simulate(p, ex).makespan_s == pytest.approx(simulate(p.outer, ex).makespan_s + a2a + fwd + bwd)
+    assert floor_seconds(p, ex) <= simulate(p, ex).makespan_s
+    hcp = torch_dcp.plan(b, Topology.preset("h100", n_nodes=2), planner="hcp")
+    assert hcp.outer.world_size == 2 and te_all_to_all_ops_seconds(hcp, ex, True) == GPU_EXECUTOR.te_a2a[3]
+    own = torch_dcp.plan(b, topo, planner="greedy", head_parallel=8)  # torch_dcp's: its executor's counts
+    assert te_all_to_all_ops_seconds(own, ex, False) == 0.0 and te_all_to_all_ops_seconds(p, cm, False) == 0.0
 
 
 def test_baselines_refuse_what_they_cannot_run():

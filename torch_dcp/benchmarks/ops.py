@@ -40,8 +40,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch_dcp
 from torch_dcp.executor import InProcessTransport, Mailbox, get_kernel, make_executor
 
-__all__ = ["count_ops", "device_plan_seconds", "per_division", "count_preset_cases", "write_preset", "PRESET_CASES",
-           "add_arguments", "run", "main"]
+__all__ = ["count_ops", "device_plan_seconds", "per_division", "per_pass_and_division", "count_preset_cases",
+           "write_preset", "PRESET_CASES", "PER_PASS_ROLES", "add_arguments", "run", "main"]
 
 _ALLOCS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
 #: metadata queries that reach the dispatcher under fake tensors (``Tensor.device``, symbolic sizes): no work
@@ -361,6 +361,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 #: the cases the GPU executor preset counts (torch_dcp/cost/presets/gpu_executor.json): kernel
 #: role -> ``ops`` options (the paper's long-tail batch on 4 x 8 ranks, bf16, GQA 8/2, head_dim 128)
 PRESET_CASES = {
+    # dcp's executor, each kernel (the varlen call, FlexAttention): counted at these divisions and
+    # at one (PER_PASS_ROLES), so operations per pass and per division come apart
     "fast": {"mask": "causal", "divisions": 6},
     "general": {"mask": "lambda", "divisions": 4},
     # torch_dcp's all-gather runtime (one call per rank and pass): alone (CP groups of one rank,
@@ -374,6 +376,11 @@ PRESET_CASES = {
     # groups of two nodes
     "node": {"mask": "causal", "divisions": 1, "cp_size": 16, "node_once": True},
 }
+#: the roles counted at one division too: their ``forward`` and ``backward`` are operations per
+#: division past the first, ``forward_pass`` and ``backward_pass`` those of a pass whatever its
+#: divisions (the inputs' copies into the buffers, the accumulators' zeros, ``delta``, the final
+#: reductions and conversions), fitted per rank (:func:`per_pass_and_division`)
+PER_PASS_ROLES = ("fast", "general")
 _PRESET_BASE = {"ranks": 32, "topology": "4x8", "batch": "longtail", "tokens": 131072, "block_size": 1024,
                 "heads": 8, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16", "kernel": None, "device": "cuda",
                 "fake": True, "planner": "dcp", "seed": 0, "max_doc_len": 4096}
@@ -388,16 +395,49 @@ def per_division(rows: list[dict]) -> dict[str, float]:
     return out
 
 
+def per_pass_and_division(rows: list[dict], one: list[dict]) -> dict[str, float]:
+    """Device operations per pass and per division of each pass, from ``count_ops`` rows of one
+    plan at ``T`` divisions (``rows``) and at one (``one``): a rank's operations taken as ``a +
+    b x d`` over its divisions ``d`` (at least 1), ``b`` from the mean operations and divisions
+    per rank at the two counts, ``a`` the rest. Keys ``forward``, ``backward`` (``b``) and
+    ``forward_pass``, ``backward_pass`` (``a``).
+
+    Raises:
+        ValueError: the two counts have the same mean divisions (``T`` left every rank one).
+    """
+    out = {}
+    for name in ("forward", "backward"):
+        means = []
+        for rs in (rows, one):
+            sel = [r for r in rs if r["pass"] == name]
+            means.append((sum(r["device_ops"] for r in sel) / max(1, len(sel)),
+                          sum(max(1, r["divisions"]) for r in sel) / max(1, len(sel))))
+        (ops_t, div_t), (ops_1, div_1) = means
+        if not div_t > div_1:
+            raise ValueError(f"{name}: the plan has {div_t} divisions per rank, as at one division: nothing to fit")
+        out[name] = (ops_t - ops_1) / (div_t - div_1)
+        out[f"{name}_pass"] = ops_1 - out[name] * div_1
+    return out
+
+
 def count_preset_cases(roles: "list[str] | None" = None) -> dict[str, dict[str, Any]]:
     """:data:`PRESET_CASES` (all, or ``roles``) counted as the GPU executor preset counts them
-    (fake CUDA tensors; a CUDA build of torch): role -> ``{mask, divisions, forward, backward}``."""
+    (fake CUDA tensors; a CUDA build of torch): role -> ``{mask, divisions, forward, backward}``
+    (operations per division), with ``forward_pass`` and ``backward_pass`` (per pass) for
+    :data:`PER_PASS_ROLES` (:func:`per_pass_and_division`)."""
     out = {}
     for role, case in PRESET_CASES.items():
         if roles is not None and role not in roles:
             continue
         args = argparse.Namespace(**{**_PRESET_BASE, **case})
         rows = count_ops(_plan(args), device="cuda", kernel=None, seed=0, fake=True)
-        out[role] = {**case, **{k: round(v, 2) for k, v in per_division(rows).items()}}
+        if role in PER_PASS_ROLES:
+            one = count_ops(_plan(argparse.Namespace(**{**vars(args), "divisions": 1})), device="cuda", kernel=None,
+                            seed=0, fake=True)
+            counted = per_pass_and_division(rows, one)
+        else:
+            counted = per_division(rows)
+        out[role] = {**case, **{k: round(v, 2) for k, v in counted.items()}}
     return out
 
 

@@ -188,6 +188,12 @@ class ExecutorCosts:
             baseline's own (counted from its source, its one-off operations per pass spread over
             the steps; the preset's ``baselines`` names it), at the same cost per operation as
             torch_dcp's; None: the baseline is charged its kernels and its merges' bytes.
+        te_a2a: seconds per pass of the device operations TransformerEngine's all-to-all context
+            parallelism issues around its all-to-alls (the baselines' Ulysses and HCP; counted
+            from its source, the preset's ``baselines`` names it), ``(forward, backward)`` with
+            its one attention call (Ulysses: CP groups inside one head group, no ring) and
+            ``(forward, backward)`` around a ring whose steps ``te_ring`` charges (HCP); None:
+            the baseline is charged its kernels and its all-to-alls' bytes.
     """
 
     general: KernelCosts
@@ -203,6 +209,7 @@ class ExecutorCosts:
     ring: tuple[float, float] | None = None
     te_ring: tuple[float, float] | None = None
     node_allgather: tuple[float, float] | None = None
+    te_a2a: tuple[float, float, float, float] | None = None
 
     def kernels(self) -> tuple[KernelCosts, ...]:
         return (self.general,) if self.fast is None else (self.general, self.fast)
@@ -225,7 +232,8 @@ class ExecutorCosts:
                    None if d.get("te_allgather") is None else tuple(float(x) for x in d["te_allgather"]),
                    None if d.get("ring") is None else tuple(float(x) for x in d["ring"]),
                    None if d.get("te_ring") is None else tuple(float(x) for x in d["te_ring"]),
-                   None if d.get("node_allgather") is None else tuple(float(x) for x in d["node_allgather"]))
+                   None if d.get("node_allgather") is None else tuple(float(x) for x in d["node_allgather"]),
+                   None if d.get("te_a2a") is None else tuple(float(x) for x in d["te_a2a"]))
 
     def memory(self, kind: str) -> MemoryCosts | None:
         """The costs of a memory-bound instruction of ``kind`` (:func:`memory_kind`); None:

@@ -25,7 +25,7 @@ launch by the work its kernel really performs, plus the executor's costs per div
 pass); ``python -m torch_dcp.benchmarks calibrate`` measures one, and ``CostModel.load("auto")``
 (:mod:`torch_dcp.cost.auto`) finds it. The ``h100`` and ``a100`` presets are the kernels alone
 (the published tables the paper benchmark simulates with); ``"auto"`` on such a card adds the
-executor's fixed costs per division (:data:`GPU_EXECUTOR`: the device operations per division
+executor's fixed costs per division and per pass (:data:`GPU_EXECUTOR`: the device operations
 counted on today's executor, each charged the 13.2 µs measured on an H200 with layer replay;
 ``calibrate`` on the user's card replaces them).
 
@@ -115,14 +115,17 @@ GPU_EXECUTOR_PRESET = Path(__file__).with_name("presets") / "gpu_executor.json"
 
 
 def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
-    """The executor's fixed costs per division on a GPU from a counted preset (its JSON, see
+    """The executor's fixed costs on a GPU from a counted preset (its JSON, see
     :data:`GPU_EXECUTOR_PRESET`): each pass's operations per division x the seconds per
     operation; the ``fast`` kernel (varlen) from the causal count, the ``general`` one
-    (FlexAttention) from the λ count; the all-gather runtime's operations per pass (its
+    (FlexAttention) from the λ count; the operations of a pass whatever its divisions (the
+    counts' ``forward_pass`` and ``backward_pass``, where the preset has them: the mean of the
+    two kernels' counts, one executor's) as ``pass_fixed``; the all-gather runtime's operations per pass (its
     ``alone`` and ``gathered`` counts, where the preset has them) likewise, the ring runtime's
     per step (``ring``), the node-once all-gather runtime's per pass (``node``), and those of
-    TransformerEngine's all-gather CP per pass (``baselines.te_allgather``) and of its ring per
-    step (``baselines.te_ring``), counted from its source.
+    TransformerEngine's all-gather CP per pass (``baselines.te_allgather``), of its ring per
+    step (``baselines.te_ring``) and of its all-to-all CP per pass (``baselines.te_a2a``),
+    counted from its source.
 
     Raises:
         ValueError: a file without the counts or the seconds per operation.
@@ -146,23 +149,32 @@ def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
             return None if te is None else (float(te["forward"]) * per_op, float(te["backward"]) * per_op)
 
         te_allgather, te_ring = baseline("te_allgather"), baseline("te_ring")  # per pass; per step
+        a2a = d.get("baselines", {}).get("te_a2a")  # per pass: with its attention call, and around a ring
+        te_a2a = None if a2a is None else tuple(float(a2a[name]) * per_op for name in (
+            "forward", "backward", "forward_around_ring", "backward_around_ring"))
         def both(case: str) -> tuple[float, float] | None:  # a runtime's count, seconds forward and backward
             c = counted.get(case)
             return None if c is None else (float(c["forward"]) * per_op, float(c["backward"]) * per_op)
 
+        # a pass's own operations (inputs into the buffers, zeros, delta, final reductions):
+        # counted with each kernel, charged once per pass whichever runs
+        pass_fixed = tuple(0.5 * (float(fast.get(f"{name}_pass", 0.0)) + float(general.get(f"{name}_pass", 0.0)))
+                           * per_op for name in ("forward", "backward"))
         # torch_dcp's ring runtime per step with tiles, its node-once all-gather per pass
-        return ExecutorCosts(general=costs("flex", general), fast=costs("varlen", fast), allgather=allgather,
+        return ExecutorCosts(general=costs("flex", general), fast=costs("varlen", fast), pass_fixed=pass_fixed,
+                             allgather=allgather,
                              te_allgather=te_allgather, ring=both("ring"), te_ring=te_ring,
-                             node_allgather=both("node"))
+                             node_allgather=both("node"), te_a2a=te_a2a)
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a GPU executor preset (counted.fast/general forward and backward, "
                          f"seconds_per_op): {e}") from e
 
 
 #: The executor's fixed costs on a GPU until a card is calibrated (:func:`gpu_executor` of the
-#: shipped preset): per division, forward and backward, the device operations counted on today's
-#: executor x 13.2 µs per operation measured on an H200 with layer replay; about 59 / 124 µs a
-#: causal (varlen) division, 63 / 131 µs a FlexAttention one.
+#: shipped preset): per division and per pass, forward and backward, the device operations
+#: counted on today's executor x 13.2 µs per operation measured on an H200 with layer replay;
+#: about 34 / 50 µs a causal (varlen) division, 29 / 44 µs a FlexAttention one, and 67 / 170 µs a
+#: pass whatever its divisions.
 GPU_EXECUTOR = gpu_executor()
 
 
@@ -403,7 +415,7 @@ class CostModel:
         if spec in ("a100-executor", "h100-executor"):
             name = spec.split("-")[0]
             return getattr(cls, name)().with_executor(
-                GPU_EXECUTOR, f"{name} preset with the executor's counted operations per division (13.2 µs each, "
+                GPU_EXECUTOR, f"{name} preset with the executor's counted operations per division and pass (13.2 µs each, "
                 "measured on an H200 with layer replay)")
         paths = [Path(x) for x in str(spec).split(",")]
         for path in paths:

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..batch import BatchSpec
+from ..planners.base import Runtime
 from ..topology import Topology
 from .ir import PlanError
 from .plan import Plan
@@ -301,10 +302,15 @@ class HeadParallelPlan:
         non-zero only inside head groups.
 
         Forward: Q, K, V of a rank's chunk to the ranks holding their heads (``way="in"``), O
-        and the LSE back (``"out"``; TransformerEngine keeps the LSE head-sharded, torch_dcp's
-        attention op returns it: ``H / N`` floats per token more). Backward: dO in, with Q, K, V, O and the LSE again unless
+        and the LSE back (``"out"``; torch_dcp's attention op returns the LSE: ``H / N`` floats
+        per token). Backward: dO in, with Q, K, V, O and the LSE again unless
         :attr:`keep_sharded`; dQ, dK, dV out (replicated key/value heads: every replica
-        returns its partial, summed by the owner). ``way=None``: both.
+        returns its partial, summed by the owner). ``way=None``: both. Where the outer plan
+        runs on TransformerEngine's ring (its ``a2a`` and ``a2a+p2p`` CP, the baselines'
+        Ulysses and HCP), as its source does (``AttnFuncWithCPAndQKVOA2A``; the ``a2a+p2p``
+        path of ``AttnFuncWithCPAndKVP2P`` alike): the LSE stays head-sharded (not sent back),
+        and the backward's all-to-all in carries O again with dO (it keeps Q, K, V and the LSE
+        head-sharded, O in the sequence's layout).
 
         Raises:
             ValueError: ``way`` not ``"in"``, ``"out"`` or ``None``.
@@ -316,11 +322,12 @@ class HeadParallelPlan:
         e, lse = b.elem_size * b.head_dim, lay.q_heads * b.acc_size
         # per token: what a chunk sends to one peer on the way in, what a peer returns on the way out
         qkv = (lay.q_heads + 2 * lay.kv_heads) * e
+        te = self.outer.placement.runtime is Runtime.TE_RING  # TransformerEngine's own all-to-alls
         if backward:
-            per_in = lay.q_heads * e + (0 if self.keep_sharded else qkv + lay.q_heads * e + lse)
-            per_out = qkv
+            again = lay.q_heads * e if te else (0 if self.keep_sharded else qkv + lay.q_heads * e + lse)
+            per_in, per_out = lay.q_heads * e + again, qkv
         else:
-            per_in, per_out = qkv, lay.q_heads * e + lse  # the op returns the LSE with O
+            per_in, per_out = qkv, lay.q_heads * e + (0 if te else lse)  # the op returns the LSE with O
         per_in, per_out = (per_in if way != "out" else 0), (per_out if way != "in" else 0)
         chunk = self.rank_tokens.astype(np.float64)
         out = np.zeros((w, w))

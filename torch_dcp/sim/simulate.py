@@ -14,7 +14,7 @@ from ..cost import CostModel
 from ..plan import Plan
 from ..plan.heads import HeadParallelPlan
 from ..planners.base import Runtime
-from .runtimes import RUNTIMES, te_ring_step_seconds
+from .runtimes import RUNTIMES, te_all_to_all_ops_seconds, te_ring_step_seconds
 from .timeline import PRUNE_MARGIN, PassResult, SimResult, _pass_traffic, _shared_links
 
 __all__ = ["simulate", "simulate_within", "model_of", "ring_step_seconds", "SimResult", "PassResult", "PRUNE_MARGIN"]
@@ -96,20 +96,25 @@ def simulate_within(plan: Plan | HeadParallelPlan, cost_model: CostModel | str |
     """
     cm = model_of(plan, cost_model)
     if isinstance(plan, HeadParallelPlan):
-        a2a = sum(plan.all_to_all_seconds(bw) for bw in (False, True))
+        a2a = sum(plan.all_to_all_seconds(bw) + te_all_to_all_ops_seconds(plan, cm, bw) for bw in (False, True))
         inner = simulate_within(plan.outer, cm, bound - a2a, runtime)
         return None if inner is None else _simulate_heads(plan, inner, cm)
     return RUNTIMES[plan.placement.runtime if runtime is None else runtime](plan, cm, bound)
 
 def _simulate_heads(plan: HeadParallelPlan, inner: SimResult, cm: CostModel) -> SimResult:
-    """The head-parallel plan's run from its outer plan's (``inner``); on shared cores (as
-    :func:`_on_shared_cores`) each pass takes at least every rank's busy time plus the host costs
-    of the outer plan's transfers (in every head group) and of the all-to-alls, over the cores."""
+    """The head-parallel plan's run from its outer plan's (``inner``): the all-to-all in, the
+    outer plan's pass, the all-to-all out, and where the outer plan runs on TransformerEngine's
+    ring the device operations its all-to-all CP issues around them
+    (:func:`~torch_dcp.sim.runtimes.te_all_to_all_ops_seconds`, charged with the all-to-all in);
+    on shared cores (as :func:`_on_shared_cores`) each pass takes at least every rank's busy time
+    plus the host costs of the outer plan's transfers (in every head group) and of the
+    all-to-alls, over the cores."""
     n = plan.head_parallel
     links = _shared_links(cm, plan.world_size)
     passes = []
     for res, backward in ((inner.forward, False), (inner.backward, True)):
-        a_in, a_out = plan.all_to_all_seconds(backward, "in"), plan.all_to_all_seconds(backward, "out")
+        ops = te_all_to_all_ops_seconds(plan, cm, backward)
+        a_in, a_out = plan.all_to_all_seconds(backward, "in") + ops, plan.all_to_all_seconds(backward, "out")
         span = a_in + res.makespan_s + a_out
         if links is not None:
             nbytes, transfers = _pass_traffic(plan.outer, backward)
@@ -117,9 +122,11 @@ def _simulate_heads(plan: HeadParallelPlan, inner: SimResult, cm: CostModel) -> 
             span = max(span, links.shared_seconds(float(res.busy_s.sum()) * n,
                                                   nbytes * n + sum(float(m.sum()) for m in a2a),
                                                   transfers * n + sum(int(np.count_nonzero(m)) for m in a2a)))
-        events = [[("all-to-all", 0.0, a_in)] + [(k, s + a_in, e + a_in) for k, s, e in ev]
+        head = [("all-to-all", 0.0, a_in - ops)] + ([("all-to-all ops", a_in - ops, a_in)] if ops else [])
+        events = [head + [(k, s + a_in, e + a_in) for k, s, e in ev]
                   + [("all-to-all", a_in + res.makespan_s, span)] for ev in res.events for _ in range(n)]
-        passes.append(PassResult(span, np.repeat(res.busy_s, n), np.repeat(res.exposed_comm_s, n) + a_in + a_out,
+        passes.append(PassResult(span, np.repeat(res.busy_s, n) + ops,
+                                 np.repeat(res.exposed_comm_s, n) + a_in - ops + a_out,
                                  np.repeat(res.idle_s, n), np.full(plan.world_size, span), events))
     return SimResult(passes[0], passes[1], passes[0].makespan_s + passes[1].makespan_s, inner.ideal_s)
 
