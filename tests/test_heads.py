@@ -125,19 +125,21 @@ def test_ulysses_simulates_as_all_to_all_plus_one_launch():
     assert st["flops_fwd"] == pytest.approx(torch_dcp.plan(b, topo, planner="ring").stats()["flops_fwd"])
     # with the executor presets TransformerEngine's a2a pays its own counted operations per pass
     # (9 forward, 11 backward with its attention call; around HCP's ring, whose steps charge the
-    # calls, 8 and 10), as torch_dcp's executor pays its own
+    # calls, 8 and 10), as torch_dcp's head parallelism pays its own
     from torch_dcp.cost.model import GPU_EXECUTOR
-    from torch_dcp.sim.runtimes import te_all_to_all_ops_seconds
+    from torch_dcp.sim.runtimes import all_to_all_ops_seconds
 
     ex = CostModel.load("h100-executor")
-    fwd, bwd = (te_all_to_all_ops_seconds(p, ex, bw) for bw in (False, True))
+    fwd, bwd = (all_to_all_ops_seconds(p, ex, bw) for bw in (False, True))
     assert (fwd, bwd) == (GPU_EXECUTOR.te_a2a[0], GPU_EXECUTOR.te_a2a[1]) and bwd > fwd > 0
     assert simulate(p, ex).makespan_s == pytest.approx(simulate(p.outer, ex).makespan_s + a2a + fwd + bwd)
     assert floor_seconds(p, ex) <= simulate(p, ex).makespan_s
     hcp = torch_dcp.plan(b, Topology.preset("h100", n_nodes=2), planner="hcp")
-    assert hcp.outer.world_size == 2 and te_all_to_all_ops_seconds(hcp, ex, True) == GPU_EXECUTOR.te_a2a[3]
-    own = torch_dcp.plan(b, topo, planner="greedy", head_parallel=8)  # torch_dcp's: its executor's counts
-    assert te_all_to_all_ops_seconds(own, ex, False) == 0.0 and te_all_to_all_ops_seconds(p, cm, False) == 0.0
+    assert hcp.outer.world_size == 2 and all_to_all_ops_seconds(hcp, ex, True) == GPU_EXECUTOR.te_a2a[3]
+    # torch_dcp's own head parallelism pays its own counted layouts (the preset's heads role)
+    own = torch_dcp.plan(b, topo, planner="greedy", head_parallel=8)
+    assert [all_to_all_ops_seconds(own, ex, bw) for bw in (False, True)] == list(GPU_EXECUTOR.heads)
+    assert GPU_EXECUTOR.heads[1] > GPU_EXECUTOR.heads[0] > 0 and all_to_all_ops_seconds(p, cm, False) == 0.0
 
 
 def test_baselines_refuse_what_they_cannot_run():

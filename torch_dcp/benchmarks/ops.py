@@ -320,6 +320,14 @@ def _plan(args: argparse.Namespace) -> torch_dcp.Plan:
 
         topo = torch_dcp.Topology.coerce(topo)
         runtime = Runtime.DCP_NODE_ALLGATHER if getattr(args, "node_once", False) else Runtime.DCP_ALLGATHER
+        n = getattr(args, "head_parallel", 1)
+        if n > 1:  # inside head groups of n ranks (torch_dcp's head parallelism): Ulysses' shape at cp_size 1
+            from torch_dcp.plan.heads import HeadLayout, HeadParallelPlan
+
+            lay = HeadLayout.of(batch, n)
+            outer_batch, outer_topo = lay.outer_batch(batch), lay.outer_topology(topo)
+            placement = dataclasses.replace(plan_allgather(outer_batch, outer_topo, cp_size=cp_size), runtime=runtime)
+            return HeadParallelPlan(divide(placement, outer_topo, 1), batch, topo, n)
         placement = dataclasses.replace(plan_allgather(batch, topo, cp_size=cp_size), runtime=runtime)
         return divide(placement, topo, 1)
     # dcp's own placements: the general executor's divisions (its static runtimes are counted apart)
@@ -375,14 +383,17 @@ PRESET_CASES = {
     # its all-gather crossing each node once (two attention calls and one merge per pass): CP
     # groups of two nodes
     "node": {"mask": "causal", "divisions": 1, "cp_size": 16, "node_once": True},
+    # torch_dcp's head parallelism (its all-to-alls' own layouts, per pass): Ulysses' shape, 8-way
+    # head groups around the all-gather runtime alone, its outer plan's own operations taken out
+    "heads": {"mask": "causal", "divisions": 1, "cp_size": 1, "head_parallel": 8},
 }
 #: the roles counted at one division too: their ``forward`` and ``backward`` are operations per
 #: division past the first, ``forward_pass`` and ``backward_pass`` those of a pass whatever its
 #: divisions (the inputs' copies into the buffers, the accumulators' zeros, ``delta``, the final
 #: reductions and conversions), fitted per rank (:func:`per_pass_and_division`)
 PER_PASS_ROLES = ("fast", "general")
-_PRESET_BASE = {"ranks": 32, "topology": "4x8", "batch": "longtail", "tokens": 131072, "block_size": 1024,
-                "heads": 8, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16", "kernel": None, "device": "cuda",
+_PRESET_BASE = {"ranks": 32, "topology": "4x8", "head_parallel": 1, "batch": "longtail", "tokens": 131072,
+                "block_size": 1024, "heads": 8, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16", "kernel": None, "device": "cuda",
                 "fake": True, "planner": "dcp", "seed": 0, "max_doc_len": 4096}
 
 
@@ -430,11 +441,15 @@ def count_preset_cases(roles: "list[str] | None" = None) -> dict[str, dict[str, 
         if roles is not None and role not in roles:
             continue
         args = argparse.Namespace(**{**_PRESET_BASE, **case})
-        rows = count_ops(_plan(args), device="cuda", kernel=None, seed=0, fake=True)
+        plan = _plan(args)
+        rows = count_ops(plan, device="cuda", kernel=None, seed=0, fake=True)
         if role in PER_PASS_ROLES:
             one = count_ops(_plan(argparse.Namespace(**{**vars(args), "divisions": 1})), device="cuda", kernel=None,
                             seed=0, fake=True)
             counted = per_pass_and_division(rows, one)
+        elif case.get("head_parallel", 1) > 1:  # the head-parallel layer's own: the whole less its outer plan's
+            inner = per_division(count_ops(plan.outer, device="cuda", kernel=None, seed=0, fake=True))
+            counted = {k: v - inner[k] for k, v in per_division(rows).items()}
         else:
             counted = per_division(rows)
         out[role] = {**case, **{k: round(v, 2) for k, v in counted.items()}}

@@ -194,6 +194,10 @@ class ExecutorCosts:
             its one attention call (Ulysses: CP groups inside one head group, no ring) and
             ``(forward, backward)`` around a ring whose steps ``te_ring`` charges (HCP); None:
             the baseline is charged its kernels and its all-to-alls' bytes.
+        heads: seconds per pass, ``(forward, backward)``, of the device operations torch_dcp's
+            head parallelism issues around its all-to-alls (its layouts by head group,
+            :class:`~torch_dcp.executor.heads.HeadParallelExecutor`), besides its outer plan's
+            (counted, on a GPU preset); None: charged nothing.
     """
 
     general: KernelCosts
@@ -210,6 +214,7 @@ class ExecutorCosts:
     te_ring: tuple[float, float] | None = None
     node_allgather: tuple[float, float] | None = None
     te_a2a: tuple[float, float, float, float] | None = None
+    heads: tuple[float, float] | None = None
 
     def kernels(self) -> tuple[KernelCosts, ...]:
         return (self.general,) if self.fast is None else (self.general, self.fast)
@@ -233,7 +238,8 @@ class ExecutorCosts:
                    None if d.get("ring") is None else tuple(float(x) for x in d["ring"]),
                    None if d.get("te_ring") is None else tuple(float(x) for x in d["te_ring"]),
                    None if d.get("node_allgather") is None else tuple(float(x) for x in d["node_allgather"]),
-                   None if d.get("te_a2a") is None else tuple(float(x) for x in d["te_a2a"]))
+                   None if d.get("te_a2a") is None else tuple(float(x) for x in d["te_a2a"]),
+                   None if d.get("heads") is None else tuple(float(x) for x in d["heads"]))
 
     def memory(self, kind: str) -> MemoryCosts | None:
         """The costs of a memory-bound instruction of ``kind`` (:func:`memory_kind`); None:

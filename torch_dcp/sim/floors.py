@@ -173,13 +173,13 @@ def floor_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = 
     (:func:`torch_dcp.plan`). Each pass: the larger of :func:`kernel_floor_seconds` and
     :func:`link_floor_seconds`, so at least ``max(compute_floor_seconds, link_floor_seconds)``:
     a pass bound by its links and another by its compute add up. A head-parallel plan: its
-    outer plan's floor plus its all-to-alls (and, on TransformerEngine's ring, the operations its
-    all-to-all CP issues around them)."""
+    outer plan's floor plus its all-to-alls and the operations its implementation issues around
+    them (:func:`~torch_dcp.sim.runtimes.all_to_all_ops_seconds`)."""
     if isinstance(plan, HeadParallelPlan):
-        from .runtimes import te_all_to_all_ops_seconds
+        from .runtimes import all_to_all_ops_seconds
 
         cm = cost_model or CostModel.a100()
-        return floor_seconds(plan.outer, cm) + sum(plan.all_to_all_seconds(bw) + te_all_to_all_ops_seconds(plan, cm, bw)
+        return floor_seconds(plan.outer, cm) + sum(plan.all_to_all_seconds(bw) + all_to_all_ops_seconds(plan, cm, bw)
                                                    for bw in (False, True))
     return sum(max(kernel_floor_seconds(plan, cost_model, backward), link_floor_seconds(plan, backward))
                for backward in (False, True))

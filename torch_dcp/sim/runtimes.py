@@ -72,7 +72,7 @@ from ..planners.base import Routing, Runtime
 from .timeline import PassResult, SimResult, _on_shared_cores, _Pass, pass_local_bytes, simulate_programs
 from ..workload import Buf
 
-__all__ = ["RUNTIMES", "te_ring_step_seconds", "te_all_to_all_ops_seconds", "ring_estimate_seconds", "ring_priced_as_executor", "simulate_allgather",
+__all__ = ["RUNTIMES", "te_ring_step_seconds", "all_to_all_ops_seconds", "ring_estimate_seconds", "ring_priced_as_executor", "simulate_allgather",
            "allgather_pass_seconds", "on_executor"]
 
 
@@ -132,17 +132,20 @@ def _te_ring_steps(plan: Plan, cm: CostModel) -> tuple[float, float] | None:
     return None if cm.executor is None or plan.world_size < 2 else cm.executor.te_ring
 
 
-def te_all_to_all_ops_seconds(plan: HeadParallelPlan, cm: CostModel, backward: bool) -> float:
-    """Seconds of one pass of the device operations TransformerEngine's all-to-all context
-    parallelism issues around its all-to-alls (``ExecutorCosts.te_a2a``, counted from its source),
-    for a head-parallel plan whose outer plan runs on its ring (the baselines' Ulysses and HCP):
-    with its one attention call where the outer plan is one rank (Ulysses: no ring, whose steps
-    would charge the calls), around the ring's steps otherwise; 0 for any other plan or a model
+def all_to_all_ops_seconds(plan: HeadParallelPlan, cm: CostModel, backward: bool) -> float:
+    """Seconds of one pass of the device operations a head-parallel plan's implementation issues
+    around its all-to-alls, beside its outer plan's: where the outer plan runs on
+    TransformerEngine's ring (the baselines' Ulysses and HCP), those of its all-to-all CP
+    (``ExecutorCosts.te_a2a``, counted from its source: with its one attention call where the
+    outer plan is one rank, as Ulysses runs without a ring, around the ring's steps otherwise);
+    else torch_dcp's head parallelism's (``ExecutorCosts.heads``, counted on it); 0 with a model
     without the count."""
     ex = cm.executor
-    if ex is None or ex.te_a2a is None or plan.outer.placement.runtime is not Runtime.TE_RING:
+    if ex is None:
         return 0.0
-    return float(ex.te_a2a[int(backward) + (0 if plan.outer.world_size == 1 else 2)])
+    if plan.outer.placement.runtime is Runtime.TE_RING:
+        return 0.0 if ex.te_a2a is None else float(ex.te_a2a[int(backward) + (0 if plan.outer.world_size == 1 else 2)])
+    return 0.0 if ex.heads is None else float(ex.heads[int(backward)])
 
 
 def _ring_timeline(plan: Plan, cm: CostModel, bound: float, runtime: Runtime,

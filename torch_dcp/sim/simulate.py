@@ -14,7 +14,7 @@ from ..cost import CostModel
 from ..plan import Plan
 from ..plan.heads import HeadParallelPlan
 from ..planners.base import Runtime
-from .runtimes import RUNTIMES, te_all_to_all_ops_seconds, te_ring_step_seconds
+from .runtimes import RUNTIMES, all_to_all_ops_seconds, te_ring_step_seconds
 from .timeline import PRUNE_MARGIN, PassResult, SimResult, _pass_traffic, _shared_links
 
 __all__ = ["simulate", "simulate_within", "model_of", "ring_step_seconds", "SimResult", "PassResult", "PRUNE_MARGIN"]
@@ -96,16 +96,16 @@ def simulate_within(plan: Plan | HeadParallelPlan, cost_model: CostModel | str |
     """
     cm = model_of(plan, cost_model)
     if isinstance(plan, HeadParallelPlan):
-        a2a = sum(plan.all_to_all_seconds(bw) + te_all_to_all_ops_seconds(plan, cm, bw) for bw in (False, True))
+        a2a = sum(plan.all_to_all_seconds(bw) + all_to_all_ops_seconds(plan, cm, bw) for bw in (False, True))
         inner = simulate_within(plan.outer, cm, bound - a2a, runtime)
         return None if inner is None else _simulate_heads(plan, inner, cm)
     return RUNTIMES[plan.placement.runtime if runtime is None else runtime](plan, cm, bound)
 
 def _simulate_heads(plan: HeadParallelPlan, inner: SimResult, cm: CostModel) -> SimResult:
     """The head-parallel plan's run from its outer plan's (``inner``): the all-to-all in, the
-    outer plan's pass, the all-to-all out, and where the outer plan runs on TransformerEngine's
-    ring the device operations its all-to-all CP issues around them
-    (:func:`~torch_dcp.sim.runtimes.te_all_to_all_ops_seconds`, charged with the all-to-all in);
+    outer plan's pass, the all-to-all out, and the device operations its implementation issues
+    around them (:func:`~torch_dcp.sim.runtimes.all_to_all_ops_seconds`, charged with the
+    all-to-all in);
     on shared cores (as :func:`_on_shared_cores`) each pass takes at least every rank's busy time
     plus the host costs of the outer plan's transfers (in every head group) and of the
     all-to-alls, over the cores."""
@@ -113,7 +113,7 @@ def _simulate_heads(plan: HeadParallelPlan, inner: SimResult, cm: CostModel) -> 
     links = _shared_links(cm, plan.world_size)
     passes = []
     for res, backward in ((inner.forward, False), (inner.backward, True)):
-        ops = te_all_to_all_ops_seconds(plan, cm, backward)
+        ops = all_to_all_ops_seconds(plan, cm, backward)
         a_in, a_out = plan.all_to_all_seconds(backward, "in") + ops, plan.all_to_all_seconds(backward, "out")
         span = a_in + res.makespan_s + a_out
         if links is not None:
