@@ -139,7 +139,7 @@ def test_ulysses_simulates_as_all_to_all_plus_one_launch():
     # torch_dcp's own head parallelism pays its own counted layouts (the preset's heads role)
     own = torch_dcp.plan(b, topo, planner="greedy", head_parallel=8)
     assert [all_to_all_ops_seconds(own, ex, bw) for bw in (False, True)] == list(GPU_EXECUTOR.heads)
-    assert GPU_EXECUTOR.heads[1] > GPU_EXECUTOR.heads[0] > 0 and all_to_all_ops_seconds(p, cm, False) == 0.0
+    assert min(GPU_EXECUTOR.heads) > 0 and all_to_all_ops_seconds(p, cm, False) == 0.0
 
 
 def test_baselines_refuse_what_they_cannot_run():

@@ -245,13 +245,15 @@ def _count_ops(plan: torch_dcp.Plan, device: str, kernel: str | None, seed: int)
     rows = []
     for attempt in range(2):  # the first call warms up (and compiles, for compiled kernels)
         counter.counts.clear()
+        # as the attention op runs them: the forward keeps what its backward reuses (head
+        # parallelism's head-sharded tensors: only dO travels in again; nothing for the others)
         with _flex_counted(counter), counter:
-            fwd = _drive([e.forward_steps(*x) for e, x in zip(execs, local)], counter, mailbox)
+            fwd = _drive([e.forward_steps(*x, keep=True) for e, x in zip(execs, local)], counter, mailbox)
         f_counts = dict(counter.counts)
         counter.counts.clear()
         with _flex_counted(counter), counter:
-            _drive([e.backward_steps(*x, o, lse, go[i]) for e, x, (o, lse), i in zip(execs, local, fwd, idx)],
-                   counter, mailbox)
+            _drive([e.backward_steps(*x, o, lse, go[i], state=state)
+                    for e, x, (o, lse, state), i in zip(execs, local, fwd, idx)], counter, mailbox)
         b_counts = dict(counter.counts)
     from torch_dcp.plan.heads import HeadParallelPlan
 
