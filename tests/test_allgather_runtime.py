@@ -171,12 +171,13 @@ def test_among_dcp_candidates_and_chosen_where_fastest():
         ours = dataclasses.replace(plan_allgather(batch, topo, cp_size=c), runtime=Runtime.DCP_ALLGATHER)
         assert best <= simulate(divide(ours, topo, 1), plan.cost_model_object).makespan_s * (1 + 1e-9)
     # the CP groups created at context entry for rank 0: CP size 8 at N = 1 (and, for the whole
-    # group's node-once all-gather, the rail {0, 8}: its node group is the CP group of 8); outer CP
-    # groups of 4 and 8 head groups at N = 2, 2 and 4 at N = 4, 2 at N = 8 (ranks of inner index
-    # 0), each listed once
-    assert collective_groups(plan, 0) == [tuple(range(8)), (0, 8), (0, 2, 4, 6), tuple(range(0, 16, 2)), (0, 4),
-                                          (0, 4, 8, 12)]
-    assert collective_groups(plan, 5)[:3] == [tuple(range(8)), (5, 13), (1, 3, 5, 7)]
+    # group's node-once all-gather, the rail {0, 8}: its node group is the CP group of 8); at each
+    # N > 1 its head group (head parallelism's all-to-alls; at N = 8 the node, listed already), then
+    # outer CP groups of 4 and 8 head groups at N = 2, 2 and 4 at N = 4, 2 at N = 8 (ranks of
+    # inner index 0), each listed once
+    assert collective_groups(plan, 0) == [tuple(range(8)), (0, 8), (0, 1), (0, 2, 4, 6), tuple(range(0, 16, 2)),
+                                          (0, 1, 2, 3), (0, 4), (0, 4, 8, 12)]
+    assert collective_groups(plan, 5)[:4] == [tuple(range(8)), (5, 13), (4, 5), (1, 3, 5, 7)]
 
 
 # ---------------------------------------------------------------------- gloo

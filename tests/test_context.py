@@ -360,7 +360,10 @@ def _frozen_rank(rank, world, mesh, planner="greedy", where=r"CommWait"):
 _SDPA = F.scaled_dot_product_attention
 
 
-@pytest.mark.parametrize("planner, where", [("greedy", "CommWait"), ("ulysses", "head all-to-all to heads")])
+# (the head all-to-alls are collectives: the late rank's first one completes against the posted one of
+# the rank that timed out, and its next one, back to rows, finds the peer gone)
+@pytest.mark.parametrize("planner, where", [("greedy", "CommWait"),
+                                            ("ulysses", "head all-to-all (?:to heads|back to rows)")])
 def test_a_frozen_rank_gives_every_rank_a_timeout(planner, where, tmp_path):
     run_ranks(functools.partial(_frozen_rank, planner=planner, where=where), 2, tmp_path, timeout=90, barrier=False)
 

@@ -148,6 +148,9 @@ class _CountedTransport(InProcessTransport):
     def reduce_scatter(self, phase, inp, out, members):
         return self._as_transport(super().reduce_scatter, phase, inp, out, members)
 
+    def all_to_all(self, phase, inp, out, in_rows, out_rows, members, tag=0):
+        return self._as_transport(super().all_to_all, phase, inp, out, in_rows, out_rows, members, tag)
+
     def _as_transport(self, fn, *args):
         self.counter.where = "transport"
         try:

@@ -73,8 +73,10 @@ def collective_groups(plan: Any, rank: int) -> list[tuple[int, ...]]:
     user of all-gather CP could pick over the ``W / N`` head groups
     (:func:`~torch_dcp.planners.static.cp_sizes`), and the plan's own; a CP group of outer
     ranks ``g`` holds the ranks ``g N + i`` of this rank's inner index ``i``. The whole DCP
-    group and groups of one rank need none. Every rank lists its groups in the same order
-    (``N``, then the size), so that members create each group at the same point. A CP group of
+    group and groups of one rank need none. For ``N > 1`` this rank's head group (the ``N``
+    ranks of its outer rank, head parallelism's all-to-alls) comes first. Every rank lists its
+    groups in the same order (``N``, then the size), so that members create each group at the
+    same point. A CP group of
     two or more whole nodes is followed by this rank's node and rail groups inside it (the
     node-once all-gather's, :func:`~torch_dcp.executor.allgather_node.node_layout`), each listed
     once.
@@ -95,6 +97,9 @@ def collective_groups(plan: Any, rank: int) -> list[tuple[int, ...]]:
     for n in sorted(wanted):
         g, inner = divmod(int(rank), n)
         per_node = max(topo.ranks_per_node // n, 1)  # outer ranks per node
+        head = tuple(g * n + j for j in range(n))  # head parallelism's all-to-alls
+        if 1 < n < w and head not in groups:
+            groups.append(head)
         for c in sorted(wanted[n]):
             first = g // c * c
             members = tuple((first + j) * n + inner for j in range(c))

@@ -17,6 +17,7 @@ their own.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Generator, Sequence
 
 import torch
@@ -180,27 +181,28 @@ class HeadParallelExecutor:
         return lay.kv_heads, lay.kv_replicas
 
     # ------------------------------------------------------------------ all-to-all
-    def _exchange(self, phase: int, send: list[Any], recv: list[Any]) -> Generator:
-        """Every tensor ``x``: send ``send[x][j]`` to member ``j`` and receive member ``j``'s into
-        ``recv[x][j]`` (``send[x]``, ``recv[x]``: indexable by member, contiguous tensors: no
-        copies; the own index is not sent), one message per member and tensor, told apart by the
-        tensor's index."""
-        sends, recvs = [], []
-        for j, rank in enumerate(self.members):
-            if j == self.inner:
-                continue
-            for x, (out, into) in enumerate(zip(send, recv)):
-                msg, buf = out[j].reshape(-1).view(torch.uint8), into[j].reshape(-1).view(torch.uint8)
-                sends.append((rank, x, msg))
-                recvs.append((rank, x, buf))
-                self._a2a_sent += msg.numel()
-                self._a2a_received += buf.numel()
-        if sends or recvs:
-            try:
-                yield from self.transport.wait(self.transport.launch(phase, sends, recvs))
-            except TransferError as err:  # where this rank was, as the outer plan's steps say it
-                raise located(err, f"torch_dcp (plan {self.plan.digest()[:12]}): {A2A_NAMES[phase]}(phase={phase})") \
-                    from None
+    def _exchange(self, phase: int, tensors: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]]]
+                  ) -> Generator:
+        """One all-to-all per tensor on the head group (:meth:`~torch_dcp.executor.transport.Transport.all_to_all`,
+        told apart by the tensor's index): ``(inp, out, in_rows, out_rows)``, contiguous,
+        row ranges per member in member order; the own range is copied across by the
+        collective (NCCL's, inside it), so no operation here copies it."""
+        posted = []
+        try:
+            for x, (inp, out, in_rows, out_rows) in enumerate(tensors):
+                if self.n > 1:
+                    posted.append(self.transport.all_to_all(phase, inp, out, in_rows, out_rows, self.members, tag=x))
+                else:
+                    out.copy_(inp)
+                row_in = math.prod(inp.shape[1:]) * inp.element_size()
+                row_out = math.prod(out.shape[1:]) * out.element_size()
+                self._a2a_sent += row_in * (sum(in_rows) - in_rows[self.inner])
+                self._a2a_received += row_out * (sum(out_rows) - out_rows[self.inner])
+            for c in posted:
+                yield from self.transport.finish(c)
+        except TransferError as err:  # where this rank was, as the outer plan's steps say it
+            raise located(err, f"torch_dcp (plan {self.plan.digest()[:12]}): {A2A_NAMES[phase]}(phase={phase})") \
+                from None
 
     def _rows(self, j: int) -> slice:
         return slice(int(self.chunks[j]), int(self.chunks[j + 1]))
@@ -208,42 +210,48 @@ class HeadParallelExecutor:
     def _to_heads(self, backward: bool, tensors: list[torch.Tensor], kinds: list[str]) -> Generator:
         """Sequence-sharded ``[S_r, heads, ...]`` tensors to head-sharded ``[S_g, heads / N, ...]``
         (``kinds``: ``"q"`` query heads, ``"kv"`` key/value heads). Each tensor is laid out by
-        inner index in one copy (``[N, S_r, width, ...]``, replicated key/value heads repeated),
-        each member's rows received straight into the result; the own rows one copy more."""
-        send, recv, fulls = [], [], []
+        inner index in one copy (``[N, S_r, width, ...]``, replicated key/value heads repeated)
+        and traded by one all-to-all, each member's rows received straight into the result."""
+        sizes = [int(self.chunks[j + 1] - self.chunks[j]) for j in range(self.n)]
+        posts, fulls = [], []
         for t, kind in zip(tensors, kinds):
             width, reps = self._blocks(kind, t)
             s, rest = t.shape[0], tuple(t.shape[2:])
             blocks = self.n // reps
-            send.append(t.unflatten(1, (blocks, width)).transpose(0, 1).unsqueeze(1)
-                        .expand(blocks, reps, s, width, *rest).reshape(self.n, s, width, *rest).contiguous())
+            send = (t.unflatten(1, (blocks, width)).transpose(0, 1).unsqueeze(1)
+                    .expand(blocks, reps, s, width, *rest).reshape(self.n * s, width, *rest).contiguous())
             fulls.append(torch.empty((int(self.chunks[-1]), width) + rest, dtype=t.dtype, device=t.device))
-            recv.append([fulls[-1][self._rows(j)] for j in range(self.n)])
-            recv[-1][self.inner].copy_(send[-1][self.inner])
-        yield from self._exchange(A2A_PHASES[(backward, "in")], send, recv)
+            posts.append((send, fulls[-1], [s] * self.n, sizes))
+        yield from self._exchange(A2A_PHASES[(backward, "in")], posts)
         return fulls
 
     def _to_rows(self, backward: bool, tensors: list[torch.Tensor], kinds: list[str],
                  like: list[torch.Tensor]) -> Generator:
         """Head-sharded ``[S_g, heads / N, ...]`` back to sequence-sharded tensors shaped like
         ``like`` (``kinds`` as for :meth:`_to_heads`; replicated key/value heads summed). Each
-        member's rows are sent as they lie; what comes back is received into one ``[N, S_r,
-        width, ...]`` buffer per tensor and laid out by heads in one copy (replicas summed first)."""
-        send, recv = [], []
+        member's rows are sent as they lie by one all-to-all; what comes back is received into
+        one ``[N, S_r, width, ...]`` buffer per tensor and laid out by heads in one copy
+        (replicas summed as they are laid out)."""
+        sizes = [int(self.chunks[j + 1] - self.chunks[j]) for j in range(self.n)]
+        posts, recv = [], []
         for t in tensors:
             t = t.contiguous()
-            send.append([t[self._rows(j)] for j in range(self.n)])
-            buf = torch.empty((self.n, self.local_rows) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            buf[self.inner].copy_(send[-1][self.inner])
-            recv.append(buf)
-        yield from self._exchange(A2A_PHASES[(backward, "out")], send, recv)
+            buf = torch.empty((self.n * self.local_rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+            posts.append((t, buf, sizes, [self.local_rows] * self.n))
+            recv.append(buf.view((self.n, self.local_rows) + tuple(t.shape[1:])))
+        yield from self._exchange(A2A_PHASES[(backward, "out")], posts)
         out = []
         for buf, kind, ref in zip(recv, kinds, like):
             width, reps = self._blocks(kind, ref)
             rest = tuple(buf.shape[3:])
-            if reps > 1:  # replicas of a key/value head: their partials add up
-                buf = buf.unflatten(0, (self.n // reps, reps)).sum(1)
-            out.append(buf.transpose(0, 1).reshape((self.local_rows, buf.shape[0] * width) + rest).contiguous())
+            blocks = self.n // reps
+            res = torch.empty((self.local_rows, blocks * width) + rest, dtype=buf.dtype, device=buf.device)
+            view = res.view((self.local_rows, blocks, width) + rest).transpose(0, 1)
+            if reps > 1:  # replicas of a key/value head: their partials add up, written in the heads' layout
+                torch.sum(buf.unflatten(0, (blocks, reps)), 1, out=view)
+            else:
+                view.copy_(buf)
+            out.append(res)
         return out
 
     # ------------------------------------------------------------------ passes

@@ -267,6 +267,27 @@ class Transport:
 
         return Collective(handle, finish)
 
+    def all_to_all(self, phase: int, inp: torch.Tensor, out: torch.Tensor, in_rows: Sequence[int],
+                   out_rows: Sequence[int], members: Sequence[int], tag: int = 0) -> Collective:
+        """Post an all-to-all on ``members``: ``inp`` (contiguous, ``in_rows[j]`` rows for member
+        ``j``, in member order) is sent row range by row range, and ``out`` (contiguous,
+        ``out_rows[j]`` rows from member ``j``) receives; this rank's own range is copied
+        across, complete after :meth:`finish`. Here point-to-point messages of one phase (several
+        all-to-alls of a phase told apart by ``tag``) and a local copy; a backend with
+        collectives of its own runs one (:class:`TorchDistributedTransport`: NCCL copies the
+        own range inside it)."""
+        me = _member_index(self.rank, members)
+        starts = [[0], [0]]
+        for k, rows in enumerate((in_rows, out_rows)):
+            for r in rows:
+                starts[k].append(starts[k][-1] + int(r))
+        src = [inp[starts[0][j]:starts[0][j + 1]] for j in range(len(members))]
+        dst = [out[starts[1][j]:starts[1][j + 1]] for j in range(len(members))]
+        dst[me].copy_(src[me])
+        peers = [(j, p) for j, p in enumerate(members) if p != self.rank]
+        return Collective(self.launch(phase, [(p, 2 + tag, src[j].reshape(-1).view(torch.uint8)) for j, p in peers],
+                                      [(p, 2 + tag, dst[j].reshape(-1).view(torch.uint8)) for j, p in peers]))
+
     def finish(self, collective: Collective) -> Generator[None, None, None]:
         """Complete a collective (yields while its transfers are not there, as :meth:`wait`)."""
         yield from self.wait(collective.handle)
@@ -423,6 +444,19 @@ class TorchDistributedTransport(Transport):
         _member_index(self.rank, members)
         return self._collective(phase, "reduce-scatter", lambda g: self.dist.reduce_scatter_tensor(
             out, inp, group=g, async_op=True), members, [inp, out])
+
+    def all_to_all(self, phase, inp, out, in_rows, out_rows, members, tag=0):
+        """One ``all_to_all_single`` on the members' process group (see
+        :meth:`Transport.all_to_all`); where there is none (no head groups given at entry),
+        point-to-point messages as there."""
+        _member_index(self.rank, members)
+        try:
+            self._collective_group(members)
+        except ValueError:
+            return super().all_to_all(phase, inp, out, in_rows, out_rows, members, tag)
+        return self._collective(phase, "all-to-all", lambda g: self.dist.all_to_all_single(
+            out, inp, output_split_sizes=[int(r) for r in out_rows], input_split_sizes=[int(r) for r in in_rows],
+            group=g, async_op=True), members, [inp, out])
 
     def wait(self, handle):
         phase, reqs, peers, _keep = handle
