@@ -268,3 +268,34 @@ def _drive_all(gens):
                 results[r] = stop.value
                 del live[r]
     return results
+
+
+def test_transport_all_to_all_by_hand():
+    """``Transport.all_to_all`` (head parallelism's exchanges; here point-to-point messages, NCCL's
+    ``all_to_all_single`` on a device): member ``i``'s rows for ``j`` land in ``j``'s ``out`` at
+    ``i``'s range, uneven ranges and empty ones included, two of a phase told apart by their tag;
+    a rank outside the members is refused."""
+    import torch
+
+    from torch_dcp.executor import InProcessTransport, Mailbox
+
+    members, box = [0, 2, 3], Mailbox()
+    rows = {0: [2, 0, 3], 2: [1, 4, 0], 3: [2, 2, 2]}  # rows[i][j]: member i's rows for member j
+    ts = {r: InProcessTransport(box, r) for r in members}
+    inps = {r: [torch.arange(sum(rows[r]) * 2, dtype=torch.float64).view(-1, 2) + 100 * r + 1000 * x for x in (0, 1)]
+            for r in members}
+    outs, posted = {}, {}
+    for i, r in enumerate(members):
+        got = [rows[m][i] for m in members]
+        outs[r] = [torch.full((sum(got), 2), -1.0, dtype=torch.float64) for _ in (0, 1)]
+        posted[r] = [ts[r].all_to_all(7, inps[r][x], outs[r][x], rows[r], got, members, tag=x) for x in (0, 1)]
+    for r in members:
+        for c in posted[r]:
+            for _ in ts[r].finish(c):
+                pass
+    for i, r in enumerate(members):
+        for x in (0, 1):
+            want = torch.cat([inps[m][x][sum(rows[m][:i]):sum(rows[m][:i + 1])] for m in members])
+            assert torch.equal(outs[r][x], want)
+    with pytest.raises(ValueError, match="not among"):
+        ts[0].all_to_all(8, inps[0][0], outs[0][0], rows[0], rows[0], [2, 3])

@@ -10,8 +10,10 @@ LSE (:meth:`HeadParallelExecutor.forward_keeping`, what the ``torch_dcp::attenti
 for its backward): the backward then sends only dO to the head owners; without them (PyTorch's
 own SDPA ops reached through DTensor have no place for them) Q, K, V, O and the LSE travel
 again. The outer backward runs, and dQ, dK, dV come back, replicated key/value heads' partials
-summed by the owner. The all-to-alls are messages on
-the same :class:`~torch_dcp.executor.transport.Transport` as the outer plan's, in phases of
+summed by the owner. Each tensor is traded by one all-to-all on the head group
+(:meth:`~torch_dcp.executor.transport.Transport.all_to_all`: NCCL's or gloo's
+``all_to_all_single`` on the head group's process group, which the context creates at entry,
+copying the own rows inside it; point-to-point messages on a transport without it), in phases of
 their own.
 """
 
