@@ -398,8 +398,8 @@ PRESET_CASES = {
 #: reductions and conversions), fitted per rank (:func:`per_pass_and_division`)
 PER_PASS_ROLES = ("fast", "general")
 _PRESET_BASE = {"ranks": 32, "topology": "4x8", "head_parallel": 1, "batch": "longtail", "tokens": 131072,
-                "block_size": 1024, "heads": 8, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16", "kernel": None, "device": "cuda",
-                "fake": True, "planner": "dcp", "seed": 0, "max_doc_len": 4096}
+                "block_size": 1024, "heads": 8, "kv_heads": 2, "head_dim": 128, "dtype": "bfloat16", "kernel": None,
+                "device": "cuda", "fake": True, "planner": "dcp", "seed": 0, "max_doc_len": 4096}
 
 
 def per_division(rows: list[dict]) -> dict[str, float]:

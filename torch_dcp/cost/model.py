@@ -416,8 +416,8 @@ class CostModel:
         if spec in ("a100-executor", "h100-executor"):
             name = spec.split("-")[0]
             return getattr(cls, name)().with_executor(
-                GPU_EXECUTOR, f"{name} preset with the executor's counted operations per division and pass (13.2 µs each, "
-                "measured on an H200 with layer replay)")
+                GPU_EXECUTOR, f"{name} preset with the executor's counted operations per division and pass "
+                "(13.2 µs each, measured on an H200 with layer replay)")
         paths = [Path(x) for x in str(spec).split(",")]
         for path in paths:
             if not path.is_file():

@@ -72,8 +72,8 @@ from ..planners.base import Routing, Runtime
 from .timeline import PassResult, SimResult, _on_shared_cores, _Pass, pass_local_bytes, simulate_programs
 from ..workload import Buf
 
-__all__ = ["RUNTIMES", "te_ring_step_seconds", "all_to_all_ops_seconds", "ring_estimate_seconds", "ring_priced_as_executor", "simulate_allgather",
-           "allgather_pass_seconds", "on_executor"]
+__all__ = ["RUNTIMES", "te_ring_step_seconds", "all_to_all_ops_seconds", "ring_estimate_seconds",
+           "ring_priced_as_executor", "simulate_allgather", "allgather_pass_seconds", "on_executor"]
 
 
 def on_executor(plan: "Plan | HeadParallelPlan") -> "Plan | HeadParallelPlan":
