@@ -119,6 +119,7 @@ class HeadParallelExecutor:
                            kernel=kernel, scale=scale, timings=timings, device_plan=device_plan)
         self.chunks = lay.chunks(plan.outer.local_tokens(self.group))
         self.local_rows = int(self.chunks[self.inner + 1] - self.chunks[self.inner])
+        self.chunk_rows = [int(self.chunks[j + 1] - self.chunks[j]) for j in range(self.n)]  # each member's rows
         self.scale = self.outer.scale
         self._a2a_sent = 0
         self._a2a_received = 0
@@ -192,10 +193,7 @@ class HeadParallelExecutor:
         posted = []
         try:
             for x, (inp, out, in_rows, out_rows) in enumerate(tensors):
-                if self.n > 1:
-                    posted.append(self.transport.all_to_all(phase, inp, out, in_rows, out_rows, self.members, tag=x))
-                else:
-                    out.copy_(inp)
+                posted.append(self.transport.all_to_all(phase, inp, out, in_rows, out_rows, self.members, tag=x))
                 row_in = math.prod(inp.shape[1:]) * inp.element_size()
                 row_out = math.prod(out.shape[1:]) * out.element_size()
                 self._a2a_sent += row_in * (sum(in_rows) - in_rows[self.inner])
@@ -206,15 +204,11 @@ class HeadParallelExecutor:
             raise located(err, f"torch_dcp (plan {self.plan.digest()[:12]}): {A2A_NAMES[phase]}(phase={phase})") \
                 from None
 
-    def _rows(self, j: int) -> slice:
-        return slice(int(self.chunks[j]), int(self.chunks[j + 1]))
-
     def _to_heads(self, backward: bool, tensors: list[torch.Tensor], kinds: list[str]) -> Generator:
         """Sequence-sharded ``[S_r, heads, ...]`` tensors to head-sharded ``[S_g, heads / N, ...]``
         (``kinds``: ``"q"`` query heads, ``"kv"`` key/value heads). Each tensor is laid out by
         inner index in one copy (``[N, S_r, width, ...]``, replicated key/value heads repeated)
         and traded by one all-to-all, each member's rows received straight into the result."""
-        sizes = [int(self.chunks[j + 1] - self.chunks[j]) for j in range(self.n)]
         posts, fulls = [], []
         for t, kind in zip(tensors, kinds):
             width, reps = self._blocks(kind, t)
@@ -223,7 +217,7 @@ class HeadParallelExecutor:
             send = (t.unflatten(1, (blocks, width)).transpose(0, 1).unsqueeze(1)
                     .expand(blocks, reps, s, width, *rest).reshape(self.n * s, width, *rest).contiguous())
             fulls.append(torch.empty((int(self.chunks[-1]), width) + rest, dtype=t.dtype, device=t.device))
-            posts.append((send, fulls[-1], [s] * self.n, sizes))
+            posts.append((send, fulls[-1], [s] * self.n, self.chunk_rows))
         yield from self._exchange(A2A_PHASES[(backward, "in")], posts)
         return fulls
 
@@ -234,12 +228,11 @@ class HeadParallelExecutor:
         member's rows are sent as they lie by one all-to-all; what comes back is received into
         one ``[N, S_r, width, ...]`` buffer per tensor and laid out by heads in one copy
         (replicas summed as they are laid out)."""
-        sizes = [int(self.chunks[j + 1] - self.chunks[j]) for j in range(self.n)]
         posts, recv = [], []
         for t in tensors:
             t = t.contiguous()
             buf = torch.empty((self.n * self.local_rows,) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
-            posts.append((t, buf, sizes, [self.local_rows] * self.n))
+            posts.append((t, buf, self.chunk_rows, [self.local_rows] * self.n))
             recv.append(buf.view((self.n, self.local_rows) + tuple(t.shape[1:])))
         yield from self._exchange(A2A_PHASES[(backward, "out")], posts)
         out = []

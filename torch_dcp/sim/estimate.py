@@ -53,10 +53,9 @@ def estimate_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None
     """
     cm = cost_model or CostModel.a100()
     if isinstance(plan, HeadParallelPlan):
-        from .runtimes import all_to_all_ops_seconds
+        from .runtimes import head_exchange_seconds
 
-        return estimate_seconds(plan.outer, cm) + sum(plan.all_to_all_seconds(bw) + all_to_all_ops_seconds(plan, cm, bw)
-                                                      for bw in (False, True))
+        return estimate_seconds(plan.outer, cm) + head_exchange_seconds(plan, cm)
     if plan.placement.runtime.gathers:  # both passes at once
         from .runtimes import simulate_allgather
 

@@ -176,11 +176,10 @@ def floor_seconds(plan: Plan | HeadParallelPlan, cost_model: CostModel | None = 
     outer plan's floor plus its all-to-alls and the operations its implementation issues around
     them (:func:`~torch_dcp.sim.runtimes.all_to_all_ops_seconds`)."""
     if isinstance(plan, HeadParallelPlan):
-        from .runtimes import all_to_all_ops_seconds
+        from .runtimes import head_exchange_seconds
 
         cm = cost_model or CostModel.a100()
-        return floor_seconds(plan.outer, cm) + sum(plan.all_to_all_seconds(bw) + all_to_all_ops_seconds(plan, cm, bw)
-                                                   for bw in (False, True))
+        return floor_seconds(plan.outer, cm) + head_exchange_seconds(plan, cm)
     return sum(max(kernel_floor_seconds(plan, cost_model, backward), link_floor_seconds(plan, backward))
                for backward in (False, True))
 

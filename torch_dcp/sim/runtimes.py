@@ -72,7 +72,8 @@ from ..planners.base import Routing, Runtime
 from .timeline import PassResult, SimResult, _on_shared_cores, _Pass, pass_local_bytes, simulate_programs
 from ..workload import Buf
 
-__all__ = ["RUNTIMES", "te_ring_step_seconds", "all_to_all_ops_seconds", "ring_estimate_seconds",
+__all__ = ["RUNTIMES", "te_ring_step_seconds", "all_to_all_ops_seconds", "head_exchange_seconds",
+           "ring_estimate_seconds",
            "ring_priced_as_executor", "simulate_allgather", "allgather_pass_seconds", "on_executor"]
 
 
@@ -146,6 +147,14 @@ def all_to_all_ops_seconds(plan: HeadParallelPlan, cm: CostModel, backward: bool
     if plan.outer.placement.runtime is Runtime.TE_RING:
         return 0.0 if ex.te_a2a is None else float(ex.te_a2a[int(backward) + (0 if plan.outer.world_size == 1 else 2)])
     return 0.0 if ex.heads is None else float(ex.heads[int(backward)])
+
+
+def head_exchange_seconds(plan: HeadParallelPlan, cm: CostModel) -> float:
+    """Forward + backward seconds of a head-parallel plan's all-to-alls
+    (:meth:`~torch_dcp.plan.heads.HeadParallelPlan.all_to_all_seconds`) and the operations its
+    implementation issues around them (:func:`all_to_all_ops_seconds`), which no overlap hides:
+    what the simulator adds to its outer plan's run."""
+    return sum(plan.all_to_all_seconds(bw) + all_to_all_ops_seconds(plan, cm, bw) for bw in (False, True))
 
 
 def _ring_timeline(plan: Plan, cm: CostModel, bound: float, runtime: Runtime,

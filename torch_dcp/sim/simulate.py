@@ -14,7 +14,7 @@ from ..cost import CostModel
 from ..plan import Plan
 from ..plan.heads import HeadParallelPlan
 from ..planners.base import Runtime
-from .runtimes import RUNTIMES, all_to_all_ops_seconds, te_ring_step_seconds
+from .runtimes import RUNTIMES, all_to_all_ops_seconds, head_exchange_seconds, te_ring_step_seconds
 from .timeline import PRUNE_MARGIN, PassResult, SimResult, _pass_traffic, _shared_links
 
 __all__ = ["simulate", "simulate_within", "model_of", "ring_step_seconds", "SimResult", "PassResult", "PRUNE_MARGIN"]
@@ -96,8 +96,7 @@ def simulate_within(plan: Plan | HeadParallelPlan, cost_model: CostModel | str |
     """
     cm = model_of(plan, cost_model)
     if isinstance(plan, HeadParallelPlan):
-        a2a = sum(plan.all_to_all_seconds(bw) + all_to_all_ops_seconds(plan, cm, bw) for bw in (False, True))
-        inner = simulate_within(plan.outer, cm, bound - a2a, runtime)
+        inner = simulate_within(plan.outer, cm, bound - head_exchange_seconds(plan, cm), runtime)
         return None if inner is None else _simulate_heads(plan, inner, cm)
     return RUNTIMES[plan.placement.runtime if runtime is None else runtime](plan, cm, bound)
 
