@@ -158,8 +158,40 @@ def test_node_routes_spread_gateways_and_reducers_over_rails():
     assert (t["ret_kv_dst"] != plan.placement.block_rank[t["ret_kv_block"]]).any()  # pre-reductions
     src, dst, nbytes, _ = plan.transfers()
     inter = topo.node_of(src) != topo.node_of(dst)
-    for ends in (src, dst):  # one rail per rank
-        rail = np.bincount(ends[inter], weights=nbytes[inter], minlength=topo.world_size)
+    for way in ("out", "in"):  # one rail per rank, out of a node on the receiver's (PXN)
+        rail = topo.link_seconds(src, dst, nbytes)[("rail", way)]
         assert rail.max() <= 1.2 * rail.mean()
     # the plan is exact
     assert plan.stats()["inter_node_bytes"] == pytest.approx(nbytes[inter].sum())
+
+
+def test_node_routes_spread_a_split_window_over_the_rails():
+    """A window-masked document split over two nodes needs the blocks at the split on the
+    other node: direct routes put the crossings on the rails of the few ranks there. With
+    NCCL's PXN (a crossing rides the receiver's rail at both ends), NODE routes land returns
+    on relays of the home's node, RAILS routes also fetch through gateways that only pass a
+    block on: their crossings spread over every rail of both nodes; both plans are exact."""
+    from reference import assert_emulation_exact
+
+    from torch_dcp.api import divide
+
+    batch = BatchSpec([512], Lambda(sink=4, window=96), n_heads=4, n_kv_heads=2, head_dim=16, dtype="float64")
+    topo = Topology(n_nodes=2, ranks_per_node=4, nics_per_node=4)
+    pl = torch_dcp.plan(batch, topo, planner="dcp", block_size=16, divisions=2, rivals=(), head_parallel=1).placement
+    plans = {r: divide(dataclasses.replace(pl, routing=r), topo, 2) for r in (Routing.DIRECT, Routing.NODE, Routing.RAILS)}
+    busiest, spread = {}, {}  # the busiest rail's seconds, and over the mean rail's
+    for r, p in plans.items():
+        loads = topo.link_seconds(*p.transfers()[:3])
+        busiest[r] = max(loads[("rail", way)].max() for way in ("out", "in"))
+        spread[r] = max(loads[("rail", way)].max() / loads[("rail", way)].mean() for way in ("out", "in"))
+    assert spread[Routing.RAILS] <= 1.35 < spread[Routing.DIRECT], spread
+    assert busiest[Routing.RAILS] < busiest[Routing.NODE] < busiest[Routing.DIRECT], busiest
+    wl = pl.workload
+    uses = {(r, k, b) for k, tb in enumerate((wl.tile_q, wl.tile_kv)) for r, b in zip(pl.tile_rank.tolist(), tb.tolist())}
+    for r in (Routing.NODE, Routing.RAILS):
+        t = plans[r].tables
+        passed = any((x, k, b) not in uses for x, k, b in zip(*(t[f"fetch_{c}"].tolist() for c in ("rank", "kind", "block"))))
+        assert passed is (r is Routing.RAILS)  # a gateway that needs no block of its own
+        assert any((x, k, b) not in uses for k, side in enumerate(("q", "kv"))  # a relay with no partial
+                   for x, b in zip(t[f"ret_{side}_rank"].tolist(), t[f"ret_{side}_block"].tolist()))
+        assert_emulation_exact(plans[r], batch)

@@ -494,6 +494,11 @@ def _moves_blocks(p: Placement) -> bool:
     return bool(np.any(home[wl.tile_q] != p.tile_rank) or np.any(home[wl.tile_kv] != p.tile_rank))
 
 
+def _routed(p: Plan, routing: Routing) -> Plan:
+    """``p`` with the same placement and divisions on other routes."""
+    return Plan(dataclasses.replace(p.placement, routing=routing), p.topology, p.tile_division, p.divisions)
+
+
 def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple[str, Plan | HeadParallelPlan]]":
     """Other schedules of ``chosen``'s placement, ``(label, plan)``: if ``deeper`` (the caller
     left the divisions to :func:`plan`), fewer divisions (:data:`FEWER_DIVISIONS`: each division
@@ -502,7 +507,7 @@ def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple
     ``T +`` :data:`NODE_FIRST_EXTRA_DIVISIONS` if ``deeper`` and the placement has the tiles,
     else at its ``T``), then a local tail (:data:`LOCAL_TAIL`). Empty where the placement has no
     such variant (ring attention's own steps; node first and local tail need 3 divisions per
-    round)."""
+    round). On ``Routing.NODE``, each of them and ``chosen`` itself on ``Routing.RAILS`` too."""
     outer = _outer(chosen)
     pl, topo = outer.placement, outer.topology
     rounds = pl.tile_round
@@ -517,6 +522,9 @@ def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple
             t = t if deeper and t <= pl.workload.n_tiles else per_round
             variants.append((f"node first, T={t}", divide(pl, topo, t, node_first=True)))
         variants.append(("local tail", divide(pl, topo, per_round, local_tail=LOCAL_TAIL)))
+    if pl.routing is Routing.NODE:  # each schedule with its crossings spread over the rails too
+        variants += [(f"{name}, rails" if name else "rails", _routed(p, Routing.RAILS))
+                     for name, p in [("", outer), *variants]]
     if isinstance(chosen, HeadParallelPlan):
         return [(name, HeadParallelPlan(p, chosen.batch, chosen.topology, chosen.head_parallel, chosen.label,
                                         chosen.keep_sharded)) for name, p in variants]

@@ -20,9 +20,11 @@ class Topology:
     an H100 DGX cluster).
 
     Between nodes a node has ``nics_per_node`` network cards (rails), ``inter_bandwidth`` in
-    all; a rank's inter-node transfers use its own rail (consecutive ranks share a rail when
-    there are fewer rails than ranks: 2 GPUs per 12.5 GB/s rail in the paper's cluster), so one
-    rank sending alone gets one rail's bandwidth, not the node's.
+    all; each rank sits on one rail (consecutive ranks share a rail when there are fewer rails
+    than ranks: 2 GPUs per 12.5 GB/s rail in the paper's cluster), so one transfer gets one
+    rail's bandwidth, not the node's. Which rail a point-to-point transfer between nodes rides
+    is :meth:`rail_out_index` (out of the sender's node) and :meth:`rail_index` of the receiver
+    (into its node).
 
     Attributes:
         n_nodes: nodes.
@@ -39,6 +41,11 @@ class Topology:
             bring each remote shard into a node once. False (the default): NCCL's ring across
             nodes, every ring link into a node carrying ``W - 1`` shards
             (:mod:`torch_dcp.cost.collectives`).
+        pxn: NCCL's PXN (PCI x NVLink, on by default: ``NCCL_P2P_PXN_LEVEL=2``, "use PXN as much
+            as possible"; NCCL ``src/graph/paths.cc``): a point-to-point transfer to a rank of
+            another node leaves the sender's node through the card of the GPU with the
+            receiver's local rank, reached over NVLink, so it rides one rail at both ends, the
+            receiver's (rail-optimized networks). False: the sender's own rail out.
 
     Raises:
         ValueError: non-positive counts, bandwidths, or negative latencies.
@@ -52,6 +59,7 @@ class Topology:
     inter_latency: float = 15e-6
     nics_per_node: int = 4
     in_network_reduction: bool = False
+    pxn: bool = True
 
     def __post_init__(self):
         for name in ("n_nodes", "ranks_per_node", "nics_per_node"):
@@ -64,8 +72,9 @@ class Topology:
         for name in ("intra_latency", "inter_latency"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"Topology.{name} must be >= 0, got {getattr(self, name)!r}")
-        if not isinstance(self.in_network_reduction, (bool, np.bool_)):
-            raise ValueError(f"Topology.in_network_reduction must be a bool, got {self.in_network_reduction!r}")
+        for name in ("in_network_reduction", "pxn"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"Topology.{name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def world_size(self) -> int:
@@ -92,19 +101,29 @@ class Topology:
         """Rail of ``rank`` numbered over the cluster, ``node * rails_per_node + rail_of(rank)``."""
         return self.node_of(rank) * self.rails_per_node + self.rail_of(rank)
 
+    def rail_out_index(self, src: Any, dst: Any) -> Any:
+        """Rail (numbered over the cluster, as :meth:`rail_index`) on which a point-to-point
+        transfer ``src -> dst`` between nodes leaves ``src``'s node: with :attr:`pxn` the rail
+        of ``dst``'s local rank on ``src``'s node, else ``src``'s own (ints or int arrays)."""
+        if not self.pxn:
+            return self.rail_index(src)
+        return self.node_of(src) * self.rails_per_node + self.rail_of(dst)
+
     def link_seconds(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> dict[tuple[str, str], np.ndarray]:
         """Seconds every link is busy carrying the transfers ``src[i] -> dst[i]`` of
         ``nbytes[i]`` bytes: inside a node the sender's NVLink port out and the receiver's port
-        in (``intra_bandwidth``), between nodes the sender's rail out and the receiver's rail
-        in (``rail_bandwidth``). Keys ``("port", "out" | "in")``: float64 ``[world_size]``;
+        in (``intra_bandwidth``), between nodes the rail out of :meth:`rail_out_index` and the
+        receiver's rail in (``rail_bandwidth``; PXN's NVLink hop to the card is not charged: at
+        NVLink speed it carries the transfer in a fraction of its time on the rail). Keys ``("port", "out" | "in")``: float64 ``[world_size]``;
         ``("rail", "out" | "in")``: float64 ``[n_nodes * rails_per_node]`` by :meth:`rail_index`."""
         src, dst, nbytes = (np.atleast_1d(np.asarray(a)) for a in (src, dst, nbytes))
         inter = self.node_of(src) != self.node_of(dst)
         out = {}
+        rails = {"out": self.rail_out_index(src[inter], dst[inter]), "in": self.rail_index(dst[inter])}
         for way, ends in (("out", src), ("in", dst)):
             out[("port", way)] = np.bincount(ends[~inter], weights=nbytes[~inter],
                                              minlength=self.world_size) / self.intra_bandwidth
-            out[("rail", way)] = np.bincount(self.rail_index(ends[inter]), weights=nbytes[inter],
+            out[("rail", way)] = np.bincount(rails[way], weights=nbytes[inter],
                                              minlength=self.n_nodes * self.rails_per_node) / self.rail_bandwidth
         return out
 

@@ -223,7 +223,7 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
                 relayed = recv_slots[side].pop(b, [])
                 pre_send_waits[d] |= recv_phase[side].pop(b, set())
                 slots = own + relayed
-                if len(slots) == 1 and not relayed:
+                if len(slots) == 1:  # its own partial, or one it passes on as received (waited above)
                     send_rows.append(slots[0])
                     continue
                 if side == Buf.Q:

@@ -31,7 +31,7 @@ from .ir import PlanError
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import Plan
 
-__all__ = ["ROUTERS", "route_tables", "check_routes", "direct_routes", "ring_routes", "node_routes"]
+__all__ = ["ROUTERS", "route_tables", "check_routes", "direct_routes", "ring_routes", "node_routes", "rail_routes"]
 
 _SIDES = ("q", "kv")
 
@@ -119,25 +119,34 @@ def ring_routes(plan: "Plan") -> dict[str, np.ndarray]:
     }
 
 
-def node_routes(plan: "Plan") -> dict[str, np.ndarray]:
+def node_routes(plan: "Plan", outside: bool = False) -> dict[str, np.ndarray]:
     """Direct routes with every inter-node fetch deduplicated and every inter-node return
-    pre-reduced per node (see :attr:`Routing.NODE`).
+    pre-reduced per node (see :attr:`Routing.NODE`; ``outside``: :attr:`Routing.RAILS`).
 
-    * Fetches: of the ranks of one node fetching the same (kind, block) from another node, one
-      (the node's gateway for that block) fetches it from the home one division before any of
-      them needs it (before division 0: in the opening phase, division ``-1``); the others get
-      it from the gateway in their own divisions.
+    * Fetches: every (kind, block) that ranks of a node fetch from another node crosses into
+      it once. One rank of the node (the block's gateway there) fetches it from the home one
+      division before any other of them needs it (before division 0: in the opening phase,
+      division ``-1``); the others get it from the gateway over NVLink. The gateway is one of
+      the ranks that need the block or, with ``outside``, where that puts the crossing on less
+      loaded links, another rank of the node, which only passes it on (so a block one rank
+      needs may come through another rank's rail too).
     * Returns: of the ranks of one node returning partials of the same block to another node,
       one of those finishing last (the node's reducer for that block) gets the others'
       partials over NVLink, adds them to its own and sends the sum home once. It sends after
       its own last division, or one division later when another rank of its node finishes in
       the same division (after the last division: the plan's closing return phase, ``2T + 1``).
+      Where the home's rail is loaded and a later phase is left, the sum (or a single rank's
+      partial) crosses to another rank of the home's node instead (a relay holding no partial
+      of that block), which sends it home over NVLink one division later.
 
-    Gateways and reducers are chosen to spread the load over links (greedily, largest group
-    first; see :class:`_LinkLoads`): a gateway's rail carries the block into the node and its
-    NVLink port out the relays; a reducer's NVLink port in carries the partials and its rail
-    the sum. Choosing the first rank every time puts most of a node's traffic on one rail
-    (3.3x the mean rail bytes on the paper's corpus batch on DGX H100).
+    Gateways, reducers and relays are chosen to spread the load over links (greedily, largest
+    first; see :class:`_LinkLoads`): a crossing rides the rail of
+    :meth:`~torch_dcp.topology.Topology.rail_out_index` out of the sending node and the
+    receiver's rail into its node (with NCCL's PXN, the receiver's rail at both ends). Choosing
+    the first rank every time puts most of a node's traffic on one rail (3.3x the mean rail
+    bytes on the paper's corpus batch on DGX H100); a window-masked document split between two
+    nodes crosses on the rails of the few ranks at the split unless the gateways and relays
+    are other ranks.
     """
     t = direct_routes(plan)
     topo = plan.topology
@@ -148,21 +157,21 @@ def node_routes(plan: "Plan") -> dict[str, np.ndarray]:
     node = topo.node_of(fr)
     remote = np.nonzero(node != topo.node_of(src))[0]
     fetch_bytes = loads.fetch_bytes(fk, fb)
-    # groups with a choice: two or more ranks of a node fetching one (kind, block) from another
-    # node (earliest division first), or returning partials of one block to another node
-    # (latest division first)
-    groups = {"fetch": _groups((node * 2 + fk) * nb + fb, remote, (fr[remote], fd[remote]))}
+    # groups with a choice: the ranks of a node fetching one (kind, block) from another node
+    # (earliest division first; with ``outside``, one rank too: its gateway may be another
+    # rank), or two or more returning partials of one block to another node (latest first)
+    groups = {"fetch": _groups((node * 2 + fk) * nb + fb, remote, (fr[remote], fd[remote]), 1 if outside else 2)}
     ret = {side: (t[f"ret_{side}_div"].copy(), t[f"ret_{side}_dst"].copy()) for side in _SIDES}
     for side in _SIDES:
         rr, rb = t[f"ret_{side}_rank"], t[f"ret_{side}_block"]
         rd, rt = ret[side]
         out = np.nonzero(topo.node_of(rr) != topo.node_of(rt))[0]
-        groups[side] = _groups(topo.node_of(rr) * nb + rb, out, (rr[out], -rd[out]))
+        groups[side] = _groups(topo.node_of(rr) * nb + rb, out, (rr[out], -rd[out]), 2)
     loads.charge_fixed(t, groups, fetch_bytes)
-    # every group a job: its bytes, its members' ranks, and how many of them may be chosen (a
-    # reducer: only those finishing in the group's last division, its first rows)
+    # every group a job: its bytes, its members' ranks, how many of them may be chosen (a
+    # reducer: only those finishing in the group's last division, its first rows), and the home
     kinds = ("fetch", *_SIDES)
-    size, ranks, lengths, allowed = [], [], [], []
+    size, ranks, lengths, allowed, homes = [], [], [], [], []
     for kind in kinds:
         rows, ptr = groups[kind]
         first, length = rows[ptr[:-1]], np.diff(ptr)
@@ -171,51 +180,94 @@ def node_routes(plan: "Plan") -> dict[str, np.ndarray]:
             size.append(np.asarray(fetch_bytes[first], np.float64))
             ranks.append(fr[rows])
             allowed.append(length)
+            homes.append(src[first])
         else:
             size.append(np.asarray(loads.return_bytes(kind, t[f"ret_{kind}_block"][first]), np.float64))
             ranks.append(t[f"ret_{kind}_rank"][rows])
             rd = ret[kind][0][rows]
             top = rd == np.repeat(rd[ptr[:-1]], length)
             allowed.append(np.bincount(np.repeat(np.arange(len(length)), length)[top], minlength=len(length)))
+            homes.append(ret[kind][1][first])
     size_a = np.concatenate(size)
     # the choices, one group after another in plain Python (groups hold a handful of ranks:
     # NumPy's per-call cost would dominate), largest first while links are open
     loads.to_lists()
-    rank_l, size_l = np.concatenate(ranks).tolist(), size_a.tolist()
+    rank_l, size_l, home_l = np.concatenate(ranks).tolist(), size_a.tolist(), np.concatenate(homes).tolist()
     length_l, allowed_l = np.concatenate(lengths).tolist(), np.concatenate(allowed).tolist()
     start_l = (np.cumsum(length_l) - length_l).tolist()
     n_fetch = len(lengths[0])
-    chosen = [0] * len(size_l)  # each group's chosen member, as an index into its rows
+    chosen = [0] * len(size_l)  # each group's chosen rank
     for i in np.argsort(-size_a, kind="stable").tolist():
         a = start_l[i]
-        pick = loads.pick_gateway if i < n_fetch else loads.pick_reducer
-        chosen[i] = pick(rank_l[a:a + allowed_l[i]], length_l[i], size_l[i])
-    # written back in one go per table: the chosen row's new division, every other member's
-    # new peer (the chosen rank)
+        if i < n_fetch:
+            chosen[i] = loads.pick_gateway(rank_l[a:a + length_l[i]], home_l[i], size_l[i], outside)
+        else:
+            chosen[i] = loads.pick_reducer(rank_l[a:a + allowed_l[i]], length_l[i], home_l[i], size_l[i])
+    # written back in one go per table: every member's new peer (the chosen rank), the chosen
+    # row's peer kept (the home) and its new division; a gateway that needs no block of its
+    # own gets a fetch row
     at = 0
     for kind, length, top in zip(kinds, lengths, allowed):
         rows, ptr = groups[kind]
-        pick = rows[ptr[:-1] + np.asarray(chosen[at:at + len(length)], np.int64)]
+        pick = np.asarray(chosen[at:at + len(length)], np.int64)
         at += len(length)
         div_arr, peer_arr = (fd, src) if kind == "fetch" else ret[kind]
-        own = t["fetch_rank"] if kind == "fetch" else t[f"ret_{kind}_rank"]
-        first_div = div_arr[rows[ptr[:-1]]]
-        keep = peer_arr[pick]
-        peer_arr[rows] = np.repeat(own[pick], length)
-        peer_arr[pick] = keep
-        if kind == "fetch":  # strictly before every member's first use
-            div_arr[pick] = first_div - 1
+        own = fr if kind == "fetch" else t[f"ret_{kind}_rank"]
+        first_div, home = div_arr[rows[ptr[:-1]]], peer_arr[rows[ptr[:-1]]]
+        is_pick = own[rows] == np.repeat(pick, length)
+        picked, group_of = rows[is_pick], np.repeat(np.arange(len(length)), length)[is_pick]
+        peer_arr[rows] = np.repeat(pick, length)
+        peer_arr[picked] = home[group_of]
+        if kind == "fetch":  # strictly before every other member's first use
+            div_arr[picked] = first_div[group_of] - (length[group_of] > 1)
+            outside = np.ones(len(length), bool)
+            outside[group_of] = False
+            g = np.nonzero(outside)[0]
+            first = rows[ptr[:-1]][g]
+            added = {"rank": pick[g], "kind": fk[first], "block": fb[first], "div": first_div[g] - 1, "src": home[g]}
         else:  # strictly after every partial it adds: one later where another finishes with it
-            div_arr[pick] = first_div + (top > 1)
+            div_arr[picked] = first_div[group_of] + (top[group_of] > 1)
     t["fetch_div"], t["fetch_src"] = fd, src
+    for c, v in added.items():
+        t[f"fetch_{c}"] = np.concatenate([t[f"fetch_{c}"], v]).astype(np.int64)
     for side in _SIDES:
         t[f"ret_{side}_div"], t[f"ret_{side}_dst"] = ret[side]
+        _relay_returns(plan, t, side, loads)
     return t
+
+
+def _relay_returns(plan: "Plan", t: dict[str, np.ndarray], side: str, loads: "_LinkLoads") -> None:
+    """Relays on the home's node for the ``side`` returns that cross nodes (see
+    :func:`node_routes`), in place: a crossing whose division leaves a later phase may land on
+    another rank of the home's node that returns no partial of the block, which sends it home
+    one division later, where that puts the crossing on less loaded links."""
+    topo, nb, T = plan.topology, max(plan.workload.n_blocks, 1), plan.divisions
+    rr, rb, rd, rt = (t[f"ret_{side}_{c}"] for c in ("rank", "block", "div", "dst"))
+    home = plan.placement.block_rank[rb]
+    cross = np.nonzero((topo.node_of(rr) != topo.node_of(rt)) & (rt == home) & (rd < T))[0]
+    if len(cross) == 0:
+        return
+    nbytes = np.asarray(loads.return_bytes(side, rb[cross]), np.float64)
+    order = np.argsort(-nbytes, kind="stable")
+    cross, nbytes = cross[order], nbytes[order]
+    returners = set((rr * nb + rb).tolist())
+    rpn = topo.ranks_per_node
+    dst = rt.copy()
+    for i, s, b, h, n in zip(cross.tolist(), rr[cross].tolist(), rb[cross].tolist(), home[cross].tolist(),
+                             nbytes.tolist()):
+        base = h // rpn * rpn
+        others = [x for x in range(base, base + rpn) if x != h and x * nb + b not in returners]
+        dst[i] = loads.pick_relay(s, h, others, n)
+        returners.add(dst[i] * nb + b)  # one relay per (rank, block): its one return home
+    relayed = np.nonzero(dst != rt)[0]
+    t[f"ret_{side}_dst"] = dst
+    for c, v in (("rank", dst[relayed]), ("block", rb[relayed]), ("div", rd[relayed] + 1), ("dst", rt[relayed])):
+        t[f"ret_{side}_{c}"] = np.concatenate([t[f"ret_{side}_{c}"], v]).astype(np.int64)
 
 
 class _LinkLoads:
     """Seconds of traffic (both passes) on every NVLink port and network rail, in and out, as
-    :func:`node_routes` assigns gateways and reducers."""
+    :func:`node_routes` assigns gateways, reducers and relays."""
 
     def __init__(self, plan: "Plan"):
         topo = plan.topology
@@ -225,7 +277,6 @@ class _LinkLoads:
             "fetch": np.array([itb[(False, Buf.Q)] + itb[(True, Buf.Q)], itb[(False, Buf.KV)] + itb[(True, Buf.KV)]]),
             "q": itb[(False, Buf.OPART)] + itb[(True, Buf.DQ)], "kv": itb[(True, Buf.DKV)]}
         n_rails = topo.n_nodes * topo.rails_per_node
-        self.rail_id = topo.rail_index(np.arange(plan.world_size))
         self.rail = {"in": np.zeros(n_rails), "out": np.zeros(n_rails)}
         self.port = {"in": np.zeros(plan.world_size), "out": np.zeros(plan.world_size)}
 
@@ -242,83 +293,122 @@ class _LinkLoads:
 
     def charge_fixed(self, t: dict[str, np.ndarray], groups: dict, fetch_bytes: np.ndarray) -> None:
         """Charge every transfer whose links do not depend on the choices: routes outside the
-        groups with a choice (``groups``: per table, CSR from :func:`_groups`), each group's hop
-        from or to the block's home, and the NVLink hops of all its members (the chosen one's
-        is refunded)."""
+        groups with a choice (``groups``: per table, CSR from :func:`_groups`) and the NVLink
+        hops of all the groups' members (the chosen one's is refunded); a group's crossing is
+        charged as it is chosen."""
         topo = self.topo
 
-        def members(kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            """Every group's first row, all rows, and each row's group (in group order)."""
+        def members(kind: str) -> tuple[np.ndarray, np.ndarray]:
+            """All rows of the groups, and each row's group (in group order)."""
             rows, ptr = groups[kind]
-            return rows[ptr[:-1]], rows, np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
+            return rows, np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
 
         # np.add.at adds in the order of its indices: the same sums as one group after another
-        first, rows, group = members("fetch")
+        rows, group = members("fetch")
         keep = np.ones(len(t["fetch_rank"]), bool)
         keep[rows] = False
-        b = fetch_bytes[first]
-        np.add.at(self.rail["out"], self.rail_id[t["fetch_src"][first]], b / topo.rail_bandwidth)
-        np.add.at(self.port["in"], t["fetch_rank"][rows], (b / topo.intra_bandwidth)[group])
+        np.add.at(self.port["in"], t["fetch_rank"][rows], fetch_bytes[rows] / topo.intra_bandwidth)
         self.add(t["fetch_src"][keep], t["fetch_rank"][keep], fetch_bytes[keep])
         for side in _SIDES:
             rr, rb, rt = (t[f"ret_{side}_{c}"] for c in ("rank", "block", "dst"))
-            first, rows, group = members(side)
+            rows, group = members(side)
             keep = np.ones(len(rr), bool)
             keep[rows] = False
-            b = self.return_bytes(side, rb[first])
-            np.add.at(self.rail["in"], self.rail_id[rt[first]], b / topo.rail_bandwidth)
-            np.add.at(self.port["out"], rr[rows], (b / topo.intra_bandwidth)[group])
+            np.add.at(self.port["out"], rr[rows], self.return_bytes(side, rb[rows]) / topo.intra_bandwidth)
             self.add(rr[keep], rt[keep], self.return_bytes(side, rb[keep]))
 
     def to_lists(self) -> None:
-        """The loads as Python lists from here on, for :meth:`_pick`'s per-group choices."""
+        """The loads as Python lists from here on, for the per-group choices."""
+        topo = self.topo
         self.rail = {way: v.tolist() for way, v in self.rail.items()}
         self.port = {way: v.tolist() for way, v in self.port.items()}
-        self.rail_of = self.rail_id.tolist()
-        self.rail_bw, self.intra_bw = float(self.topo.rail_bandwidth), float(self.topo.intra_bandwidth)
+        ranks = np.arange(topo.world_size)
+        self.rail_base = (topo.node_of(ranks) * topo.rails_per_node).tolist()  # a node's first rail
+        self.rail_of = topo.rail_of(ranks).tolist()
+        self.pxn, self.rpn = bool(topo.pxn), topo.ranks_per_node
+        self.rail_bw, self.intra_bw = float(topo.rail_bandwidth), float(topo.intra_bandwidth)
 
-    def _pick(self, ranks: list[int], n_members: int, nbytes: float, rail_way: str, port_way: str) -> int:
-        rail, port = self.rail[rail_way], self.port[port_way]
-        on_rail = nbytes / self.rail_bw
-        hop = nbytes / self.intra_bw
-        fan = hop * (n_members - 1)
-        # ties (to the picosecond, whatever order the loads were summed in): the earliest in the
-        # group's order (rounded as np.round(x, 12) rounds)
-        g, best = -1, float("inf")
-        rail_of = self.rail_of
-        for i, r in enumerate(ranks):
-            a, b = rail[rail_of[r]] + on_rail, port[r] + fan
-            cost = round((b if b > a else a) * 1e12) / 1e12  # max(a, b), without its call
+    def _cost(self, src: int, dst: int, on_rail: float, ports: tuple) -> float:
+        """The most loaded link (seconds, rounded to the picosecond so that ties go to the
+        first, whatever order the loads were summed in) once a crossing ``src -> dst`` of
+        ``on_rail`` seconds and ``ports`` (``(way, rank, seconds)`` NVLink loads) are added."""
+        out_rail = self.rail_base[src] + self.rail_of[dst if self.pxn else src]
+        worst = max(self.rail["out"][out_rail], self.rail["in"][self.rail_base[dst] + self.rail_of[dst]]) + on_rail
+        for way, r, s in ports:
+            worst = max(worst, self.port[way][r] + s)
+        return round(worst * 1e12) / 1e12
+
+    def _charge(self, src: int, dst: int, on_rail: float, ports: tuple) -> None:
+        self.rail["out"][self.rail_base[src] + self.rail_of[dst if self.pxn else src]] += on_rail
+        self.rail["in"][self.rail_base[dst] + self.rail_of[dst]] += on_rail
+        for way, r, s in ports:
+            self.port[way][r] += s
+
+    def pick_gateway(self, members: list[int], home: int, nbytes: float, outside: bool) -> int:
+        """The gateway (a rank) of a block that ``members`` of a node fetch from ``home``: the
+        one, among them and the node's other ranks, whose crossing and NVLink port out (the
+        fan-out) leave the most loaded link least loaded (a member first on a tie)."""
+        on_rail, hop = nbytes / self.rail_bw, nbytes / self.intra_bw
+        base = members[0] // self.rpn * self.rpn
+        cands = members + [r for r in range(base, base + self.rpn) if r not in members] if outside else members
+        n = len(members)
+        best, g, fan = float("inf"), -1, 0.0
+        for i, r in enumerate(cands):
+            f = hop * (n - 1 if i < n else n)
+            cost = self._cost(home, r, on_rail, (("out", r, f),))
             if cost < best:
-                g, best = i, cost
-        r = ranks[g]
-        rail[rail_of[r]] += on_rail
-        port[r] += fan
-        self.port["in" if port_way == "out" else "out"][r] -= hop  # its own hop was charged as a member's
+                best, g, fan = cost, r, f
+        self._charge(home, g, on_rail, (("out", g, fan),))
+        if g in members:  # its own hop was charged as a member's
+            self.port["in"][g] -= hop
         return g
 
-    def pick_gateway(self, ranks: list[int], n_members: int, nbytes: float) -> int:
-        """Index in ``ranks`` (a group of ``n_members``, all of them) of the gateway: its rail
-        in and NVLink port out least loaded."""
-        return self._pick(ranks, n_members, nbytes, "in", "out")
+    def pick_reducer(self, allowed: list[int], n_members: int, home: int, nbytes: float) -> int:
+        """The reducer (a rank) among ``allowed`` (the first of a group of ``n_members``) of
+        partials returned to ``home``: its crossing and NVLink port in least loaded."""
+        on_rail, hop = nbytes / self.rail_bw, nbytes / self.intra_bw
+        fan = hop * (n_members - 1)
+        best, g = float("inf"), -1
+        for r in allowed:
+            cost = self._cost(r, home, on_rail, (("in", r, fan),))
+            if cost < best:
+                best, g = cost, r
+        self._charge(g, home, on_rail, (("in", g, fan),))
+        self.port["out"][g] -= hop  # its own hop was charged as a member's
+        return g
 
-    def pick_reducer(self, ranks: list[int], n_members: int, nbytes: float) -> int:
-        """Index in ``ranks`` (the first of a group of ``n_members``: those allowed) of the
-        reducer: its rail out and NVLink port in least loaded."""
-        return self._pick(ranks, n_members, nbytes, "out", "in")
+    def pick_relay(self, sender: int, home: int, others: list[int], nbytes: float) -> int:
+        """Where ``sender``'s crossing return to ``home`` lands (charged already): ``home``, or
+        one of ``others`` on its node (which sends it on over NVLink) whose links end least
+        loaded (``home`` on a tie)."""
+        on_rail, hop = nbytes / self.rail_bw, nbytes / self.intra_bw
+        self._charge(sender, home, -on_rail, ())
+        best, g = self._cost(sender, home, on_rail, ()), home
+        for x in others:
+            cost = self._cost(sender, x, on_rail, (("out", x, hop), ("in", home, hop)))
+            if cost < best:
+                best, g = cost, x
+        self._charge(sender, g, on_rail, (("out", g, hop), ("in", home, hop)) if g != home else ())
+        return g
 
 
-def _groups(key: np.ndarray, rows: np.ndarray, order_by: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
+def _groups(key: np.ndarray, rows: np.ndarray, order_by: tuple[np.ndarray, ...],
+            least: int) -> tuple[np.ndarray, np.ndarray]:
     """``rows`` grouped by ``key[rows]``, each group sorted by ``order_by`` (arrays over
-    ``rows``, last one first, as ``np.lexsort``); only groups of two or more rows, as CSR: their
-    rows one group after another, and the offsets of the groups (one more than groups)."""
+    ``rows``, last one first, as ``np.lexsort``); only groups of ``least`` or more rows, as CSR:
+    their rows one group after another, and the offsets of the groups (one more than groups)."""
     order = rows[np.lexsort((*order_by, key[rows]))]
     k = key[order]
     new = np.concatenate(([True], k[1:] != k[:-1])) if len(order) else np.zeros(0, bool)
     length = np.diff(np.append(np.nonzero(new)[0], len(order)))
-    multi = length > 1
+    multi = length >= least
     ptr = np.concatenate(([0], np.cumsum(length[multi]))).astype(np.int64)
     return order[np.repeat(multi, length)], ptr
+
+
+def rail_routes(plan: "Plan") -> dict[str, np.ndarray]:
+    """:func:`node_routes` with gateways anywhere on the receiving node (:attr:`Routing.RAILS`)."""
+    return node_routes(plan, outside=True)
 
 
 #: routing -> ``fn(plan) -> tables``: the one table of route builders.
@@ -326,6 +416,7 @@ ROUTERS: dict[Routing, Callable[["Plan"], dict[str, np.ndarray]]] = {
     Routing.DIRECT: direct_routes,
     Routing.RING: ring_routes,
     Routing.NODE: node_routes,
+    Routing.RAILS: rail_routes,
 }
 
 

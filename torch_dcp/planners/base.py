@@ -32,13 +32,20 @@ class Routing(enum.Enum):
       it (before division 0: in an opening phase), and the others get it from the gateway
       over NVLink; partial results of one block that several ranks of a node return to
       another node are added on one of them (a reducer, among the last to finish) and sent
-      home once. Gateways and reducers are chosen to even out the load of rails and NVLink
-      ports.
+      home once (or to another rank of the home's node, a relay that passes it on over
+      NVLink one division later). Gateways, reducers and relays are chosen to even out the
+      load of rails and NVLink ports.
+    * ``RAILS``: like ``NODE``, but a block's gateway may be any rank of the node, one that only
+      passes it on, so that the crossings spread over the node's rails where the ranks that
+      need the blocks sit on few (a window-masked document split between two nodes). Each
+      extra hop waits for the rank that relays it, so neither routing is always faster: the
+      planner times both (:func:`torch_dcp.plan`'s other schedules of its fastest plan).
     """
 
     DIRECT = "direct"
     RING = "ring"
     NODE = "node"
+    RAILS = "rails"
 
 
 class Runtime(enum.Enum):

@@ -122,7 +122,7 @@ def pass_estimate_seconds(plan: Plan, cost_model: CostModel, backward: bool) -> 
     window = np.where(fetch_m, np.where(m_phase < 0, -2, m_phase // 2 - 1), (m_phase - 1) // 2 + 1)
     # links: port out / in of a rank inside a node, rail out / in of a node between nodes
     n_rails = topo.n_nodes * topo.rails_per_node
-    out_link = np.where(inter, 2 * w + topo.rail_index(m_src), m_src)
+    out_link = np.where(inter, 2 * w + topo.rail_out_index(m_src, m_dst), m_src)
     in_link = np.where(inter, 2 * w + n_rails + topo.rail_index(m_dst), w + m_dst)
     n_links = 2 * w + 2 * n_rails
     n_win = n_div + 4  # windows -2 .. T + 1

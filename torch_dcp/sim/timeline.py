@@ -14,8 +14,9 @@ takes the earliest time from which all its links are free for its duration, so a
 never left idle while a ready transfer could use it, even when a later transfer already holds
 it (gaps are back-filled). Inside a node each rank has its own NVLink/NVSwitch port
 (``Topology.intra_bandwidth`` per direction).
-Between nodes a transfer uses the sender's rail out of its node and the receiver's rail into
-its node (``Topology.rail_bandwidth`` each; a node's rails together are its
+Between nodes a transfer uses a rail out of the sender's node (``Topology.rail_out_index``:
+with NCCL's PXN, the receiver's rail) and the receiver's rail into its node
+(``Topology.rail_bandwidth`` each; a node's rails together are its
 ``inter_bandwidth``): ranks on different rails send at once, ranks sharing a rail queue on it.
 
 The ideal bound is the total compute time of all ranks spread perfectly evenly with no
@@ -207,11 +208,13 @@ def _memory_seconds(cm: CostModel, ins: BlockwiseCopy | BlockwiseReduction, blen
 
 def _transfer_links(topology, links: dict[tuple, _Link], src: int, dst: int) -> tuple[list[_Link], bool]:
     """The links a transfer from ``src`` to ``dst`` occupies (created in ``links`` on first
-    use): the sender's rail out of its node and the receiver's rail into its node between
-    nodes, their NVLink/NVSwitch ports inside one; and whether it crosses nodes."""
+    use): the rail out of the sender's node (``Topology.rail_out_index``) and the receiver's
+    rail into its node between nodes, their NVLink/NVSwitch ports inside one; and whether it
+    crosses nodes."""
     ns, nd = topology.node_of(src), topology.node_of(dst)
     inter = bool(ns != nd)
-    names = [("rail out", ns, topology.rail_of(src)), ("rail in", nd, topology.rail_of(dst))] if inter else \
+    out_rail = topology.rail_of(dst if topology.pxn else src)  # Topology.rail_out_index, inside the node
+    names = [("rail out", ns, out_rail), ("rail in", nd, topology.rail_of(dst))] if inter else \
         [("out", src), ("in", dst)]
     for name in names:
         if name not in links:
@@ -298,7 +301,8 @@ class _Pass:
         if hit is None:  # as _transfer_links, with the ranks' nodes and rails looked up once per pass
             ns, nd = self.node_l[src], self.node_l[dst]
             inter = ns != nd
-            names = (("rail out", ns, self.rail_l[src]), ("rail in", nd, self.rail_l[dst])) if inter else \
+            out_rail = self.rail_l[dst if topo.pxn else src]
+            names = (("rail out", ns, out_rail), ("rail in", nd, self.rail_l[dst])) if inter else \
                 (("out", src), ("in", dst))
             for name in names:
                 if name not in self.links:
