@@ -51,7 +51,7 @@ def _crossings(plan):
 @pytest.mark.parametrize("mask", [Causal(), Lambda(sink=8, window=200)], ids=["causal", "lambda"])
 def test_node_routes_cross_into_a_node_once(mask):
     """dcp on several nodes routes fetches through one gateway per node and reduces returns on
-    one reducer per node (Routing.NODE): every block enters a node at most once and every
+    one reducer per node (Routing.RAILS, or NODE where it times faster): every block enters a node at most once and every
     partial leaves it at most once, so the inter-node bytes are the hypergraph's node-level
     connectivity; same placement, fewer inter-node bytes than direct routes."""
     batch = BatchSpec([3000, 700, 1200, 64, 2000, 5000], mask, n_heads=8, n_kv_heads=2, head_dim=64)
@@ -59,7 +59,7 @@ def test_node_routes_cross_into_a_node_once(mask):
     # the bytes objective: one placement, whatever the routes (no candidates timed)
     plan = torch_dcp.plan(batch, topo, planner="dcp", block_size=128, objective="bytes")
     direct = torch_dcp.plan(batch, topo, planner="dcp", block_size=128, objective="bytes", node_routes=False)
-    assert plan.placement.routing is Routing.NODE and direct.placement.routing is Routing.DIRECT
+    assert plan.placement.routing in (Routing.NODE, Routing.RAILS) and direct.placement.routing is Routing.DIRECT
     assert np.array_equal(plan.placement.block_rank, direct.placement.block_rank)
     plan.validate()
     assert (_crossings(plan) == 1).all()

@@ -152,9 +152,10 @@ def _relays(plan):
 @pytest.mark.parametrize("nodes,rpn", [(2, 2), (2, 4), (3, 2)])
 @pytest.mark.parametrize("mask_name", list(MASKS))
 def test_exact_node_routes(nodes, rpn, mask_name):
-    """Routing.NODE: fetches relayed by a node's gateway (also in the opening phase before
-    division 0) and partials reduced on a node's reducer (also in the closing phase after the
-    last division) give the dense reference's outputs and gradients."""
+    """Routing.NODE and RAILS: fetches relayed by a node's gateway (also in the opening phase
+    before division 0; on RAILS also by gateways that need no block of their own) and partials
+    reduced on a node's reducer (also in the closing phase after the last division) and passed
+    home by relays give the dense reference's outputs and gradients."""
     import dataclasses
 
     from torch_dcp.api import divide
@@ -163,20 +164,20 @@ def test_exact_node_routes(nodes, rpn, mask_name):
     batch = _batch(mask_name, "gqa8/2-d32")
     topo = torch_dcp.Topology(n_nodes=nodes, ranks_per_node=rpn)
     dcp = torch_dcp.plan(batch, topo, planner="dcp", block_size=BLOCK, divisions=3, rivals=(), head_parallel=1)
-    assert dcp.placement.routing is Routing.NODE
+    assert dcp.placement.routing in (Routing.NODE, Routing.RAILS)
     # the greedy layout spreads documents over nodes: many relays of both kinds; with one
     # division every gateway fetches in the opening phase and reducers send in the closing one
-    greedy = dataclasses.replace(torch_dcp.plan(batch, topo, planner="greedy", block_size=BLOCK).placement,
-                                 routing=Routing.NODE)
-    spread = {d: divide(greedy, topo, d) for d in (3, 1)}
+    greedy = torch_dcp.plan(batch, topo, planner="greedy", block_size=BLOCK).placement
+    spread = {(r, d): divide(dataclasses.replace(greedy, routing=r), topo, d)
+              for r in (Routing.NODE, Routing.RAILS) for d in (3, 1)}
     for plan in (dcp, *spread.values()):
         plan.validate()
         _check(plan, batch)
     if mask_name in ("causal", "full"):
-        fetch, ret = _relays(spread[3])
+        fetch, ret = _relays(spread[(Routing.NODE, 3)])
         assert fetch > 0 and ret > 0
     if mask_name == "full":
-        t = spread[1].tables
+        t = spread[(Routing.NODE, 1)].tables
         assert (t["fetch_div"] == -1).any() and any((t[f"ret_{s}_div"] == 1).any() for s in ("q", "kv"))
 
 

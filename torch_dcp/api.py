@@ -507,7 +507,8 @@ def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple
     ``T +`` :data:`NODE_FIRST_EXTRA_DIVISIONS` if ``deeper`` and the placement has the tiles,
     else at its ``T``), then a local tail (:data:`LOCAL_TAIL`). Empty where the placement has no
     such variant (ring attention's own steps; node first and local tail need 3 divisions per
-    round). On ``Routing.NODE``, each of them and ``chosen`` itself on ``Routing.RAILS`` too."""
+    round). On ``Routing.RAILS`` (dcp's default on several nodes), each of them and ``chosen``
+    itself on ``Routing.NODE`` too, and the other way round."""
     outer = _outer(chosen)
     pl, topo = outer.placement, outer.topology
     rounds = pl.tile_round
@@ -522,8 +523,9 @@ def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple
             t = t if deeper and t <= pl.workload.n_tiles else per_round
             variants.append((f"node first, T={t}", divide(pl, topo, t, node_first=True)))
         variants.append(("local tail", divide(pl, topo, per_round, local_tail=LOCAL_TAIL)))
-    if pl.routing is Routing.NODE:  # each schedule with its crossings spread over the rails too
-        variants += [(f"{name}, rails" if name else "rails", _routed(p, Routing.RAILS))
+    if pl.routing in (Routing.NODE, Routing.RAILS):  # each schedule on the other node-once routes too
+        other = Routing.NODE if pl.routing is Routing.RAILS else Routing.RAILS
+        variants += [(f"{name}, {other.value}" if name else other.value, _routed(p, other))
                      for name, p in [("", outer), *variants]]
     if isinstance(chosen, HeadParallelPlan):
         return [(name, HeadParallelPlan(p, chosen.batch, chosen.topology, chosen.head_parallel, chosen.label,

@@ -7,7 +7,7 @@ On the paper's microbenchmark batches (4 nodes x 8 ranks, 131,072 tokens, T = 4)
 placement of each batch and block size (:func:`torch_dcp.planners.dcp_candidates` with
 ``shortlist=1`` and no rivals) is divided twice (:func:`torch_dcp.api.divide`):
 
-* ``Routing.NODE`` (dcp's default on several nodes): a block crosses into a node once, at a
+* ``Routing.RAILS`` (dcp's default on several nodes): a block crosses into a node once, at a
   gateway rank, and is passed on over NVLink; partial results are summed inside the node before
   they leave it once;
 * ``Routing.DIRECT``: every consumer fetches every block from its home rank and returns every

@@ -35,11 +35,12 @@ class Routing(enum.Enum):
       home once (or to another rank of the home's node, a relay that passes it on over
       NVLink one division later). Gateways, reducers and relays are chosen to even out the
       load of rails and NVLink ports.
-    * ``RAILS``: like ``NODE``, but a block's gateway may be any rank of the node, one that only
-      passes it on, so that the crossings spread over the node's rails where the ranks that
-      need the blocks sit on few (a window-masked document split between two nodes). Each
-      extra hop waits for the rank that relays it, so neither routing is always faster: the
-      planner times both (:func:`torch_dcp.plan`'s other schedules of its fastest plan).
+    * ``RAILS`` (dcp's default on several nodes): like ``NODE``, but a block's gateway may be
+      any rank of the node, one that only passes it on, so that the crossings spread over the
+      node's rails where the ranks that need the blocks sit on few (a window-masked document
+      split between two nodes). Each extra hop waits for the rank that relays it, so neither
+      routing is always faster: the planner times both (:func:`torch_dcp.plan`'s other
+      schedules of its fastest plan).
     """
 
     DIRECT = "direct"

@@ -300,8 +300,8 @@ def dcp_candidates(
         flops_per_second: attention throughput of one rank for the estimate (default:
             an A100 at about 160 TFLOP/s, forward and backward together).
         node_routes: on several nodes, route fetches through one gateway rank per node
-            (:attr:`~torch_dcp.planners.base.Routing.NODE`: a block crosses into a node once);
-            ``False`` fetches every block from its home.
+            (:attr:`~torch_dcp.planners.base.Routing.RAILS`: a block crosses into a node once,
+            the crossings spread over the rails); ``False`` fetches every block from its home.
         shortlist: with ``"time"``, how many of its own placements ranked by estimated time
             to return (default ``None``: all of them), followed by the bytes objective's choice
             (duplicates dropped); ``"bytes"`` returns only its choice.
@@ -432,7 +432,7 @@ def dcp_candidates(
                 key = (estimate_seconds(hg, part, topology, flops_per_second),) + key
             tried.append((key, len(tried), part))
     tried.sort(key=lambda x: x[:2])
-    routing = Routing.NODE if node_routes and nn > 1 else Routing.DIRECT
+    routing = Routing.RAILS if node_routes and nn > 1 else Routing.DIRECT
     # the time objective's shortlist by estimate, and the bytes objective's choice (the estimate
     # only ranks: the simulator may prefer the balanced plan)
     ranked = [part for _, _, part in tried][:shortlist] if objective == "time" else []  # None: all
