@@ -82,8 +82,9 @@ def test_plan_simulates_the_shortlist_and_every_rival():
     rivals = [lab for lab in labels if ":" in lab and " (" not in lab]
     reschedules = [lab for lab in labels if " (" in lab]
     # the other schedules of the fastest plan on torch_dcp's executor, even where a static
-    # runtime's plan won (it has no other schedules of its own)
-    assert 1 <= len(reschedules) <= 4 and labels[-len(reschedules):] == reschedules
+    # runtime's plan won (it has no other schedules of its own), each and the plan itself also
+    # on the other node-once routes
+    assert 1 <= len(reschedules) <= 2 * 4 + 1 and labels[-len(reschedules):] == reschedules
     assert plan.placement.runtime is Runtime.EXECUTOR or plan.planner.startswith("dcp:allgather/cp")
     assert len(simulated) <= SIMULATED + len(rivals) + len(reschedules)
     assert "dcp:bytes" in rivals and "dcp:ring" in rivals

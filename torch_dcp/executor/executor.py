@@ -29,7 +29,7 @@ from ..workload import Buf
 from .device_plan import AttentionStep, CopyStep, DevicePlan, LaunchStep, ReductionStep, UploadedPlan, WaitStep
 from .kernels import DivisionKernel, get_kernel
 from .kernels.base import output_delta
-from .reduce import add_gradients, merge_partials, put_rows, take_rows
+from .reduce import add_gradients, merge_partials, put_rows, take_rows, triton_runs_on
 from .transport import TransferError, Transport, located
 
 __all__ = ["RankExecutor", "RowChecks", "InstructionTime", "dcp_attention"]
@@ -167,6 +167,7 @@ class _Run:
         self.out: dict[Buf, torch.Tensor] = {}
         self.pending: dict[int, Any] = {}
         self.division = 0
+        self.copied: set[Buf] = set()  # local inputs already in their buffers
 
 
 class RowChecks:
@@ -439,7 +440,11 @@ class RankExecutor(RowChecks):
 
     # ------------------------------------------------------------------ the table's handlers
     def on_copy(self, step: CopyStep, bound: dict, run: _Run, scale: float) -> None:
+        if step.kind in run.copied:  # with another kind's rows, in one launch
+            return
         buf, local = run.bufs[step.kind], run.local[step.kind]
+        if triton_runs_on(buf.words) and _copy_at_once(run, step.n):
+            return
         if (buf.flat is not None and 1 < len(local) == len(buf.fields) and all(t.dtype == buf.flat.dtype for t in local)
                 and sum(math.prod(t.shape[1:]) for t in local) == buf.flat.shape[1]):
             # every field given, of one dtype, filling the row (K and V): one write of all of them
@@ -507,6 +512,25 @@ class RankExecutor(RowChecks):
             return
         dst = run.out[step.dst_buf] if step.dst_buf in run.out else run.bufs[step.dst_buf]
         merge_partials(step.op, src, dst, bound["src"], bound["dst"], step.n, step.p)
+
+
+def _copy_at_once(run: _Run, n: int) -> bool:
+    """Every local input of ``run`` (Q and K, V: both the rank's ``n`` rows) into its field of
+    its buffer in one Triton launch (:func:`~torch_dcp.executor.triton_rows.copy_rows_triton`),
+    where each is a source it takes, of its field's dtype and size (a copy bit for bit); whether
+    they were copied."""
+    from .triton_rows import copy_rows_triton, row_copyable
+
+    kinds = list(run.local)
+    pairs = [(t, i, span) for i, kind in enumerate(kinds) for t, span in zip(run.local[kind], run.bufs[kind].spans)]
+    if not all(row_copyable(t) and t.dtype == dt and math.prod(t.shape[1:]) * t.element_size() == nbytes
+               for t, _, (_, dt, _, _, nbytes) in pairs):
+        return False
+    srcs = [(t, i, span[3]) for t, i, span in pairs]
+    copy_rows_triton([t for t, _, _ in srcs], [run.bufs[kind].words for kind in kinds], [i for _, i, _ in srcs],
+                     [off for _, _, off in srcs], n)
+    run.copied.update(kinds)
+    return True
 
 
 _TIMED_KIND = {"on_copy": "copy", "on_launch": "pack", "on_wait": "unpack", "on_attention": "attention",

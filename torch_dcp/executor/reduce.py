@@ -6,11 +6,11 @@
   LSEs and their softmax over ``p`` as weights, one gather of the partial outputs, their
   weighted sum written straight into the destination, and the merged LSE: a fixed handful of
   launches per reduction, whatever its number of blocks (one gather and one write when every
-  row has one partial). On CUDA with Triton installed, the LSE merge of ``p >= 2`` partials is
-  instead one launch that reads every partial once
-  (:func:`~torch_dcp.executor.triton_merge.merge_lse_triton`, the ``torch_dcp::merge_lse``
-  operator: under ``FakeTensorMode`` -- fake CUDA tensors, no GPU needed -- it runs its fake
-  implementation, and ``torch.compile`` traces into it).
+  row has one partial). On CUDA with Triton installed, the LSE merge is instead one launch
+  that reads every partial once (one partial per row too: it gathers, converts and writes O
+  and the LSE at once; :func:`~torch_dcp.executor.triton_merge.merge_lse_triton`, the
+  ``torch_dcp::merge_lse`` operator: under ``FakeTensorMode`` -- fake CUDA tensors, no GPU
+  needed -- it runs its fake implementation, and ``torch.compile`` traces into it).
 * :func:`add_gradients` -- a division's dQ, dK and dV added into the backward's accumulators
   (on CUDA with Triton one launch, :mod:`~torch_dcp.executor.triton_grads`).
 * :func:`reduce_loop` -- one step per destination block; the reference.
@@ -127,7 +127,7 @@ def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: An
         src_rows: the ``n * p`` source rows, row-major (a slice or an int64 index tensor).
         dst_rows: the ``n`` destination rows (a slice or an index tensor).
         n, p: destination rows and partials per row.
-        use_triton: LSE merge of ``p >= 2`` partials with the Triton kernel; None (default):
+        use_triton: the LSE merge (``p >= 1``) with the Triton kernel; None (default):
             on CUDA when Triton is importable.
 
     Raises:
@@ -157,7 +157,7 @@ def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: An
         _write(do, dst_rows, lambda out: out.zero_() if out is not None else do.new_zeros(n, *do.shape[1:]))
         _write(dl, dst_rows, lambda out: out.fill_(-math.inf) if out is not None else dl.new_full((n, dl.shape[1]), -math.inf))
         return
-    if p >= 2 and _use_triton(o, use_triton):  # one launch, every partial read once, in place
+    if _use_triton(o, use_triton):  # one launch, every partial read once, in place
         from .triton_merge import merge_lse_triton
 
         merge_lse_triton(o, lse, do, dl, src_rows, dst_rows, n, p)
