@@ -113,6 +113,32 @@ def add_gradients(dq_acc: torch.Tensor, q_rows: Any, dq: torch.Tensor, dkv: Any,
         add_rows(flat, kv_rows, torch.cat((dk, dv), 1, out=both))
 
 
+def _sum_in_one_launch(s: torch.Tensor, d: torch.Tensor, src_rows: Any, dst_rows: Any, n: int, p: int) -> bool:
+    """``d[dst_rows] = sum of s[src_rows]`` (``p`` per row) in one Triton launch
+    (:func:`~torch_dcp.executor.triton_sum.sum_rows_triton`), where both are rows it takes as
+    ``[rows, F]`` views; whether it ran."""
+    from .triton_sum import sum_rows_triton, summable
+
+    if not (_dense_rows(s) and _dense_rows(d)):
+        return False
+    s2, d2 = s.flatten(1), d.flatten(1)  # views: the rows are dense
+    if not (summable(s2) and summable(d2)):
+        return False
+    sum_rows_triton(s2, d2, src_rows, dst_rows, n, p)
+    return True
+
+
+def _dense_rows(t: torch.Tensor) -> bool:
+    """Whether each row of ``t`` is dense (its dimensions past the first contiguous), so that
+    ``t.flatten(1)`` is a view."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return t.dim() >= 1
+
+
 def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: Any, n: int, p: int,
                    use_triton: bool | None = None) -> None:
     """Reduce ``p`` partials per destination row.
@@ -143,6 +169,8 @@ def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: An
         for s, d in pairs:
             if p == 0:
                 _write(d, dst_rows, lambda out: out.zero_() if out is not None else d.new_zeros(n, *d.shape[1:]))
+                continue
+            if _use_triton(s, use_triton) and _sum_in_one_launch(s, d, src_rows, dst_rows, n, p):
                 continue
             g = take_rows(s, src_rows)
             if p == 1:

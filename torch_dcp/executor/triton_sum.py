@@ -1,0 +1,107 @@
+"""The sum of gradient partials in one Triton kernel: gathered, added and written at once.
+
+A backward ends (and a node's reducer sends on) by summing, for each of ``n`` destination rows,
+its ``p`` partial dQ (or dK and dV) rows spread over the accumulator buffer. With torch that
+is a gather of the ``n x p`` rows, a sum over ``p`` and, for scattered destinations, a scatter:
+two or three launches and a gathered copy of every partial. Here it is one launch, one program
+per destination row and block of columns, reading each partial once and writing the sum cast to
+the destination's dtype (a bfloat16 gradient straight from float32 partials). Accumulation is in
+float32 (float64 for float64 sources).
+
+The launch is the ``torch_dcp::sum_rows`` operator (defined at import where Triton is
+importable), made with :func:`torch.library.triton_op` as ``torch_dcp::merge_lse`` is
+(:mod:`~torch_dcp.executor.triton_merge`: fake under ``FakeTensorMode``, traceable by
+``torch.compile``; on CPU tensors only under ``TRITON_INTERPRET=1``, for tests)::
+
+    torch_dcp::sum_rows(Tensor src, Tensor(a1!) dst, Tensor? src_idx, Tensor? dst_idx,
+                        SymInt src_start, SymInt dst_start, SymInt n, SymInt p) -> ()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .triton_merge import _plain, _rows, launch, tl, triton, triton_available
+
+__all__ = ["sum_rows_triton", "summable", "OP_NAME"]
+
+OP_NAME = "torch_dcp::sum_rows"
+_BLOCK = 1024  # columns of one program
+
+
+def _sum_rows_kernel(src, dst, src_idx, dst_idx, p, src_start, dst_start, F, s_r, d_r, SRC_IDX: tl.constexpr,
+                     DST_IDX: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < F
+    acc = tl.full([BLOCK], 0.0, ACC)
+    first = i * p
+    j = 0
+    while j < p:  # a while loop: one compiled kernel for every p (as the LSE merge's)
+        r = tl.load(src_idx + first + j).to(tl.int64) if SRC_IDX else src_start + first + j
+        acc += tl.load(src + r * s_r + cols, mask=ok, other=0.0).to(ACC)
+        j += 1
+    d = tl.load(dst_idx + i).to(tl.int64) if DST_IDX else dst_start + i
+    tl.store(dst + d * d_r + cols, acc.to(dst.dtype.element_ty), mask=ok)
+
+
+def _launch(src, dst, src_idx, dst_idx, src_start, dst_start, n, p, wrap: bool) -> None:
+    F = src.shape[1]
+    block = min(_BLOCK, triton.next_power_of_2(int(F)))
+    dummy = src  # pointer argument of an unused index (never loaded)
+    args = (src, dst, dummy if src_idx is None else src_idx, dummy if dst_idx is None else dst_idx, p, src_start,
+            dst_start, F, src.stride(0), dst.stride(0))
+    consts = dict(SRC_IDX=src_idx is not None, DST_IDX=dst_idx is not None,
+                  ACC=tl.float64 if src.dtype == torch.float64 else tl.float32, BLOCK=block,
+                  num_warps=max(1, min(8, block // 256)))
+    launch(_sum_rows_kernel, (n, triton.cdiv(F, block)), args, consts, wrap, src, OP_NAME)
+
+
+def _sum_rows(src: torch.Tensor, dst: torch.Tensor, src_idx: Optional[torch.Tensor], dst_idx: Optional[torch.Tensor],
+              src_start: int, dst_start: int, n: int, p: int) -> None:
+    """The body of ``torch_dcp::sum_rows`` (see :func:`sum_rows_triton`), also its fake
+    implementation (the launch goes through :func:`torch.library.wrap_triton`)."""
+    _launch(src, dst, src_idx, dst_idx, src_start, dst_start, n, p, wrap=True)
+
+
+if triton is not None:
+    torch.library.triton_op(OP_NAME, mutates_args={"dst"})(_sum_rows)
+
+
+def summable(t: torch.Tensor) -> bool:
+    """Whether :func:`sum_rows_triton` takes ``t`` (``[rows, F]``, unit column stride, floating)."""
+    return t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1) and t.is_floating_point()
+
+
+def sum_rows_triton(src: torch.Tensor, dst: torch.Tensor, src_rows: Any, dst_rows: Any, n: int, p: int) -> None:
+    """``dst[dst_rows[i]] = sum_j src[src_rows[i * p + j]]`` for ``i < n``, in one launch, cast
+    to ``dst``'s dtype.
+
+    Args:
+        src: partials ``[R, F]``, dst: ``[R', F]`` (:func:`summable`; any row strides, one device).
+        src_rows: the ``n * p`` source rows, row-major (a slice or a 1-D int32/int64 tensor on
+            the device, each in ``[0, R)``, not checked); dst_rows: the ``n`` destination rows.
+        n, p: destination rows and partials per row (``p >= 1``).
+
+    Raises:
+        RuntimeError: Triton is not available for ``src``'s device.
+        ValueError: shapes, devices, row counts or ``p`` that do not fit.
+    """
+    dev = src.device
+    if not triton_available(dev):
+        raise RuntimeError(f"sum_rows_triton: Triton is not available for {dev}")
+    if not (summable(src) and summable(dst) and src.shape[1] == dst.shape[1] and dst.device == dev):
+        raise ValueError(f"sum_rows_triton: expected src [R, F] and dst [R', F] with unit column strides on one "
+                         f"device, got {list(src.shape)} {src.stride()} and {list(dst.shape)} {dst.stride()}")
+    if n == 0:
+        return
+    if p < 1:
+        raise ValueError(f"sum_rows_triton: p must be >= 1, got {p}")
+    src_start, src_idx = _rows(src_rows, n * p, src.shape[0], "src_rows", dev)
+    dst_start, dst_idx = _rows(dst_rows, n, dst.shape[0], "dst_rows", dev)
+    if not torch.compiler.is_compiling() and _plain(src, dst, *(t for t in (src_idx, dst_idx) if t is not None)):
+        _launch(src, dst, src_idx, dst_idx, src_start, dst_start, n, p, wrap=False)
+    else:
+        torch.ops.torch_dcp.sum_rows(src, dst, src_idx, dst_idx, src_start, dst_start, n, p)
