@@ -328,38 +328,42 @@ class _LinkLoads:
         self.pxn, self.rpn = bool(topo.pxn), topo.ranks_per_node
         self.rail_bw, self.intra_bw = float(topo.rail_bandwidth), float(topo.intra_bandwidth)
 
-    def _cost(self, src: int, dst: int, on_rail: float, ports: tuple) -> float:
-        """The most loaded link (seconds, rounded to the picosecond so that ties go to the
-        first, whatever order the loads were summed in) once a crossing ``src -> dst`` of
-        ``on_rail`` seconds and ``ports`` (``(way, rank, seconds)`` NVLink loads) are added."""
-        out_rail = self.rail_base[src] + self.rail_of[dst if self.pxn else src]
-        worst = max(self.rail["out"][out_rail], self.rail["in"][self.rail_base[dst] + self.rail_of[dst]]) + on_rail
-        for way, r, s in ports:
-            worst = max(worst, self.port[way][r] + s)
-        return round(worst * 1e12) / 1e12
-
     def _charge(self, src: int, dst: int, on_rail: float, ports: tuple) -> None:
+        """Add a crossing ``src -> dst`` of ``on_rail`` seconds and ``ports`` (``(way, rank,
+        seconds)`` NVLink loads) to the links."""
         self.rail["out"][self.rail_base[src] + self.rail_of[dst if self.pxn else src]] += on_rail
         self.rail["in"][self.rail_base[dst] + self.rail_of[dst]] += on_rail
         for way, r, s in ports:
             self.port[way][r] += s
 
+    # The picks below compare the most loaded link once a choice's loads are added, rounded to
+    # the picosecond so that ties go to the first whatever order the loads were summed in; the
+    # loops are written out (no helper call per candidate: they run for every group of every
+    # candidate plan).
+
     def pick_gateway(self, members: list[int], home: int, nbytes: float, outside: bool) -> int:
         """The gateway (a rank) of a block that ``members`` of a node fetch from ``home``: the
-        one, among them and the node's other ranks, whose crossing and NVLink port out (the
-        fan-out) leave the most loaded link least loaded (a member first on a tie)."""
+        one, among them (and with ``outside`` the node's other ranks), whose crossing and NVLink
+        port out (the fan-out) leave the most loaded link least loaded (a member first on a tie)."""
         on_rail, hop = nbytes / self.rail_bw, nbytes / self.intra_bw
+        n = len(members)
         base = members[0] // self.rpn * self.rpn
         cands = members + [r for r in range(base, base + self.rpn) if r not in members] if outside else members
-        n = len(members)
-        best, g, fan = float("inf"), -1, 0.0
+        rail_out, rail_in, port_out = self.rail["out"], self.rail["in"], self.port["out"]
+        rail_of, rail_base, out_base = self.rail_of, self.rail_base, self.rail_base[home]
+        fixed_out = None if self.pxn else rail_out[out_base + rail_of[home]]
+        best, pick = None, 0
         for i, r in enumerate(cands):
-            f = hop * (n - 1 if i < n else n)
-            cost = self._cost(home, r, on_rail, (("out", r, f),))
-            if cost < best:
-                best, g, fan = cost, r, f
-        self._charge(home, g, on_rail, (("out", g, fan),))
-        if g in members:  # its own hop was charged as a member's
+            a = rail_out[out_base + rail_of[r]] if fixed_out is None else fixed_out
+            b = rail_in[rail_base[r] + rail_of[r]]
+            a = (a if a > b else b) + on_rail
+            c = port_out[r] + hop * (n - 1 if i < n else n)
+            key = round((a if a > c else c) * 1e12)
+            if best is None or key < best:
+                best, pick = key, i
+        g = cands[pick]
+        self._charge(home, g, on_rail, (("out", g, hop * (n - 1 if pick < n else n)),))
+        if pick < n:  # its own hop was charged as a member's
             self.port["in"][g] -= hop
         return g
 
@@ -368,11 +372,16 @@ class _LinkLoads:
         partials returned to ``home``: its crossing and NVLink port in least loaded."""
         on_rail, hop = nbytes / self.rail_bw, nbytes / self.intra_bw
         fan = hop * (n_members - 1)
-        best, g = float("inf"), -1
+        rail_out, port_in, rail_of, rail_base = self.rail["out"], self.port["in"], self.rail_of, self.rail_base
+        into = self.rail["in"][rail_base[home] + rail_of[home]]
+        best, g = None, -1
         for r in allowed:
-            cost = self._cost(r, home, on_rail, (("in", r, fan),))
-            if cost < best:
-                best, g = cost, r
+            a = rail_out[rail_base[r] + rail_of[home if self.pxn else r]]
+            a = (a if a > into else into) + on_rail
+            c = port_in[r] + fan
+            key = round((a if a > c else c) * 1e12)
+            if best is None or key < best:
+                best, g = key, r
         self._charge(g, home, on_rail, (("in", g, fan),))
         self.port["out"][g] -= hop  # its own hop was charged as a member's
         return g
@@ -383,11 +392,21 @@ class _LinkLoads:
         loaded (``home`` on a tie)."""
         on_rail, hop = nbytes / self.rail_bw, nbytes / self.intra_bw
         self._charge(sender, home, -on_rail, ())
-        best, g = self._cost(sender, home, on_rail, ()), home
-        for x in others:
-            cost = self._cost(sender, x, on_rail, (("out", x, hop), ("in", home, hop)))
-            if cost < best:
-                best, g = cost, x
+        rail_out, rail_in, port_out = self.rail["out"], self.rail["in"], self.port["out"]
+        rail_of, rail_base, out_base = self.rail_of, self.rail_base, self.rail_base[sender]
+        into_home = self.port["in"][home] + hop
+        best, g = None, home
+        for x in [home] + others:
+            a = rail_out[out_base + rail_of[x if self.pxn else sender]]
+            b = rail_in[rail_base[x] + rail_of[x]]
+            a = (a if a > b else b) + on_rail
+            if x != home:
+                c = port_out[x] + hop
+                c = c if c > into_home else into_home
+                a = a if a > c else c
+            key = round(a * 1e12)
+            if best is None or key < best:
+                best, g = key, x
         self._charge(sender, g, on_rail, (("out", g, hop), ("in", home, hop)) if g != home else ())
         return g
 
