@@ -51,8 +51,8 @@ def _crossings(plan):
 @pytest.mark.parametrize("mask", [Causal(), Lambda(sink=8, window=200)], ids=["causal", "lambda"])
 def test_node_routes_cross_into_a_node_once(mask):
     """dcp on several nodes routes fetches through one gateway per node and reduces returns on
-    one reducer per node (Routing.RAILS, or NODE where it times faster): every block enters a node at most once and every
-    partial leaves it at most once, so the inter-node bytes are the hypergraph's node-level
+    one reducer per node (Routing.RAILS, or NODE where it times faster): every block enters a
+    node at most once and every partial leaves it at most once, so the inter-node bytes are the hypergraph's node-level
     connectivity; same placement, fewer inter-node bytes than direct routes."""
     batch = BatchSpec([3000, 700, 1200, 64, 2000, 5000], mask, n_heads=8, n_kv_heads=2, head_dim=64)
     topo = Topology(n_nodes=2, ranks_per_node=4)

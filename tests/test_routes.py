@@ -178,7 +178,8 @@ def test_node_routes_spread_a_split_window_over_the_rails():
     batch = BatchSpec([512], Lambda(sink=4, window=96), n_heads=4, n_kv_heads=2, head_dim=16, dtype="float64")
     topo = Topology(n_nodes=2, ranks_per_node=4, nics_per_node=4)
     pl = torch_dcp.plan(batch, topo, planner="dcp", block_size=16, divisions=2, rivals=(), head_parallel=1).placement
-    plans = {r: divide(dataclasses.replace(pl, routing=r), topo, 2) for r in (Routing.DIRECT, Routing.NODE, Routing.RAILS)}
+    plans = {r: divide(dataclasses.replace(pl, routing=r), topo, 2)
+             for r in (Routing.DIRECT, Routing.NODE, Routing.RAILS)}
     busiest, spread = {}, {}  # the busiest rail's seconds, and over the mean rail's
     for r, p in plans.items():
         loads = topo.link_seconds(*p.transfers()[:3])
@@ -187,10 +188,12 @@ def test_node_routes_spread_a_split_window_over_the_rails():
     assert spread[Routing.RAILS] <= 1.35 < spread[Routing.DIRECT], spread
     assert busiest[Routing.RAILS] < busiest[Routing.NODE] < busiest[Routing.DIRECT], busiest
     wl = pl.workload
-    uses = {(r, k, b) for k, tb in enumerate((wl.tile_q, wl.tile_kv)) for r, b in zip(pl.tile_rank.tolist(), tb.tolist())}
+    uses = {(r, k, b) for k, tb in enumerate((wl.tile_q, wl.tile_kv))
+            for r, b in zip(pl.tile_rank.tolist(), tb.tolist())}
     for r in (Routing.NODE, Routing.RAILS):
         t = plans[r].tables
-        passed = any((x, k, b) not in uses for x, k, b in zip(*(t[f"fetch_{c}"].tolist() for c in ("rank", "kind", "block"))))
+        fetches = zip(*(t[f"fetch_{c}"].tolist() for c in ("rank", "kind", "block")))
+        passed = any((x, k, b) not in uses for x, k, b in fetches)
         assert passed is (r is Routing.RAILS)  # a gateway that needs no block of its own
         assert any((x, k, b) not in uses for k, side in enumerate(("q", "kv"))  # a relay with no partial
                    for x, b in zip(t[f"ret_{side}_rank"].tolist(), t[f"ret_{side}_block"].tolist()))

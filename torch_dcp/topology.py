@@ -114,7 +114,8 @@ class Topology:
         ``nbytes[i]`` bytes: inside a node the sender's NVLink port out and the receiver's port
         in (``intra_bandwidth``), between nodes the rail out of :meth:`rail_out_index` and the
         receiver's rail in (``rail_bandwidth``; PXN's NVLink hop to the card is not charged: at
-        NVLink speed it carries the transfer in a fraction of its time on the rail). Keys ``("port", "out" | "in")``: float64 ``[world_size]``;
+        NVLink speed it carries the transfer in a fraction of its time on the rail). Keys
+        ``("port", "out" | "in")``: float64 ``[world_size]``;
         ``("rail", "out" | "in")``: float64 ``[n_nodes * rails_per_node]`` by :meth:`rail_index`."""
         src, dst, nbytes = (np.atleast_1d(np.asarray(a)) for a in (src, dst, nbytes))
         inter = self.node_of(src) != self.node_of(dst)

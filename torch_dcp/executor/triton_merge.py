@@ -165,6 +165,21 @@ def _rows(rows: Any, count: int, total: int, name: str, device: torch.device) ->
     return 0, rows.contiguous()
 
 
+def partial_rows(name: str, src_rows: Any, dst_rows: Any, n: int, p: int, src_total: int, dst_total: int,
+                 device: torch.device) -> tuple[int, torch.Tensor | None, int, torch.Tensor | None]:
+    """``(src_start, src_idx, dst_start, dst_idx)`` (see :func:`_rows`) of a reduction of ``p``
+    partials into each of ``n`` rows, for the kernel ``name``.
+
+    Raises:
+        ValueError: ``p < 1``, or rows that do not count ``n * p`` and ``n``.
+    """
+    if p < 1:
+        raise ValueError(f"{name}: p must be >= 1, got {p}")
+    src_start, src_idx = _rows(src_rows, n * p, src_total, "src_rows", device)
+    dst_start, dst_idx = _rows(dst_rows, n, dst_total, "dst_rows", device)
+    return src_start, src_idx, dst_start, dst_idx
+
+
 def _align(t: torch.Tensor) -> int:
     """A power of two (up to 16 bytes' worth of elements) dividing ``t``'s row and head strides:
     every ``D``-vector starts that many elements past an aligned base (vectorized accesses)."""
@@ -264,10 +279,8 @@ def merge_lse_triton(src_o: torch.Tensor, src_lse: torch.Tensor, dst_o: torch.Te
         raise ValueError("merge_lse_triton: all tensors must be on one device")
     if n == 0:
         return
-    if p < 1:
-        raise ValueError(f"merge_lse_triton: p must be >= 1, got {p}")
-    src_start, src_idx = _rows(src_rows, n * p, src_o.shape[0], "src_rows", dev)
-    dst_start, dst_idx = _rows(dst_rows, n, dst_o.shape[0], "dst_rows", dev)
+    src_start, src_idx, dst_start, dst_idx = partial_rows("merge_lse_triton", src_rows, dst_rows, n, p,
+                                                          src_o.shape[0], dst_o.shape[0], dev)
     args = (src_o, src_lse, dst_o, dst_lse, src_idx, dst_idx, src_start, dst_start, n, p)
     if not torch.compiler.is_compiling() and _plain(src_o, src_lse, dst_o, dst_lse):
         _launch(*args, wrap=False)  # what the operator runs here, without its Python dispatch (~60 us)

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from .triton_merge import _plain, _rows, launch, tl, triton, triton_available
+from .triton_merge import _plain, launch, partial_rows, tl, triton, triton_available
 
 __all__ = ["sum_rows_triton", "summable", "OP_NAME"]
 
@@ -97,10 +97,8 @@ def sum_rows_triton(src: torch.Tensor, dst: torch.Tensor, src_rows: Any, dst_row
                          f"device, got {list(src.shape)} {src.stride()} and {list(dst.shape)} {dst.stride()}")
     if n == 0:
         return
-    if p < 1:
-        raise ValueError(f"sum_rows_triton: p must be >= 1, got {p}")
-    src_start, src_idx = _rows(src_rows, n * p, src.shape[0], "src_rows", dev)
-    dst_start, dst_idx = _rows(dst_rows, n, dst.shape[0], "dst_rows", dev)
+    src_start, src_idx, dst_start, dst_idx = partial_rows("sum_rows_triton", src_rows, dst_rows, n, p, src.shape[0],
+                                                          dst.shape[0], dev)
     if not torch.compiler.is_compiling() and _plain(src, dst, *(t for t in (src_idx, dst_idx) if t is not None)):
         _launch(src, dst, src_idx, dst_idx, src_start, dst_start, n, p, wrap=False)
     else:

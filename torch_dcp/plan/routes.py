@@ -206,7 +206,7 @@ def node_routes(plan: "Plan", outside: bool = False) -> dict[str, np.ndarray]:
     # written back in one go per table: every member's new peer (the chosen rank), the chosen
     # row's peer kept (the home) and its new division; a gateway that needs no block of its
     # own gets a fetch row
-    at = 0
+    at, added = 0, {}
     for kind, length, top in zip(kinds, lengths, allowed):
         rows, ptr = groups[kind]
         pick = np.asarray(chosen[at:at + len(length)], np.int64)
@@ -220,9 +220,9 @@ def node_routes(plan: "Plan", outside: bool = False) -> dict[str, np.ndarray]:
         peer_arr[picked] = home[group_of]
         if kind == "fetch":  # strictly before every other member's first use
             div_arr[picked] = first_div[group_of] - (length[group_of] > 1)
-            outside = np.ones(len(length), bool)
-            outside[group_of] = False
-            g = np.nonzero(outside)[0]
+            apart = np.ones(len(length), bool)  # groups whose gateway is no member
+            apart[group_of] = False
+            g = np.nonzero(apart)[0]
             first = rows[ptr[:-1]][g]
             added = {"rank": pick[g], "kind": fk[first], "block": fb[first], "div": first_div[g] - 1, "src": home[g]}
         else:  # strictly after every partial it adds: one later where another finishes with it
