@@ -19,11 +19,30 @@ CASES = {
 }
 
 
-def _worker(rank: int, world: int, mesh) -> None:
-    torch.manual_seed(0)
+def _plans(world: int):
+    """``(name, batch, plan)``: each case on one node; on 4 ranks also dcp on 2 nodes x 2 ranks
+    on both node-once routings (gateways, reducers and relays of returns passing blocks on)."""
+    import dataclasses
+
+    from torch_dcp.api import divide
+    from torch_dcp.planners import Routing
+
     for name, (mask, planner) in CASES.items():
         batch = BatchSpec([1, 19, 50, 6, 33], mask, n_heads=8, n_kv_heads=2, head_dim=32, dtype="float32")
-        plan = torch_dcp.plan(batch, world, planner=planner, block_size=8, divisions=3)
+        yield name, batch, torch_dcp.plan(batch, world, planner=planner, block_size=8, divisions=3)
+    if world == 4:
+        topo = torch_dcp.Topology(n_nodes=2, ranks_per_node=2)
+        # a window-masked document split over the nodes: NODE relays a return on the home's node,
+        # RAILS fetches a block through a gateway that does not need it
+        batch = BatchSpec([240], Lambda(sink=2, window=24), n_heads=8, n_kv_heads=2, head_dim=32, dtype="float32")
+        pl = torch_dcp.plan(batch, topo, planner="dcp", block_size=8, divisions=3, head_parallel=1).placement
+        for routing in (Routing.NODE, Routing.RAILS):
+            yield f"lambda-dcp-{routing.value}", batch, divide(dataclasses.replace(pl, routing=routing), topo, 3)
+
+
+def _worker(rank: int, world: int, mesh) -> None:
+    torch.manual_seed(0)
+    for name, batch, plan in _plans(world):
         digests = [None] * world
         dist.all_gather_object(digests, plan.digest())
         assert len(set(digests)) == 1, f"{name}: ranks planned differently"
