@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (the dev extra installs it on Linux x86-64)")
 
 from torch_dcp.executor.executor import _Buffer  # noqa: E402
-from torch_dcp.executor.triton_rows import copy_rows_triton, row_copyable  # noqa: E402
+from torch_dcp.executor.triton_rows import copy_rows_triton, gather_rows_triton, row_copyable  # noqa: E402
 
 
 def _buffers(rows, h, hkv, d, e, acc):
@@ -63,6 +63,22 @@ def test_one_buffer_and_errors(interpret):
         copy_rows_triton([q], [buf.words], [1], [0], 5)
 
 
+def test_gather_rows_as_index_select(interpret):
+    """Two buffers' rows by index (repeated, out of order, none) in one launch, wider rows than
+    one program's block of words."""
+    g = torch.Generator().manual_seed(2)
+    a = torch.randint(-2 ** 62, 2 ** 62, (9, 1500), generator=g, dtype=torch.int64)
+    b = torch.randint(-2 ** 62, 2 ** 62, (12, 5), generator=g, dtype=torch.int64)[:, :3]  # a row stride of 5
+    for ra, rb in ((torch.tensor([3, 0, 3, 8]), torch.tensor([11, 2])), (torch.tensor([], dtype=torch.int64),
+                                                                         torch.tensor([1, 1, 0, 5, 7, 9]))):
+        got = gather_rows_triton(a, ra, b, rb)
+        assert torch.equal(got[0], a.index_select(0, ra)) and torch.equal(got[1], b.index_select(0, rb))
+    with pytest.raises(ValueError, match="int64 buffers"):
+        gather_rows_triton(a.float(), torch.tensor([0]), b, torch.tensor([0]))
+    with pytest.raises(ValueError, match="int64 indices"):
+        gather_rows_triton(a, torch.tensor([0], dtype=torch.int32), b, torch.tensor([0]))
+
+
 def test_refused_without_triton(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="Triton is not available"):
@@ -71,23 +87,30 @@ def test_refused_without_triton(monkeypatch):
 
 def test_executor_end_to_end(interpret, monkeypatch):
     """A whole forward and backward (float64, several ranks, fetches and returns) with every
-    pass's local inputs copied by the one launch: exact against the dense reference."""
+    pass's local inputs copied by the one launch, and a division's query and key/value rows
+    gathered by one: exact against the dense reference."""
     import torch_dcp
     from torch_dcp.executor import executor as executor_mod
     from torch_dcp.executor import triton_rows
     from test_exact import _batch, _check
 
-    seen = []
-    real = triton_rows.copy_rows_triton
+    seen, gathers = [], []
+    real, real_gather = triton_rows.copy_rows_triton, triton_rows.gather_rows_triton
 
     def spy(srcs, *args):
         seen.append(len(srcs))
         return real(srcs, *args)
 
+    def spy_gather(*args):
+        gathers.append(len(args))
+        return real_gather(*args)
+
     monkeypatch.setattr(triton_rows, "copy_rows_triton", spy)
+    monkeypatch.setattr(triton_rows, "gather_rows_triton", spy_gather)
     monkeypatch.setattr(executor_mod, "triton_runs_on", lambda t: True)
     batch = _batch("lambda", "gqa8/2-d32")
     plan = torch_dcp.plan(batch, torch_dcp.Topology(n_nodes=2, ranks_per_node=2), planner="dcp", block_size=4,
                           divisions=2, rivals=(), head_parallel=1)
     _check(plan, batch)
     assert sorted(set(seen)) == [3, 5]  # forward: Q, K, V; backward: Q, dO, the LSE, K, V
+    assert gathers  # divisions whose query and key/value rows are both gathered: one launch

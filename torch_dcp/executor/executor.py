@@ -487,8 +487,14 @@ class RankExecutor(RowChecks):
     def on_attention(self, step: AttentionStep, bound: dict, run: _Run, scale: float) -> None:
         run.division = step.division
         qb, kvb = run.bufs[Buf.Q], run.bufs[Buf.KV]
-        qf = qb.view_rows(take_rows(qb.words, bound["q"]))
-        kvf = kvb.view_rows(take_rows(kvb.words, bound["kv"]))
+        q_rows, kv_rows = bound["q"], bound["kv"]
+        if isinstance(q_rows, torch.Tensor) and isinstance(kv_rows, torch.Tensor) and triton_runs_on(qb.words):
+            from .triton_rows import gather_rows_triton  # both gathers in one launch
+
+            qw, kvw = gather_rows_triton(qb.words, q_rows, kvb.words, kv_rows)
+        else:
+            qw, kvw = take_rows(qb.words, q_rows), take_rows(kvb.words, kv_rows)
+        qf, kvf = qb.view_rows(qw), kvb.view_rows(kvw)
         if not run.backward:
             out, lse = self.kernel.forward(qf["q"], kvf["k"], kvf["v"], bound["meta"], scale, self.acc)
             op = run.bufs[Buf.OPART]
