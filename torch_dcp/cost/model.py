@@ -174,7 +174,7 @@ def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
 #: The executor's fixed costs on a GPU until a card is calibrated (:func:`gpu_executor` of the
 #: shipped preset): per division and per pass, forward and backward, the device operations
 #: counted on today's executor x 13.2 µs per operation measured on an H200 with layer replay;
-#: about 37 / 52 µs a causal (varlen) division, 34 / 42 µs a FlexAttention one, and 36 / 106 µs a
+#: about 37 / 52 µs a causal (varlen) division, 32 / 40 µs a FlexAttention one, and 32 / 102 µs a
 #: pass whatever its divisions.
 GPU_EXECUTOR = gpu_executor()
 
