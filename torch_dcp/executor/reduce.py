@@ -30,7 +30,7 @@ import torch
 
 from ..plan import BlockwiseReduction, ReduceOp
 
-__all__ = ["merge_partials", "add_gradients", "reduce_loop"]
+__all__ = ["merge_partials", "add_gradients", "reduce_loop", "dense_rows"]
 
 
 def take_rows(t: torch.Tensor, rows: Any) -> torch.Tensor:
@@ -119,7 +119,7 @@ def _sum_in_one_launch(s: torch.Tensor, d: torch.Tensor, src_rows: Any, dst_rows
     ``[rows, F]`` views; whether it ran."""
     from .triton_sum import sum_rows_triton, summable
 
-    if not (_dense_rows(s) and _dense_rows(d)):
+    if not (dense_rows(s) and dense_rows(d)):
         return False
     s2, d2 = s.flatten(1), d.flatten(1)  # views: the rows are dense
     if not (summable(s2) and summable(d2)):
@@ -128,7 +128,7 @@ def _sum_in_one_launch(s: torch.Tensor, d: torch.Tensor, src_rows: Any, dst_rows
     return True
 
 
-def _dense_rows(t: torch.Tensor) -> bool:
+def dense_rows(t: torch.Tensor) -> bool:
     """Whether each row of ``t`` is dense (its dimensions past the first contiguous), so that
     ``t.flatten(1)`` is a view."""
     expected = 1

@@ -32,6 +32,7 @@ from typing import Sequence
 
 import torch
 
+from .reduce import dense_rows
 from .triton_merge import _plain, launch, tl, triton, triton_available
 
 __all__ = ["copy_rows_triton", "gather_rows_triton", "row_copyable", "OP_NAME", "GATHER_OP_NAME", "MAX_SOURCES"]
@@ -135,13 +136,8 @@ if triton is not None:
 
 def row_copyable(t: torch.Tensor) -> bool:
     """Whether :func:`copy_rows_triton` takes ``t`` as a source: rows dense inside (any row
-    stride) of a dtype of whole 16-bit words."""
-    expected = 1
-    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
-        if size > 1 and stride != expected:
-            return False
-        expected *= size
-    return t.dim() >= 1 and t.element_size() % 2 == 0
+    stride, :func:`~torch_dcp.executor.reduce.dense_rows`) of a dtype of whole 16-bit words."""
+    return dense_rows(t) and t.element_size() % 2 == 0
 
 
 def copy_rows_triton(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], dst_of: Sequence[int],
