@@ -532,9 +532,8 @@ def _copy_at_once(run: _Run, n: int) -> bool:
     if not all(row_copyable(t) and t.dtype == dt and math.prod(t.shape[1:]) * t.element_size() == nbytes
                for t, _, (_, dt, _, _, nbytes) in pairs):
         return False
-    srcs = [(t, i, span[3]) for t, i, span in pairs]
-    copy_rows_triton([t for t, _, _ in srcs], [run.bufs[kind].words for kind in kinds], [i for _, i, _ in srcs],
-                     [off for _, _, off in srcs], n)
+    copy_rows_triton([t for t, _, _ in pairs], [run.bufs[kind].words for kind in kinds], [i for _, i, _ in pairs],
+                     [span[3] for _, _, span in pairs], n)
     run.copied.update(kinds)
     return True
 
