@@ -130,3 +130,28 @@ def test_link_loads_conserve_bytes_and_spread_the_all_gather_over_every_rail():
     for name in ("dcp", "allgather"):
         for kind in ("rail", "port"):
             assert row[f"{name}_{kind}_ms"] >= 0 and row[f"{name}_{kind}_gb"] >= 0
+
+
+def test_links_made_faster_shrink_the_waits_they_carry():
+    """``--links``: each link class that many times faster, both plans made again on it; the
+    all-gather's collectives wait on the links, so its time at its best CP size falls with them."""
+    from torch_dcp.benchmarks.why import faster_links, parse_links
+
+    assert parse_links("rail=8,nvlink=2.5") == {"rail": 8.0, "nvlink": 2.5}
+    assert parse_links("") == {}
+    for bad in ("rails=8", "rail=0", "rail=-1", "rail=x", "rail=inf", "rail=8,rail=4", "rail"):
+        with pytest.raises(ValueError, match="--links"):
+            parse_links(bad)
+    topo = Topology(n_nodes=2, ranks_per_node=2)
+    fast = faster_links(topo, {"rail": 1000.0, "nvlink": 1000.0})
+    assert fast.inter_bandwidth == topo.inter_bandwidth * 1000 and fast.intra_bandwidth == topo.intra_bandwidth * 1000
+    assert fast.inter_latency == topo.inter_latency and faster_links(topo, {}) == topo
+    cm = CostModel.load("h100")
+    base, quick = why_batch(_batch(), topo, cm, [1024]), why_batch(_batch(), fast, cm, [1024])
+    assert quick["allgather_time_ms"] < base["allgather_time_ms"] - 0.5 * base["allgather_exposed_ms"]
+
+
+def test_links_option_names_the_faster_links_and_rejects_bad_ones(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["why", "--clusters", "a100x2", "--links", "rail=fast"])
+    assert "--links" in capsys.readouterr().err

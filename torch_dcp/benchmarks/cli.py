@@ -112,6 +112,8 @@ def parser() -> argparse.ArgumentParser:
     wp.add_argument("--scales", default="0.5,1,2,4")
     wp.add_argument("--block-sizes", default="1024,2048", help="dcp's block sizes, its best kept (default 1024,2048)")
     wp.add_argument("--batches", default=None, help="length sources to run (default: corpus, longtail)")
+    wp.add_argument("--links", default="", help="what bounds the plans: link classes made faster, e.g. rail=8 or "
+                    "rail=8,nvlink=8 (default: none)")
     wp.set_defaults(run=_why, error=wp.error)
     bp = sub.add_parser("balance", help="dcp's time objective against its compute-balanced plan, with floors",
                         description=balance.__doc__, formatter_class=raw)
@@ -317,8 +319,12 @@ def _clusters_masks_sources(args) -> tuple[list, dict]:
 
 def _why(args) -> int:
     clusters, sources = _clusters_masks_sources(args)
+    try:
+        links = why.parse_links(args.links)
+    except ValueError as err:
+        args.error(str(err))
     why.bench_why(clusters, args.masks.split(","), [float(x) for x in args.scales.split(",")], _ints(args.block_sizes),
-                  args.cost, _heads(args), args.json, sources=sources)
+                  args.cost, _heads(args), args.json, sources=sources, links=links)
     return 0
 
 

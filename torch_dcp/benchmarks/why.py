@@ -32,10 +32,15 @@ and port of its group equally busy.
 Each cluster ends with the batches where the all-gather is faster and, over them, the median of
 each term's difference (dcp's minus the all-gather's): the term that carries the gap is where
 dcp's plans lose.
+
+``--links rail=8`` (and ``nvlink=F``) asks what bounds the plans: every network rail (NVLink
+port) of each cluster ``F`` times faster, both plans made and simulated again on it. Where dcp's
+time falls by about its exposed term, that link class carries its waits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -47,9 +52,40 @@ from ..sim.floors import link_busy_seconds, node_once_bytes
 from ..topology import Topology
 from .common import cluster_cases, rounded
 
-__all__ = ["OWN_RIVALS", "split_time", "why_batch", "summarize", "bench_why"]
+__all__ = ["OWN_RIVALS", "split_time", "why_batch", "summarize", "bench_why", "parse_links", "faster_links"]
 
 _TERMS = ("compute", "imbalance", "exposed")
+
+
+#: link class -> the :class:`~torch_dcp.Topology` bandwidth ``--links`` scales
+_LINKS = {"rail": "inter_bandwidth", "nvlink": "intra_bandwidth"}
+
+
+def parse_links(text: str) -> dict[str, float]:
+    """``"rail=8,nvlink=2"`` as ``{"rail": 8.0, "nvlink": 2.0}`` (classes of :data:`_LINKS`).
+
+    Raises:
+        ValueError: an unknown link class, a repeated one, or a factor that is not a positive number.
+    """
+    out: dict[str, float] = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in _LINKS or name in out:
+            raise ValueError(f"--links: {item!r}: expected CLASS=FACTOR, each class once, CLASS in {sorted(_LINKS)}")
+        try:
+            factor = float(value)
+        except ValueError:
+            factor = float("nan")
+        if not factor > 0 or factor == float("inf"):
+            raise ValueError(f"--links: {item!r}: the factor must be a positive number")
+        out[name] = factor
+    return out
+
+
+def faster_links(topology: Topology, links: dict[str, float]) -> Topology:
+    """``topology`` with every link of each class in ``links`` that many times faster
+    (:func:`parse_links`; latencies unchanged)."""
+    return dataclasses.replace(topology, **{_LINKS[k]: getattr(topology, _LINKS[k]) * f for k, f in links.items()})
 
 
 def split_time(sim: Any) -> dict[str, float]:
@@ -125,12 +161,17 @@ def summarize(rows: list[dict]) -> dict[str, Any]:
 
 def bench_why(clusters: list[tuple[str, int]], masks: list[str], scales: list[float], block_sizes: list[int],
               cost: str = "kernels", heads: tuple[int, int] = (8, 2), as_json: bool = False, out=None,
-              sources: dict[str, list[int]] | None = None, total: int = 131072) -> list[dict]:
+              sources: dict[str, list[int]] | None = None, total: int = 131072,
+              links: dict[str, float] | None = None) -> list[dict]:
     """Run the report (module docstring) and print it: JSON lines (``as_json``: one per batch,
-    then one summary per cluster) or Markdown tables (``out``, default stdout); returns the batch rows."""
+    then one summary per cluster) or Markdown tables (``out``, default stdout); returns the batch
+    rows. ``links``: link classes made faster (:func:`faster_links`), named in each row."""
     out = out or sys.stdout
     rows = []
+    faster = ", ".join(f"{k} x{f:g}" for k, f in (links or {}).items())
     for cluster, topology, cm, cases in cluster_cases(clusters, masks, scales, cost, heads, "why", sources, total):
+        topology = faster_links(topology, links or {})
+        cluster = f"{cluster} ({faster})" if faster else cluster
         mine = []
         for scale, name, mask, batch in cases:
             row = {"cluster": cluster, "scale": scale, "batch": name, "mask": mask,
