@@ -280,6 +280,31 @@ def test_contiguous_partition_is_the_cheapest_balanced_run_split(seed, k):
         assert cost(got) == min(cost(c) for c in splits)
 
 
+def test_head_parallel_outer_plans_take_contiguous_runs_inside_nodes(monkeypatch):
+    """``contiguous_ranks``: the ranks inside a node get contiguous runs of its blocks (no call to
+    Mt-KaHyPar per node); ``torch_dcp.plan`` asks it for head parallelism's outer plans only."""
+    import torch_dcp.planners.dcp as dcp
+    import torch_dcp.planners.partition as partition
+
+    batch = BatchSpec([3000, 700, 2200, 90, 1500, 4000], Causal(), n_heads=8, n_kv_heads=2, head_dim=64)
+    topo = Topology(n_nodes=2, ranks_per_node=4)
+    runs, mtk = [], []
+    monkeypatch.setattr(partition, "_contiguous_partition",
+                        lambda *a, f=partition._contiguous_partition: runs.append(a[4]) or f(*a))
+    monkeypatch.setattr(partition, "_mtkahypar", lambda *a, f=partition._mtkahypar: mtk.append(a[4]) or f(*a))
+    partition._PARTITIONS.clear()
+    own = dcp.dcp_candidates(batch, topo, 128, objective="bytes", contiguous_ranks=True)[0]
+    assert set(runs) == {topo.ranks_per_node} and set(mtk) == {topo.n_nodes}  # the node level only
+    per_rank = np.bincount(own.block_rank, weights=own.workload.block_len, minlength=topo.world_size)
+    assert per_rank.max() <= (1 + dcp.EPS_MEMORY) * per_rank.mean() + 1e-9
+    runs.clear()
+    torch_dcp.plan(batch, topo, planner="dcp", block_size=128, head_parallel=1)
+    assert runs == []  # N = 1: Mt-KaHyPar inside nodes too
+    # (without the static rivals, whose plans would make the search at N = 2 hopeless here)
+    torch_dcp.plan(batch, topo, planner="dcp", block_size=128, head_parallel=2, rivals=("ring",)).validate()
+    assert runs and set(runs) == {topo.ranks_per_node // 2}
+
+
 def test_many_nodes_plan_with_contiguous_runs_inside_nodes(monkeypatch):
     # from CONTIGUOUS_NODES nodes on, ranks inside a node get contiguous runs of its blocks
     import torch_dcp.planners.dcp as dcp

@@ -280,6 +280,7 @@ def dcp_candidates(
     shortlist: int | None = None,
     rivals: tuple[str, ...] = DEFAULT_RIVALS,
     search: bool = True,
+    contiguous_ranks: bool | None = None,
 ) -> list[Placement]:
     """DCP hypergraph placements, best first (see module docstring).
 
@@ -329,6 +330,11 @@ def dcp_candidates(
         search: ``False``: none of dcp's own placements, only the time objective's rivals
             (:func:`torch_dcp.plan` passes it where no placement of the batch's blocks can beat a
             static runtime's plan, :func:`~torch_dcp.sim.floors.search_floor_seconds`).
+        contiguous_ranks: the ranks inside a node get the cheapest contiguous runs of its blocks
+            (:func:`~torch_dcp.planners.partition._contiguous_partition`) rather than
+            Mt-KaHyPar's partition; ``None`` (default): from :data:`CONTIGUOUS_NODES` nodes on.
+            :func:`torch_dcp.plan` passes ``True`` for the outer plans of head parallelism,
+            whose few, wide ranks per node Mt-KaHyPar partitioned to the same plans.
 
     Returns:
         Placements, the planner's own best first (at least one, unless ``search`` is False).
@@ -379,13 +385,14 @@ def dcp_candidates(
     # (on many nodes the paper's alone: at 1M tokens / 256 ranks either gave the same plan, and
     # each call on 32 nodes took about 1.5 s)
     tolerances = {eps_inter} if nn >= CONTIGUOUS_NODES else {eps_inter, min(eps_inter, eps_intra)}
+    contiguous = nn >= CONTIGUOUS_NODES if contiguous_ranks is None else bool(contiguous_ranks)
     for node_eps in sorted(tolerances, reverse=True):
         node_of = _partition_csr(nb, ptr, vert, node_w, net_w, allb, nn, node_eps, seed)
         block_part = np.zeros(nb, np.int64)
         for node in range(nn):
             sel = allb[node_of == node]
             block_part[sel] = node * rpn + _partition_csr(nb, ptr, vert, node_w, net_w, sel, rpn, eps_intra, seed,
-                                                          contiguous=nn >= CONTIGUOUS_NODES)
+                                                          contiguous=contiguous)
         partitions.append(block_part)
         if nn == 1:
             break
