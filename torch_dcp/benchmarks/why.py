@@ -75,8 +75,8 @@ def parse_links(text: str) -> dict[str, float]:
         try:
             factor = float(value)
         except ValueError:
-            factor = float("nan")
-        if not factor > 0 or factor == float("inf"):
+            factor = 0.0
+        if not 0.0 < factor < float("inf"):
             raise ValueError(f"--links: {item!r}: the factor must be a positive number")
         out[name] = factor
     return out
@@ -170,8 +170,8 @@ def bench_why(clusters: list[tuple[str, int]], masks: list[str], scales: list[fl
     rows = []
     faster = ", ".join(f"{k} x{f:g}" for k, f in (links or {}).items())
     for cluster, topology, cm, cases in cluster_cases(clusters, masks, scales, cost, heads, "why", sources, total):
-        topology = faster_links(topology, links or {})
-        cluster = f"{cluster} ({faster})" if faster else cluster
+        if links:
+            topology, cluster = faster_links(topology, links), f"{cluster} ({faster})"
         mine = []
         for scale, name, mask, batch in cases:
             row = {"cluster": cluster, "scale": scale, "batch": name, "mask": mask,
