@@ -109,7 +109,7 @@ def test_ring_step_formula_on_a_hand_computable_case():
     n, topo, cm = 4096, Topology(n_nodes=1, ranks_per_node=2), CostModel.a100()
     batch = BatchSpec([4 * n], Full(), n_heads=8, n_kv_heads=2, head_dim=128, dtype="bfloat16")
     plan = torch_dcp.plan(batch, topo, planner="ring")
-    itb = item_token_bytes(batch, kv_dtype_gradients=True)  # TransformerEngine sends dK/dV in the K/V dtype
+    itb = item_token_bytes(batch)  # dK/dV partials in the K/V dtype, as TransformerEngine sends them
     assert itb[(True, Buf.DKV)] == itb[(True, Buf.KV)]
     pairs = 4.0 * n * n
     c_f = cm.attention_seconds(pairs * 8, pairs * FWD_FLOPS_PER_PAIR * 8 * 128, False, False, 128, "bfloat16")

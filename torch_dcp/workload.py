@@ -48,7 +48,8 @@ class Buf(enum.IntEnum):
     * ``Q``: query side -- Q forward; Q, dO, LSE and ``delta = rowsum(dO * O)`` backward.
     * ``KV``: K and V.
     * ``OPART``: partial outputs with their LSE (forward, accumulation dtype).
-    * ``DQ``, ``DKV``: dQ and dK/dV accumulators and received gradient partials (backward).
+    * ``DQ``, ``DKV``: dQ and dK/dV accumulators and received gradient partials (backward;
+      dK/dV partials travel in the K/V dtype, :func:`item_token_bytes`).
     * ``OUT``, ``OUT_DQ``, ``OUT_DKV``: the rank's results in local token order: O and LSE
       (forward); dQ and dK/dV (backward).
     """
@@ -88,14 +89,14 @@ def resident_token_bytes(batch: BatchSpec) -> int:
     return (2 * batch.n_heads + 2 * batch.n_kv_heads) * batch.head_dim * batch.elem_size
 
 
-def item_token_bytes(batch: BatchSpec, kv_dtype_gradients: bool = False) -> dict[tuple[bool, str], int]:
+def item_token_bytes(batch: BatchSpec) -> dict[tuple[bool, str], int]:
     """Bytes per token of every transfer kind, keyed ``(backward, kind)`` with ``kind`` a :class:`Buf`.
 
     Forward: ``Q`` (Q), ``KV`` (K, V), ``OPART`` (partial O and its LSE, accumulation dtype).
-    Backward: ``Q`` (Q, dO, LSE, delta), ``KV`` (K, V), ``DQ`` and ``DKV`` (gradient
-    partials, accumulation dtype). The executor moves exactly these bytes.
-    ``kv_dtype_gradients``: ``DKV`` in the K/V dtype instead, as TransformerEngine's context
-    parallelism sends dK/dV (:class:`~torch_dcp.planners.base.Runtime`).
+    Backward: ``Q`` (Q, dO, LSE, delta), ``KV`` (K, V), ``DQ`` (dQ partials, accumulation
+    dtype) and ``DKV`` (dK/dV partials in the K/V dtype, as TransformerEngine's context
+    parallelism sends them: torch_dcp's executor casts its float32 partials as it sends them and
+    adds them up in float32 where they arrive). Every runtime moves exactly these bytes.
     """
     e, a = batch.elem_size, batch.acc_size
     hd, kvd, h = batch.n_heads * batch.head_dim, batch.n_kv_heads * batch.head_dim, batch.n_heads
@@ -106,7 +107,7 @@ def item_token_bytes(batch: BatchSpec, kv_dtype_gradients: bool = False) -> dict
         (True, Buf.Q): 2 * hd * e + 2 * h * a,
         (True, Buf.KV): 2 * kvd * e,
         (True, Buf.DQ): hd * a,
-        (True, Buf.DKV): 2 * kvd * (e if kv_dtype_gradients else a),
+        (True, Buf.DKV): 2 * kvd * e,
     }
 
 

@@ -35,6 +35,7 @@ from ..plan import (
 )
 from ..workload import Buf, spans_to_indices
 from .division import build_division
+from .wire import NARROWED
 
 from .kernels.base import kernel_rows
 
@@ -108,13 +109,18 @@ class Message:
 
 @dataclasses.dataclass(frozen=True)
 class LaunchStep:
-    """Post a phase: per kind at most one gather of send rows, then every message at once."""
+    """Post a phase: per kind at most one gather of send rows, then every message at once.
+    ``narrow``: the rows of every dK/dV send of the phase, in message order, where the executor
+    casts them to the K/V dtype in one operation (:mod:`torch_dcp.executor.wire`; None: no such
+    send), each message's ``(start, stop)`` in them in ``narrow_spans``."""
 
     handler: ClassVar[str] = "on_launch"
     phase: int
     gathers: tuple[tuple[Buf, Rows], ...]
     sends: tuple[Message, ...]
     recvs: tuple[Message, ...]
+    narrow: Rows | None = None
+    narrow_spans: tuple[tuple[int, int] | None, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +222,10 @@ class _Builder:
 
     def on_launch(self, ins: CommLaunch) -> LaunchStep:
         gathers, sends, pending = [], [], {}
+        order = lambda m: (m.peer, int(m.kind))  # noqa: E731 - both ends post messages in this order
+        # the dK/dV sends' rows in message order, for the executor's one cast to the K/V dtype
+        wire = sorted(((tr.peer, int(tr.kind)), self.tokens(tr.rows, tr.blocks)) for tr in ins.sends
+                      if tr.kind in NARROWED)
         for tr in ins.sends:
             rows = self.block_rows(tr.rows, tr.blocks)
             if rows.array is None:
@@ -234,8 +244,14 @@ class _Builder:
             if rows.array is not None:  # the compiler lays every receive out contiguously
                 raise ValueError(f"device plan: phase {ins.phase} receives from rank {tr.peer} into scattered rows")
             recvs.append(Message(tr.peer, tr.kind, rows))
-        order = lambda m: (m.peer, int(m.kind))  # noqa: E731 - both ends post messages in this order
-        return LaunchStep(ins.phase, tuple(gathers), tuple(sorted(sends, key=order)), tuple(sorted(recvs, key=order)))
+        sends = sorted(sends, key=order)
+        narrow, spans = None, ()
+        if wire:
+            narrow = self.rows(np.concatenate([idx for _, idx in wire]))
+            ends = np.cumsum([len(idx) for _, idx in wire]).tolist()
+            at = {key: (e - len(idx), e) for (key, idx), e in zip(wire, ends)}
+            spans = tuple(at.get(order(m)) for m in sends)
+        return LaunchStep(ins.phase, tuple(gathers), tuple(sends), tuple(sorted(recvs, key=order)), narrow, spans)
 
     def on_wait(self, ins: CommWait) -> WaitStep:
         return WaitStep(ins.phase)
@@ -359,6 +375,7 @@ class UploadedPlan:
             b["gathers"] = [(k, r.bind(views)) for k, r in step.gathers]
             b["sends"] = [(m, m.rows.bind(views)) for m in step.sends]
             b["recvs"] = [(m, m.rows.bind(views)) for m in step.recvs]
+            b["narrow"] = None if step.narrow is None else step.narrow.bind(views)
         elif isinstance(step, AttentionStep):
             b["q"], b["kv"], b["out"] = step.q.bind(views), step.kv.bind(views), step.out.bind(views)
             b["kv_out"] = step.kv_out.bind(views) if step.kv_out is not None else None

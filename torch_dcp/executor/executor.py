@@ -10,7 +10,8 @@ indices built on the host ahead of time and uploaded once -- through the instruc
 handlers (``on_copy``, ``on_launch``, ``on_wait``, ``on_attention``, ``on_reduction``). Inside a
 step it only launches kernels and posts transfers: per division at most one gather per input
 buffer, the kernel, one write of its results; messages go out of and come into the work
-buffers in place wherever their rows are contiguous.
+buffers in place wherever their rows are contiguous, but for dK/dV partials, which travel in the
+K/V dtype (:mod:`~torch_dcp.executor.wire`).
 
 Work buffers hold one row per token with typed fields side by side (``Buf.Q`` in the backward:
 Q, dO, LSE, delta), so a row moves -- gathered, sent, received -- as one unit.
@@ -31,6 +32,7 @@ from .kernels import DivisionKernel, get_kernel
 from .kernels.base import output_delta
 from .reduce import add_gradients, merge_partials, put_rows, take_rows, triton_runs_on
 from .transport import TransferError, Transport, located
+from .wire import NARROWED, narrow_receives, narrow_send, narrowed
 
 __all__ = ["RankExecutor", "RowChecks", "InstructionTime", "dcp_attention"]
 
@@ -168,6 +170,7 @@ class _Run:
         self.pending: dict[int, Any] = {}
         self.division = 0
         self.copied: set[Buf] = set()  # local inputs already in their buffers
+        self.widen: dict[int, list] = {}  # phase -> (accumulator rows, received K/V-dtype rows) to cast
 
 
 class RowChecks:
@@ -454,15 +457,27 @@ class RankExecutor(RowChecks):
             f[:step.n].copy_(t)
 
     def on_launch(self, step: LaunchStep, bound: dict, run: _Run, scale: float) -> None:
-        gathered = {kind: run.bufs[kind].words.index_select(0, rows) for kind, rows in bound["gathers"]}
+        # dK/dV partials leave in the K/V dtype, the phase's in one cast (torch_dcp.executor.wire)
+        narrow = bound["narrow"] is not None and narrowed(Buf.DKV, self.acc, self.dtype)
+        dkv = run.bufs.get(Buf.DKV)
+        wire = narrow_send(take_rows(dkv.words, bound["narrow"]), self.acc, self.dtype) if narrow else None
+        gathered = {kind: run.bufs[kind].words.index_select(0, rows) for kind, rows in bound["gathers"]
+                    if not (narrow and kind in NARROWED)}
         sends = []
-        for m, rows in bound["sends"]:
-            if m.gathered is None:
-                sends.append((m.peer, int(m.kind), run.bufs[m.kind].message(rows)))
+        for (m, rows), span in zip(bound["sends"], step.narrow_spans or [None] * len(bound["sends"])):
+            if narrow and span is not None:
+                words = wire[span[0]:span[1]]
             else:
-                a, b = m.gathered
-                sends.append((m.peer, int(m.kind), gathered[m.kind][a:b].reshape(-1).view(torch.uint8)))
-        recvs = [(m.peer, int(m.kind), run.bufs[m.kind].message(rows)) for m, rows in bound["recvs"]]
+                words = run.bufs[m.kind].words[rows] if m.gathered is None else gathered[m.kind][slice(*m.gathered)]
+            sends.append((m.peer, int(m.kind), words.reshape(-1).view(torch.uint8)))
+        recvs = [(m.peer, int(m.kind), None if narrowed(m.kind, self.acc, self.dtype) else
+                  run.bufs[m.kind].message(rows)) for m, rows in bound["recvs"]]
+        wide = [i for i, r in enumerate(recvs) if r[2] is None]
+        if wide:  # received in the K/V dtype, cast into the accumulator rows when the phase completes
+            msgs, run.widen[step.phase] = narrow_receives([bound["recvs"][i][1] for i in wide],
+                                                          run.bufs[Buf.DKV].flat, self.dtype)
+            for i, msg in zip(wide, msgs):  # in place, in the order both ends post
+                recvs[i] = recvs[i][:2] + (msg,)
         self.bytes_sent += sum(s[2].numel() for s in sends)
         self.bytes_received += sum(r[2].numel() for r in recvs)
         try:
@@ -478,6 +493,8 @@ class RankExecutor(RowChecks):
             yield from wait
         except TransferError as err:
             raise self._located(err, "CommWait", step.phase, run) from None
+        for dst, src in run.widen.pop(step.phase, ()):
+            dst.copy_(src)
 
     def _located(self, err: TransferError, what: str, phase: int, run: _Run) -> TransferError:
         """``err`` (same type) saying where in the plan this rank was: the pass and the step."""

@@ -55,7 +55,7 @@ class Runtime(enum.Enum):
 
     * ``EXECUTOR``: torch_dcp's own executor (:mod:`torch_dcp.executor`): the plan's programs,
       division by division, charged the cost model's executor costs where it has them; partial
-      results travel in the accumulation dtype (float32).
+      outputs and dQ travel in the accumulation dtype (float32), dK/dV partials in the K/V dtype.
     * ``TE_RING``: TransformerEngine's P2P ring (``AttnFuncWithCPAndKVP2P``) on the zig-zag
       layout: per ring step one attention call and one output merge (forward) or gradient sum
       (backward), the kernels alone; dK/dV partials travel in the K/V dtype.
@@ -99,11 +99,6 @@ class Runtime(enum.Enum):
         the CP group's keys and values gathered on every rank)."""
         return self in (Runtime.ALLGATHER, Runtime.DCP_ALLGATHER, Runtime.DCP_NODE_ALLGATHER)
 
-    @property
-    def kv_dtype_gradients(self) -> bool:
-        """Whether dK/dV partials travel in the K/V dtype (TransformerEngine) rather than the
-        accumulation dtype (torch_dcp's executor)."""
-        return self is not Runtime.EXECUTOR
 
 
 
@@ -245,11 +240,10 @@ class Placement:
         n = int((g[:, 1] + g[:, 2]).max()) if len(g) else 1
         return step.astype(np.int64), max(n, 1)
 
-    def token_bytes(self, runtime: Runtime | None = None) -> dict[tuple[bool, int], int]:
-        """:func:`~torch_dcp.workload.item_token_bytes` of the batch as ``runtime`` (default: the
-        placement's own) moves them: dK/dV partials in the K/V dtype for a baseline's runtime."""
-        runtime = self.runtime if runtime is None else runtime
-        return item_token_bytes(self.workload.batch, kv_dtype_gradients=runtime.kv_dtype_gradients)
+    def token_bytes(self) -> dict[tuple[bool, int], int]:
+        """:func:`~torch_dcp.workload.item_token_bytes` of the batch: what every runtime moves per
+        token of each transfer kind."""
+        return item_token_bytes(self.workload.batch)
 
     def rank_flops(self, backward: bool = False) -> np.ndarray:
         """Attention FLOPs per rank, float64 ``[world_size]``."""

@@ -112,9 +112,9 @@ class _CountedRingPass(_TERingPass):
     runtime's own operations (``step_seconds``, forward or backward: its reads, partial writes
     and the step's LSE merge, so the merge costs nothing more here)."""
 
-    def __init__(self, plan: Plan, cm: CostModel, backward: bool, runtime: Runtime,
+    def __init__(self, plan: Plan, cm: CostModel, backward: bool,
                  step_seconds: tuple[float, float] = (0.0, 0.0)):
-        super().__init__(plan, cm, backward, runtime)
+        super().__init__(plan, cm, backward)
         self.step_seconds = float(step_seconds[int(backward)])
 
     def on_attention(self, ins: BlockwiseAttention, r: int, t: float) -> None:
@@ -157,18 +157,17 @@ def head_exchange_seconds(plan: HeadParallelPlan, cm: CostModel) -> float:
     return sum(plan.all_to_all_seconds(bw) + all_to_all_ops_seconds(plan, cm, bw) for bw in (False, True))
 
 
-def _ring_timeline(plan: Plan, cm: CostModel, bound: float, runtime: Runtime,
-                   steps: tuple[float, float] | None) -> SimResult | None:
+def _ring_timeline(plan: Plan, cm: CostModel, bound: float, steps: tuple[float, float] | None) -> SimResult | None:
     """A ring's programs with the kernels alone, each step with tiles charged ``steps`` (its
     counted operations, seconds forward and backward), or, where None, its merges' bytes."""
     pass_cls = _TERingPass if steps is None else functools.partial(_CountedRingPass, step_seconds=steps)
-    return simulate_programs(plan, cm.with_executor(None), bound, pass_cls, runtime)
+    return simulate_programs(plan, cm.with_executor(None), bound, pass_cls)
 
 
 def _simulate_te_ring(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult | None:
     """TransformerEngine's ring (module docstring): the programs with the kernels alone, each
     step charged its counted operations where the model has them."""
-    return _ring_timeline(plan, cm, bound, Runtime.TE_RING, _te_ring_steps(plan, cm))
+    return _ring_timeline(plan, cm, bound, _te_ring_steps(plan, cm))
 
 
 def ring_priced_as_executor(cm: CostModel) -> bool:
@@ -184,7 +183,7 @@ def _simulate_dcp_ring(plan: Plan, cm: CostModel, bound: float = float("inf")) -
     (:func:`ring_priced_as_executor`)."""
     if ring_priced_as_executor(cm):
         return simulate_programs(plan, cm, bound)
-    return _ring_timeline(plan, cm, bound, Runtime.DCP_RING, (0.0, 0.0) if cm.executor is None else cm.executor.ring)
+    return _ring_timeline(plan, cm, bound, (0.0, 0.0) if cm.executor is None else cm.executor.ring)
 
 
 def _simulate_executor(plan: Plan, cm: CostModel, bound: float = float("inf")) -> SimResult | None:

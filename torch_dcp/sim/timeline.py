@@ -36,7 +36,6 @@ from ..batch import BatchSpec
 from ..cost import CostModel, Links
 from ..cost.executor import memory_kind
 from ..plan import BlockwiseAttention, BlockwiseCopy, BlockwiseReduction, CommLaunch, CommWait, Plan, dispatch
-from ..planners.base import Runtime
 from ..workload import Buf, item_token_bytes
 from .floors import kernel_floor_seconds, link_floor_seconds
 
@@ -91,17 +90,16 @@ class SimResult:
 PRUNE_MARGIN = 1e-9
 
 def simulate_programs(plan: Plan, cm: CostModel, bound: float = float("inf"),
-                      pass_type: "type[_Pass] | None" = None, runtime: Runtime = Runtime.EXECUTOR) -> SimResult | None:
+                      pass_type: "type[_Pass] | None" = None) -> SimResult | None:
     """:func:`simulate_within` of ``plan``'s programs with ``cm``, each pass run by
-    ``pass_type`` (default: the executor's, :class:`_Pass`), transfers sized as ``runtime``
-    moves them."""
+    ``pass_type`` (default: the executor's, :class:`_Pass`)."""
     pass_type = pass_type or _Pass
-    fwd = _on_shared_cores(plan, cm, pass_type(plan, cm, False, runtime).run(), False)
+    fwd = _on_shared_cores(plan, cm, pass_type(plan, cm, False).run(), False)
     if bound < float("inf"):
         floor = max(kernel_floor_seconds(plan, cm, True), link_floor_seconds(plan, True))
         if fwd.makespan_s + floor > bound * (1.0 + PRUNE_MARGIN):
             return None
-    bwd = _on_shared_cores(plan, cm, pass_type(plan, cm, True, runtime).run(), True)
+    bwd = _on_shared_cores(plan, cm, pass_type(plan, cm, True).run(), True)
     ideal = (fwd.busy_s.sum() + bwd.busy_s.sum()) / plan.world_size
     return SimResult(fwd, bwd, fwd.makespan_s + bwd.makespan_s, float(ideal))
 
@@ -240,9 +238,9 @@ class _Pass:
     next, so transfers become ready (both ends launched) in time order and the links serve
     them first come, first served. A consumer of the instruction table (``on_*``)."""
 
-    def __init__(self, plan: Plan, cm: CostModel, backward: bool, runtime: Runtime = Runtime.EXECUTOR):
+    def __init__(self, plan: Plan, cm: CostModel, backward: bool):
         self.plan, self.cm, self.backward = plan, cm, backward
-        self.itb = plan.placement.token_bytes(runtime)
+        self.itb = plan.placement.token_bytes()
         self.blen = plan.workload.block_len
         self.blen_l = self.blen.tolist()  # for a transfer's few blocks: exact int sums, no NumPy call per transfer
         self.row_bytes = _row_bytes(self.itb, backward)

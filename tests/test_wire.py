@@ -1,0 +1,71 @@
+"""dK/dV partials on the wire in the K/V dtype (torch_dcp.executor.wire): the bytes the plan
+counts are the ones the executor moves, bfloat16 stays close to the float64 reference through
+node routes' reducers and relays, and float32 / float64 are moved as they are."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import torch_dcp
+from torch_dcp import BatchSpec, Causal, SharedQuestion
+from torch_dcp.executor.wire import narrow_receives, narrow_send, narrowed
+from torch_dcp.workload import Buf, item_token_bytes
+from reference import assert_bf16_close, assert_emulation_exact
+
+
+def test_only_dkv_narrows_and_only_below_the_accumulation_dtype():
+    assert narrowed(Buf.DKV, torch.float32, torch.bfloat16) and narrowed(Buf.DKV, torch.float32, torch.float16)
+    assert not narrowed(Buf.DKV, torch.float32, torch.float32) and not narrowed(Buf.DKV, torch.float64, torch.float64)
+    assert not any(narrowed(k, torch.float32, torch.bfloat16) for k in (Buf.Q, Buf.KV, Buf.OPART, Buf.DQ))
+    batch = BatchSpec([100], Causal(), n_heads=8, n_kv_heads=2, head_dim=64, dtype="bfloat16")
+    itb = item_token_bytes(batch)
+    assert itb[(True, Buf.DKV)] == itb[(True, Buf.KV)] == 2 * 2 * 64 * 2
+    assert itb[(True, Buf.DQ)] == 8 * 64 * 4 and itb[(False, Buf.OPART)] == (8 * 64 + 8) * 4
+
+
+def test_a_send_casts_its_rows_and_receives_land_cast_in_their_rows():
+    acc = torch.randn(10, 6, dtype=torch.float32)
+    words = acc.view(torch.int64)  # a buffer's raw rows: 3 int64 words of 2 float32 each
+    wire = narrow_send(words[2:5], torch.float32, torch.bfloat16)
+    assert wire.dtype == torch.bfloat16 and torch.equal(wire, acc[2:5].bfloat16())
+    dst = torch.zeros(10, 6)
+    # two receives side by side (one cast), then one apart (another)
+    messages, casts = narrow_receives([slice(1, 3), slice(3, 4), slice(6, 8)], dst, torch.bfloat16)
+    assert [m.numel() for m in messages] == [2 * 6 * 2, 6 * 2, 2 * 6 * 2] and len(casts) == 2
+    sent = torch.randn(10, 6).bfloat16()
+    for m, rows in zip(messages, (slice(1, 3), slice(3, 4), slice(6, 8))):
+        m.copy_(sent[rows].reshape(-1).view(torch.uint8))
+    for d, s in casts:
+        d.copy_(s)
+    want = torch.zeros(10, 6)
+    want[1:4], want[6:8] = sent[1:4].float(), sent[6:8].float()
+    assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
+def test_returned_dkv_partials_stay_close_to_the_reference(dtype):
+    """The greedy layout on 2 nodes x 2 ranks on node routes (dK/dV partials summed by a node's
+    reducer, relayed home, under the shared-question mask): bfloat16, each partial rounded once
+    to the K/V dtype on its way, stays within the bfloat16 bound of the float64 reference;
+    float64, where nothing is cast, is exact."""
+    import dataclasses
+
+    from torch_dcp.api import divide
+    from torch_dcp.planners import Routing
+
+    batch = BatchSpec([37, 64, 23, 50], SharedQuestion(question_frac=0.25, n_answers=3), n_heads=4, n_kv_heads=2,
+                      head_dim=8, dtype=dtype)
+    topo = torch_dcp.Topology(n_nodes=2, ranks_per_node=2)
+    greedy = torch_dcp.plan(batch, topo, planner="greedy", block_size=4).placement
+    plan = divide(dataclasses.replace(greedy, routing=Routing.NODE), topo, 3)
+    plan.validate()
+    t = plan.tables
+    node = topo.node_of
+    assert np.any(node(t["ret_kv_rank"]) != node(t["ret_kv_dst"]))  # dK/dV partials cross nodes
+    assert np.any(t["ret_kv_dst"] != plan.placement.block_rank[t["ret_kv_block"]])  # to a reducer or a relay
+    if dtype == "float64":
+        assert_emulation_exact(plan, batch)
+    else:
+        assert_bf16_close(plan, batch)

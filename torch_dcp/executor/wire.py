@@ -1,0 +1,62 @@
+"""dK/dV partials on the wire in the K/V dtype.
+
+The executor adds dK and dV up in the accumulation dtype (float32 for bfloat16 or float16
+inputs), but a partial that leaves the rank travels in the K/V dtype, as TransformerEngine's
+context parallelism sends its ``dkv`` buffers (and as torch_dcp's all-gather and ring runtimes
+do): half the bytes of the returns that end the backward. A phase's dK/dV sends are cast in
+one operation (on their rows gathered in message order, or sliced where they follow one
+another: :class:`~torch_dcp.executor.device_plan.LaunchStep` ``narrow``); a receive lands in a buffer of the K/V
+dtype and is cast into its accumulator rows once its phase completes (one operation per run of
+contiguous rows: a phase's receives, which the compiler lays out side by side). The receiver
+adds the partials in the accumulation dtype, so each partial is rounded once, to the inputs'
+own precision. Where the inputs are in the accumulation dtype (float32, float64) nothing is cast:
+the bytes on the wire are the accumulator's own.
+
+:func:`~torch_dcp.workload.item_token_bytes` counts these bytes; the simulator and the planner
+see them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..workload import Buf
+
+__all__ = ["NARROWED", "narrowed", "narrow_send", "narrow_receives"]
+
+#: the transfer kind that travels in the K/V dtype rather than in the accumulation dtype
+NARROWED = frozenset({Buf.DKV})
+
+
+def narrowed(kind: Buf, acc: torch.dtype, wire: torch.dtype) -> bool:
+    """Whether messages of ``kind`` are cast from the accumulation dtype ``acc`` to ``wire``."""
+    return kind in NARROWED and wire != acc
+
+
+def narrow_send(words: torch.Tensor, acc: torch.dtype, wire: torch.dtype) -> torch.Tensor:
+    """Accumulator rows ``words`` (int64 ``[rows, W]``, every row's fields in ``acc`` filling
+    it) cast to the ``wire`` dtype, ``[rows, F]``: the dK/dV sends of a phase in one operation
+    (each message a run of its rows, ``.reshape(-1).view(torch.uint8)``)."""
+    return words.view(acc).to(wire)
+
+
+def narrow_receives(rows: Sequence[slice], flat: torch.Tensor, wire: torch.dtype
+                    ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Buffers for receives into contiguous ``rows`` of ``flat`` (the accumulator, typed
+    ``[rows, F]``), in the ``wire`` dtype: one uint8 message buffer per receive, and the casts
+    that put them in place once they have arrived, ``(destination, source)`` (``destination.copy_``
+    each; one per run of receives whose rows follow one another)."""
+    messages, casts = [], []
+    i = 0
+    while i < len(rows):
+        j = i + 1
+        while j < len(rows) and rows[j].start == rows[j - 1].stop:
+            j += 1
+        start, stop = rows[i].start, rows[j - 1].stop
+        staging = torch.empty(stop - start, flat.shape[1], dtype=wire, device=flat.device)
+        messages += [staging[r.start - start:r.stop - start].reshape(-1).view(torch.uint8) for r in rows[i:j]]
+        casts.append((flat[start:stop], staging))
+        i = j
+    return messages, casts
