@@ -224,9 +224,15 @@ class _Builder:
         gathers, sends, pending = [], [], {}
         order = lambda m: (m.peer, int(m.kind))  # noqa: E731 - both ends post messages in this order
         # the dK/dV sends' rows in message order, for the executor's one cast to the K/V dtype
+        # (where the inputs' dtype is narrower than the accumulation dtype)
+        b = self.plan.batch
+        cast = b.dtype != b.acc_dtype
         wire = sorted(((tr.peer, int(tr.kind)), self.tokens(tr.rows, tr.blocks)) for tr in ins.sends
-                      if tr.kind in NARROWED)
+                      if cast and tr.kind in NARROWED)
         for tr in ins.sends:
+            if cast and tr.kind in NARROWED:  # sent from the phase's cast rows (narrow_spans)
+                sends.append(Message(tr.peer, tr.kind, Rows(int(self.blen[tr.blocks].sum()))))
+                continue
             rows = self.block_rows(tr.rows, tr.blocks)
             if rows.array is None:
                 sends.append(Message(tr.peer, tr.kind, rows))

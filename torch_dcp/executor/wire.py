@@ -4,13 +4,13 @@ The executor adds dK and dV up in the accumulation dtype (float32 for bfloat16 o
 inputs), but a partial that leaves the rank travels in the K/V dtype, as TransformerEngine's
 context parallelism sends its ``dkv`` buffers (and as torch_dcp's all-gather and ring runtimes
 do): half the bytes of the returns that end the backward. A phase's dK/dV sends are cast in
-one operation (on their rows gathered in message order, or sliced where they follow one
-another: :class:`~torch_dcp.executor.device_plan.LaunchStep` ``narrow``); a receive lands in a buffer of the K/V
-dtype and is cast into its accumulator rows once its phase completes (one operation per run of
-contiguous rows: a phase's receives, which the compiler lays out side by side). The receiver
-adds the partials in the accumulation dtype, so each partial is rounded once, to the inputs'
-own precision. Where the inputs are in the accumulation dtype (float32, float64) nothing is cast:
-the bytes on the wire are the accumulator's own.
+one operation (their rows taken in message order, sliced where they follow one another, else
+gathered: :class:`~torch_dcp.executor.device_plan.LaunchStep` ``narrow``); a receive lands in a
+buffer of the K/V dtype and is cast into its accumulator rows once its phase completes (one
+operation per run of contiguous rows: a phase's receives, which the compiler lays out side by
+side). The receiver adds the partials in the accumulation dtype, so each partial is rounded once,
+to the inputs' own precision. Where the inputs are in the accumulation dtype (float32, float64)
+nothing is cast: the bytes on the wire are the accumulator's own.
 
 :func:`~torch_dcp.workload.item_token_bytes` counts these bytes; the simulator and the planner
 see them.

@@ -100,8 +100,6 @@ class Runtime(enum.Enum):
         return self in (Runtime.ALLGATHER, Runtime.DCP_ALLGATHER, Runtime.DCP_NODE_ALLGATHER)
 
 
-
-
 def whole_nodes(cp_size: int, ranks_per_node: int) -> bool:
     """Whether CP groups of ``cp_size`` consecutive ranks are two or more whole nodes: where
     ``Runtime.DCP_NODE_ALLGATHER`` can run (a node group and a rail group inside each CP group;
