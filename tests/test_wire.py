@@ -1,6 +1,7 @@
-"""dK/dV partials on the wire in the K/V dtype (torch_dcp.executor.wire): the bytes the plan
-counts are the ones the executor moves, bfloat16 stays close to the float64 reference through
-node routes' reducers and relays, and float32 / float64 are moved as they are."""
+"""dK/dV partials on the wire in the K/V dtype (torch_dcp.executor.wire): what narrows and the
+bytes per token, the casts at both ends, bfloat16 close to the float64 reference through node
+routes' reducers and relays, float64 exact (nothing cast). That the executor moves the bytes the
+plan counts, bfloat16 too: tests/test_plan.py::test_stats_match_bytes_the_executor_moves."""
 
 from __future__ import annotations
 
