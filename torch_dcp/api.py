@@ -465,7 +465,7 @@ def _plans_at(batch: BatchSpec, topology: Topology, planner: str, n: int, block_
     if offer and n > 1 and "shortlist" not in options:
         options = {**options, "shortlist": HEAD_PARALLEL_SHORTLIST}
     if planner == "dcp" and n > 1 and "contiguous_ranks" not in options:
-        options = {**options, "contiguous_ranks": True}  # the same plans, without Mt-KaHyPar's calls per node
+        options = {**options, "contiguous_ranks": True}  # no Mt-KaHyPar call per node (see dcp_candidates)
     placements = offer(ob, ot, block_size, **options) if offer else [get_planner(planner)(ob, ot, block_size, **options)]
     if not placements:  # a search skipped, and no rival within its bounds
         return []

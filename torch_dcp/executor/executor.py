@@ -32,7 +32,7 @@ from .kernels import DivisionKernel, get_kernel
 from .kernels.base import output_delta
 from .reduce import add_gradients, merge_partials, put_rows, take_rows, triton_runs_on
 from .transport import TransferError, Transport, located
-from .wire import NARROWED, narrow_receives, narrow_send, narrowed
+from .wire import narrow_receives, narrow_send, narrowed
 
 __all__ = ["RankExecutor", "RowChecks", "InstructionTime", "dcp_attention"]
 
@@ -457,15 +457,14 @@ class RankExecutor(RowChecks):
             f[:step.n].copy_(t)
 
     def on_launch(self, step: LaunchStep, bound: dict, run: _Run, scale: float) -> None:
-        # dK/dV partials leave in the K/V dtype, the phase's in one cast (torch_dcp.executor.wire)
-        narrow = bound["narrow"] is not None and narrowed(Buf.DKV, self.acc, self.dtype)
-        dkv = run.bufs.get(Buf.DKV)
-        wire = narrow_send(take_rows(dkv.words, bound["narrow"]), self.acc, self.dtype) if narrow else None
-        gathered = {kind: run.bufs[kind].words.index_select(0, rows) for kind, rows in bound["gathers"]
-                    if not (narrow and kind in NARROWED)}
+        # dK/dV partials leave in the K/V dtype, the phase's in one cast of the rows the device plan
+        # gives where the inputs' dtype is narrower than the accumulator's (torch_dcp.executor.wire)
+        wire = None if bound["narrow"] is None else narrow_send(take_rows(run.bufs[Buf.DKV].words, bound["narrow"]),
+                                                                self.acc, self.dtype)
+        gathered = {kind: run.bufs[kind].words.index_select(0, rows) for kind, rows in bound["gathers"]}
         sends = []
         for (m, rows), span in zip(bound["sends"], step.narrow_spans or [None] * len(bound["sends"])):
-            if narrow and span is not None:
+            if span is not None:
                 words = wire[span[0]:span[1]]
             else:
                 words = run.bufs[m.kind].words[rows] if m.gathered is None else gathered[m.kind][slice(*m.gathered)]
