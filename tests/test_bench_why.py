@@ -155,3 +155,29 @@ def test_links_option_names_the_faster_links_and_rejects_bad_ones(capsys):
     with pytest.raises(SystemExit):
         cli.main(["why", "--clusters", "a100x2", "--links", "rail=fast"])
     assert "--links" in capsys.readouterr().err
+
+
+def test_exposed_phases_split_the_exposed_term_by_where_the_waits_fall():
+    """fill + between + drain is the critical rank's exposed time; the all-gather runtime's
+    forward waits only before its one attention call (the all-gather: all fill) and its backward
+    after it too (the reduce-scatter: drain); a plan with divisions waits between them."""
+    import torch_dcp
+    from torch_dcp.benchmarks.why import _allgather, exposed_phases
+    from torch_dcp.sim.simulate import simulate
+
+    topo = Topology(n_nodes=2, ranks_per_node=2)
+    cm = CostModel.load("h100")
+    _, _, ag = _allgather(_batch(), topo, cm)
+    ph, sp = exposed_phases(ag), split_time(ag)
+    assert sum(ph.values()) == pytest.approx(sp["exposed"], rel=1e-9)
+    assert ph["between"] == pytest.approx(0.0, abs=1e-12)
+    fwd = ag.forward
+    c = int(np.argmax(fwd.finish_s))
+    gather = next(e - s for kind, s, e in fwd.events[c] if kind == "all-gather")
+    assert ph["fill"] >= gather > 0 and ph["drain"] > 0
+    plan = torch_dcp.plan(_batch(), topo, planner="dcp", block_size=512, head_parallel=1, rivals=(), divisions=4,
+                          cost_model=cm)
+    sim = simulate(plan, cm)
+    ph = exposed_phases(sim)
+    assert sum(ph.values()) == pytest.approx(split_time(sim)["exposed"], rel=1e-9)
+    assert all(v >= -1e-12 for v in ph.values())

@@ -18,7 +18,10 @@ finishes last) does, after its compute and its waits. So the time splits, per pa
 into ``compute`` (the mean busy time over ranks: the work spread evenly), ``imbalance`` (the
 critical rank's busy time over that mean) and ``exposed`` (the critical rank's time waiting for
 transfers: dcp's fetches and returns not hidden behind compute, the all-to-alls of a
-head-parallel plan, the all-gather's collectives). Beside them: bytes between nodes and the most
+head-parallel plan, the all-gather's collectives); dcp's exposed term is split again by where
+those waits fall on the critical rank (:func:`exposed_phases`): ``fill``, before its first
+attention launch (inputs no local compute hides), ``drain``, after its last (partial results
+on their way home), and ``between``. Beside them: bytes between nodes and the most
 bytes one rank receives, forward + backward (:meth:`~torch_dcp.plan.Plan.stats`; the all-gather's
 as NCCL's ring moves them; in brackets, the fewest bytes between nodes any routing of dcp's
 placement could move, each block into each node once and each node's partial results summed
@@ -52,9 +55,16 @@ from ..sim.floors import link_busy_seconds, node_once_bytes
 from ..topology import Topology
 from .common import cluster_cases, rounded
 
-__all__ = ["OWN_RIVALS", "split_time", "why_batch", "summarize", "bench_why", "parse_links", "faster_links"]
+__all__ = ["OWN_RIVALS", "split_time", "exposed_phases", "why_batch", "summarize", "bench_why", "parse_links",
+           "faster_links"]
 
 _TERMS = ("compute", "imbalance", "exposed")
+#: the exposed term split by where on the critical rank the waits fall (:func:`exposed_phases`)
+_PHASES = ("fill", "between", "drain")
+#: event kinds of a simulated rank (:class:`~torch_dcp.sim.timeline.PassResult` ``events``) that
+#: are waits on transfers rather than work: dcp's ``CommWait``, a head-parallel plan's
+#: all-to-alls, the all-gather runtime's collectives
+_WAIT_KINDS = frozenset({"wait", "all-to-all", "all-gather", "reduce-scatter"})
 
 
 #: link class -> the :class:`~torch_dcp.Topology` bandwidth ``--links`` scales
@@ -102,6 +112,32 @@ def split_time(sim: Any) -> dict[str, float]:
     return out
 
 
+def exposed_phases(sim: Any) -> dict[str, float]:
+    """The exposed term of :func:`split_time` (seconds, both passes) split by where the critical
+    rank's time not spent working falls: ``fill`` before its first attention launch (the
+    pipeline filling: inputs that no local compute hides), ``drain`` after its last one (partial
+    results and gradients on their way home, a head-parallel plan's closing all-to-all, the
+    all-gather's reduce-scatter) and ``between`` (the rest). A rank with no attention launch has
+    all of it in ``between``."""
+    out = dict.fromkeys(_PHASES, 0.0)
+    for res in (sim.forward, sim.backward):
+        c = int(np.argmax(res.finish_s))
+        events = res.events[c]
+        exposed = float(res.finish_s[c] - res.busy_s[c])
+        attn = [(s, e) for kind, s, e in events if kind == "attention"]
+        if not attn:
+            out["between"] += exposed
+            continue
+        first, last = min(s for s, _ in attn), max(e for _, e in attn)
+        work = [(float(s), float(e)) for kind, s, e in events if kind not in _WAIT_KINDS]
+        fill = first - sum(min(e, first) - s for s, e in work if s < first)
+        drain = float(res.finish_s[c]) - last - sum(e - max(s, last) for s, e in work if e > last)
+        out["fill"] += fill
+        out["drain"] += drain
+        out["between"] += exposed - fill - drain
+    return out
+
+
 def _allgather(batch, topology: Topology, cm) -> tuple[int, Any, Any]:
     """All-gather CP at its fastest CP size: ``(c, plan, its simulated run)``."""
     from ..api import divide
@@ -137,6 +173,7 @@ def why_batch(batch, topology: Topology, cm, block_sizes: list[int]) -> dict[str
     for name, (plan, sim) in (("dcp", best), ("allgather", (ag_plan, ag_sim))):
         stats = plan.stats()
         row.update({f"{name}_{k}_ms": v * 1e3 for k, v in split_time(sim).items()})
+        row.update({f"{name}_{k}_ms": v * 1e3 for k, v in exposed_phases(sim).items()})
         row[f"{name}_inter_node_gb"] = stats["inter_node_bytes"] / 1e9
         row[f"{name}_max_recv_gb"] = stats["max_rank_recv_bytes"] / 1e9
         busy = link_busy_seconds(plan)
@@ -193,14 +230,16 @@ def _table(cluster: str, source: str, rows: list[dict], summary: dict, out) -> N
     p = lambda s="": print(s, file=out)  # noqa: E731
     p(f"\n### {cluster}, simulated ({source})\n")
     p("| scale | batch | mask | dcp plan | dcp ms: compute + imbalance + exposed | allgather (c) ms: compute + "
-      "imbalance + exposed | dcp / allgather | GB between nodes dcp (node-once) / allgather | most GB into a "
-      "rank dcp / allgather | busiest rail ms (GB) dcp / allgather | busiest NVLink port ms (GB) dcp / allgather |")
-    p("|---|---|---|---|---|---|---|---|---|---|---|")
+      "imbalance + exposed | dcp exposed ms: fill / between / drain | dcp / allgather | GB between nodes dcp "
+      "(node-once) / allgather | most GB into a rank dcp / allgather | busiest rail ms (GB) dcp / allgather | "
+      "busiest NVLink port ms (GB) dcp / allgather |")
+    p("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         split = {n: f"{r[f'{n}_time_ms']:.2f}: " + " + ".join(f"{r[f'{n}_{t}_ms']:.2f}" for t in _TERMS)
                  for n in ("dcp", "allgather")}
         p(f"| {r['scale']:g} | {r['batch']} | {r['mask']} | {r['dcp_plan']} | {split['dcp']} | "
-          f"({r['allgather_cp']}) {split['allgather']} | {r['dcp_over_allgather']:.3f} | "
+          f"({r['allgather_cp']}) {split['allgather']} | "
+          + " / ".join(f"{r[f'dcp_{k}_ms']:.2f}" for k in _PHASES) + f" | {r['dcp_over_allgather']:.3f} | "
           f"{r['dcp_inter_node_gb']:.2f} ({r['dcp_node_once_gb']:.2f}) / {r['allgather_inter_node_gb']:.2f} | "
           f"{r['dcp_max_recv_gb']:.3f} / {r['allgather_max_recv_gb']:.3f} | "
           + " | ".join(" / ".join(f"{r[f'{n}_{k}_ms']:.2f} ({r[f'{n}_{k}_gb']:.2f})" for n in ("dcp", "allgather"))
