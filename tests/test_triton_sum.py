@@ -56,3 +56,31 @@ def test_errors(interpret, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="Triton is not available"):
         sum_rows_triton(src, dst, slice(0, 6), slice(0, 3), 3, 2)
+
+
+@pytest.mark.parametrize("p", [1, 3])
+def test_wire_rows_are_read_from_the_wire_buffer(interpret, p):
+    """Rows ``wire_start ..`` of the source read from a second buffer in its own dtype (partials
+    received in the K/V dtype), the rows around them from the source: the sum of the rows as if
+    the wire's were in the source; ``p = 1`` a gather that converts (a phase's sends)."""
+    g = torch.Generator().manual_seed(p)
+    n, f = 4, 20
+    src = torch.randn(n * p + 6, f, generator=g)
+    wire = torch.randn(5, f, generator=g).bfloat16()
+    whole = src.clone()
+    whole[3:8] = wire.float()
+    src[3:8] = float("nan")  # never read
+    for rows in (slice(0, n * p), torch.randperm(n * p + 6, generator=g)[:n * p]):
+        idx = torch.arange(n * p + 6)[rows]
+        dst = torch.zeros(n, f)
+        sum_rows_triton(src, dst, rows, slice(0, n), n, p, wire=wire, wire_start=3)
+        assert torch.allclose(dst, whole[idx].reshape(n, p, f).sum(1), atol=1e-6)
+    m = n * p + 6
+    sent = torch.empty(m, f, dtype=torch.bfloat16)
+    sum_rows_triton(src, sent, slice(0, m), slice(0, m), m, 1, wire=wire, wire_start=3)
+    assert torch.equal(sent[3:8], wire)  # passed on as received
+    assert torch.allclose(sent.float(), whole.bfloat16().float(), atol=2 ** -6, rtol=2 ** -7)
+    with pytest.raises(ValueError, match="wire"):
+        sum_rows_triton(src, dst, slice(0, n * p), slice(0, n), n, p, wire=wire, wire_start=n * p + 2)
+    with pytest.raises(ValueError, match="wire"):
+        sum_rows_triton(src, dst, slice(0, n * p), slice(0, n), n, p, wire=torch.zeros(2, f + 1), wire_start=0)

@@ -70,3 +70,44 @@ def test_returned_dkv_partials_stay_close_to_the_reference(dtype):
         assert_emulation_exact(plan, batch)
     else:
         assert_bf16_close(plan, batch)
+
+
+def test_received_partials_kept_in_the_kv_dtype_sum_as_cast_ones(interpret, monkeypatch):
+    """The CUDA path (Triton's interpreter here): received dK/dV partials stay in the K/V dtype
+    where they land, and the sums and the sends (a relay's too) read them there, converting as
+    they read; no receive is cast. Through node routes' reducers and relays: the output and dQ
+    as the cast path's, bit for bit, dK and dV within one bfloat16 step of them (the
+    interpreter truncates where torch rounds) and within the bound of the float64 reference."""
+    import dataclasses
+
+    from torch_dcp.api import divide
+    from torch_dcp.executor import executor as ex, wire
+    from torch_dcp.planners import Routing
+    from reference import random_qkv
+
+    batch = BatchSpec([37, 64, 23, 50], SharedQuestion(question_frac=0.25, n_answers=3), n_heads=4, n_kv_heads=2,
+                      head_dim=8, dtype="bfloat16")
+    topo = torch_dcp.Topology(n_nodes=2, ranks_per_node=2)
+    greedy = torch_dcp.plan(batch, topo, planner="greedy", block_size=4).placement
+    plan = divide(dataclasses.replace(greedy, routing=Routing.NODE), topo, 3)
+    t = plan.tables
+    assert np.any(t["ret_kv_dst"] != plan.placement.block_rank[t["ret_kv_block"]])  # reducers or relays
+    inputs = [x.bfloat16() for x in random_qkv(batch, torch.float64, 3)]
+    cast = torch_dcp.emulate(plan, *inputs)
+    sends, sums = [], []
+    monkeypatch.setattr(ex, "keeps_wire", lambda t: True)
+    monkeypatch.setattr(ex, "wire_send", lambda *a: sends.append(a[3]) or wire.wire_send(*a))
+    monkeypatch.setattr(ex, "narrow_receives", lambda *a: pytest.fail("a receive was cast"))
+    from torch_dcp.executor import reduce
+
+    real = reduce._sum_in_one_launch
+    monkeypatch.setattr(reduce, "_sum_in_one_launch", lambda *a: sums.append(len(a) > 6) or real(*a))
+    kept = torch_dcp.emulate(plan, *inputs)
+    assert sends and any(sums)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), kept, cast):
+        if name in ("out", "dq"):
+            assert torch.equal(a, b), name
+        else:
+            scale = b.double().abs().max().item()
+            assert (a.double() - b.double()).abs().max().item() <= 2 ** -6 * scale, name
+    assert_bf16_close(plan, batch)

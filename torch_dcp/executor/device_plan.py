@@ -167,13 +167,16 @@ class ReductionStep:
 @dataclasses.dataclass(frozen=True)
 class PassPlan:
     """One pass of a rank: its steps, buffer sizes (rows, without the null row), whether a
-    reduction reads the null row, and whether every partial row must start as it."""
+    reduction reads the null row, and whether every partial row must start as it.
+    ``received``: per kind, the rows ``(start, stop)`` its receives fill, where they fill that
+    run exactly (the compiler lays a pass's received partials side by side)."""
 
     backward: bool
     steps: tuple[Any, ...]
     buffer_rows: dict[Buf, int]
     needs_null_row: bool
     fills_null: bool = False  # forward: every partial row starts as the null row (a kernel leaves rows out)
+    received: dict[Buf, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
 class _Builder:
@@ -302,7 +305,24 @@ class _Builder:
 
     def build(self) -> PassPlan:
         steps = tuple(dispatch(self, ins) for ins in self.prog.instructions)
-        return PassPlan(self.backward, steps, dict(self.prog.buffer_rows), self.needs_null, self.fill_null)
+        return PassPlan(self.backward, steps, dict(self.prog.buffer_rows), self.needs_null, self.fill_null,
+                        _received(steps))
+
+
+def _received(steps: tuple[Any, ...]) -> dict[Buf, tuple[int, int]]:
+    """Per kind, the run of rows ``(start, stop)`` that ``steps``' receives fill exactly (a kind
+    whose receives leave gaps or overlap: left out)."""
+    spans: dict[Buf, list[tuple[int, int]]] = {}
+    for step in steps:
+        if isinstance(step, LaunchStep):
+            for m in step.recvs:
+                spans.setdefault(m.kind, []).append((m.rows.start, m.rows.stop))
+    out = {}
+    for kind, got in spans.items():
+        got.sort()
+        if all(a[1] == b[0] for a, b in zip(got, got[1:])):
+            out[kind] = (got[0][0], got[-1][1])
+    return out
 
 
 class DevicePlan:

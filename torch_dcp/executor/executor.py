@@ -32,7 +32,7 @@ from .kernels import DivisionKernel, get_kernel
 from .kernels.base import output_delta
 from .reduce import add_gradients, merge_partials, put_rows, take_rows, triton_runs_on
 from .transport import TransferError, Transport, located
-from .wire import narrow_receives, narrow_send, narrowed
+from .wire import keeps_wire, narrow_receives, narrow_send, narrowed, wire_send
 
 __all__ = ["RankExecutor", "RowChecks", "InstructionTime", "dcp_attention"]
 
@@ -130,6 +130,8 @@ class _Buffer:
         self.fields = self.view_rows(self.words)
         dts = {sp[1] for sp in self.spans}
         self.flat = self.words.view(torch.uint8)[:, :off].view(dts.pop()) if len(dts) == 1 and off == 8 * words else None
+        #: ``(buffer, first row)``: rows received in the K/V dtype and kept there (torch_dcp.executor.wire)
+        self.wire: tuple[_Buffer, int] | None = None
 
     @staticmethod
     def words_per_row(fields: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> int:
@@ -379,7 +381,10 @@ class RankExecutor(RowChecks):
             n_dq = (rows[Buf.DQ] + 1) * _Buffer.words_per_row(dq_f)
             zeros = torch.zeros(n_dq + (rows[Buf.DKV] + 1) * _Buffer.words_per_row(dkv_f), dtype=torch.int64, device=dev)
             run.bufs[Buf.DQ] = _Buffer(rows[Buf.DQ] + 1, dq_f, dev, storage=zeros[:n_dq])
-            run.bufs[Buf.DKV] = _Buffer(rows[Buf.DKV] + 1, dkv_f, dev, storage=zeros[n_dq:])
+            run.bufs[Buf.DKV] = dkv = _Buffer(rows[Buf.DKV] + 1, dkv_f, dev, storage=zeros[n_dq:])
+            got = pp.received.get(Buf.DKV)
+            if got is not None and narrowed(Buf.DKV, acc, e) and keeps_wire(dkv.words):
+                dkv.wire = (_Buffer(got[1] - got[0], [("dk", e, (hkv, d)), ("dv", e, (hkv, d))], dev), got[0])
         else:
             run.bufs[Buf.OPART] = op = _Buffer(rows[Buf.OPART] + 1, _partial_fields(h, d, acc), dev)
             if pp.needs_null_row or pp.fills_null:  # the row missing partials point at: output 0, LSE -inf
@@ -459,8 +464,12 @@ class RankExecutor(RowChecks):
     def on_launch(self, step: LaunchStep, bound: dict, run: _Run, scale: float) -> None:
         # dK/dV partials leave in the K/V dtype, the phase's in one cast of the rows the device plan
         # gives where the inputs' dtype is narrower than the accumulator's (torch_dcp.executor.wire)
-        wire = None if bound["narrow"] is None else narrow_send(take_rows(run.bufs[Buf.DKV].words, bound["narrow"]),
-                                                                self.acc, self.dtype)
+        dkv = run.bufs.get(Buf.DKV)
+        kept = None if dkv is None else dkv.wire
+        wire = None
+        if bound["narrow"] is not None:
+            wire = (narrow_send(take_rows(dkv.words, bound["narrow"]), self.acc, self.dtype) if kept is None else
+                    wire_send(dkv.flat, bound["narrow"], kept[0].flat, kept[1]))
         gathered = {kind: run.bufs[kind].words.index_select(0, rows) for kind, rows in bound["gathers"]}
         sends = []
         for (m, rows), span in zip(bound["sends"], step.narrow_spans or [None] * len(bound["sends"])):
@@ -472,7 +481,11 @@ class RankExecutor(RowChecks):
         recvs = [(m.peer, int(m.kind), None if narrowed(m.kind, self.acc, self.dtype) else
                   run.bufs[m.kind].message(rows)) for m, rows in bound["recvs"]]
         wide = [i for i, r in enumerate(recvs) if r[2] is None]
-        if wide:  # received in the K/V dtype, cast into the accumulator rows when the phase completes
+        if wide and kept is not None:  # received in the K/V dtype and kept there
+            for i in wide:
+                rows = bound["recvs"][i][1]
+                recvs[i] = recvs[i][:2] + (kept[0].message(slice(rows.start - kept[1], rows.stop - kept[1])),)
+        elif wide:  # received in the K/V dtype, cast into the accumulator rows when the phase completes
             msgs, run.widen[step.phase] = narrow_receives([bound["recvs"][i][1] for i in wide],
                                                           run.bufs[Buf.DKV].flat, self.dtype)
             for i, msg in zip(wide, msgs):  # in place, in the order both ends post

@@ -113,18 +113,21 @@ def add_gradients(dq_acc: torch.Tensor, q_rows: Any, dq: torch.Tensor, dkv: Any,
         add_rows(flat, kv_rows, torch.cat((dk, dv), 1, out=both))
 
 
-def _sum_in_one_launch(s: torch.Tensor, d: torch.Tensor, src_rows: Any, dst_rows: Any, n: int, p: int) -> bool:
+def _sum_in_one_launch(s: torch.Tensor, d: torch.Tensor, src_rows: Any, dst_rows: Any, n: int, p: int,
+                       wire: tuple[torch.Tensor, int] | None = None) -> bool:
     """``d[dst_rows] = sum of s[src_rows]`` (``p`` per row) in one Triton launch
-    (:func:`~torch_dcp.executor.triton_sum.sum_rows_triton`), where both are rows it takes as
-    ``[rows, F]`` views; whether it ran."""
+    (:func:`~torch_dcp.executor.triton_sum.sum_rows_triton`; ``wire``: the rows kept in the
+    K/V dtype and their first row), where both are rows it takes as ``[rows, F]`` views; whether
+    it ran."""
     from .triton_sum import sum_rows_triton, summable
 
-    if not (dense_rows(s) and dense_rows(d)):
+    if not (dense_rows(s) and dense_rows(d) and (wire is None or dense_rows(wire[0]))):
         return False
     s2, d2 = s.flatten(1), d.flatten(1)  # views: the rows are dense
-    if not (summable(s2) and summable(d2)):
+    w2 = None if wire is None else wire[0].flatten(1)
+    if not (summable(s2) and summable(d2) and (w2 is None or summable(w2))):
         return False
-    sum_rows_triton(s2, d2, src_rows, dst_rows, n, p)
+    sum_rows_triton(s2, d2, src_rows, dst_rows, n, p, wire=w2, wire_start=0 if wire is None else wire[1])
     return True
 
 
@@ -163,12 +166,21 @@ def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: An
     if n == 0:
         return
     if op is ReduceOp.SUM:
-        # one typed view of the whole row where the layout has one, else field by field
-        pairs = [(src.flat, dst.flat)] if src.flat is not None and dst.flat is not None else \
-            list(zip(src.fields.values(), dst.fields.values()))
-        for s, d in pairs:
+        # one typed view of the whole row where the layout has one, else field by field; rows
+        # kept in the K/V dtype (a buffer's ``wire``) are read there, by the one launch
+        kept = getattr(src, "wire", None)
+        whole = src.flat is not None and dst.flat is not None
+        pairs = [(src.flat, dst.flat)] if whole else list(zip(src.fields.values(), dst.fields.values()))
+        wires = [None] * len(pairs) if kept is None else \
+            [(w, kept[1]) for w in ([kept[0].flat] if whole else kept[0].fields.values())]
+        for (s, d), w in zip(pairs, wires):
             if p == 0:
                 _write(d, dst_rows, lambda out: out.zero_() if out is not None else d.new_zeros(n, *d.shape[1:]))
+                continue
+            if w is not None:
+                if not _sum_in_one_launch(s, d, src_rows, dst_rows, n, p, w):
+                    raise RuntimeError("merge_partials: rows kept in the K/V dtype need the one-launch sum, which "
+                                       f"does not take {list(s.shape)} {s.stride()} into {list(d.shape)} {d.stride()}")
                 continue
             if _use_triton(s, use_triton) and _sum_in_one_launch(s, d, src_rows, dst_rows, n, p):
                 continue

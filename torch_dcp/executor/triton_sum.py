@@ -14,7 +14,8 @@ importable), made with :func:`torch.library.triton_op` as ``torch_dcp::merge_lse
 ``torch.compile``; on CPU tensors only under ``TRITON_INTERPRET=1``, for tests)::
 
     torch_dcp::sum_rows(Tensor src, Tensor(a1!) dst, Tensor? src_idx, Tensor? dst_idx,
-                        SymInt src_start, SymInt dst_start, SymInt n, SymInt p) -> ()
+                        SymInt src_start, SymInt dst_start, SymInt n, SymInt p,
+                        Tensor? wire=None, SymInt wire_start=0) -> ()
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ OP_NAME = "torch_dcp::sum_rows"
 _BLOCK = 1024  # columns of one program
 
 
-def _sum_rows_kernel(src, dst, src_idx, dst_idx, p, src_start, dst_start, F, s_r, d_r, SRC_IDX: tl.constexpr,
-                     DST_IDX: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_rows_kernel(src, dst, src_idx, dst_idx, wire, p, src_start, dst_start, wire_start, wire_stop, F, s_r, d_r,
+                     w_r, SRC_IDX: tl.constexpr, DST_IDX: tl.constexpr, WIRE: tl.constexpr, ACC: tl.constexpr,
+                     BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < F
@@ -41,29 +43,35 @@ def _sum_rows_kernel(src, dst, src_idx, dst_idx, p, src_start, dst_start, F, s_r
     j = 0
     while j < p:  # a while loop: one compiled kernel for every p (as the LSE merge's)
         r = tl.load(src_idx + first + j).to(tl.int64) if SRC_IDX else src_start + first + j
-        acc += tl.load(src + r * s_r + cols, mask=ok, other=0.0).to(ACC)
+        if WIRE and r >= wire_start and r < wire_stop:  # read from the wire buffer, in its dtype
+            acc += tl.load(wire + (r - wire_start) * w_r + cols, mask=ok, other=0.0).to(ACC)
+        else:
+            acc += tl.load(src + r * s_r + cols, mask=ok, other=0.0).to(ACC)
         j += 1
     d = tl.load(dst_idx + i).to(tl.int64) if DST_IDX else dst_start + i
     tl.store(dst + d * d_r + cols, acc.to(dst.dtype.element_ty), mask=ok)
 
 
-def _launch(src, dst, src_idx, dst_idx, src_start, dst_start, n, p, wrap: bool) -> None:
+def _launch(src, dst, src_idx, dst_idx, src_start, dst_start, n, p, wrap: bool, wire=None, wire_start=0) -> None:
     F = src.shape[1]
     block = min(_BLOCK, triton.next_power_of_2(int(F)))
     dummy = src  # pointer argument of an unused index (never loaded)
-    args = (src, dst, dummy if src_idx is None else src_idx, dummy if dst_idx is None else dst_idx, p, src_start,
-            dst_start, F, src.stride(0), dst.stride(0))
-    consts = dict(SRC_IDX=src_idx is not None, DST_IDX=dst_idx is not None,
+    args = (src, dst, dummy if src_idx is None else src_idx, dummy if dst_idx is None else dst_idx,
+            dummy if wire is None else wire, p, src_start, dst_start, wire_start,
+            wire_start + (0 if wire is None else wire.shape[0]), F, src.stride(0), dst.stride(0),
+            0 if wire is None else wire.stride(0))
+    consts = dict(SRC_IDX=src_idx is not None, DST_IDX=dst_idx is not None, WIRE=wire is not None,
                   ACC=tl.float64 if src.dtype == torch.float64 else tl.float32, BLOCK=block,
                   num_warps=max(1, min(8, block // 256)))
     launch(_sum_rows_kernel, (n, triton.cdiv(F, block)), args, consts, wrap, src, OP_NAME)
 
 
 def _sum_rows(src: torch.Tensor, dst: torch.Tensor, src_idx: Optional[torch.Tensor], dst_idx: Optional[torch.Tensor],
-              src_start: int, dst_start: int, n: int, p: int) -> None:
+              src_start: int, dst_start: int, n: int, p: int, wire: Optional[torch.Tensor] = None,
+              wire_start: int = 0) -> None:
     """The body of ``torch_dcp::sum_rows`` (see :func:`sum_rows_triton`), also its fake
     implementation (the launch goes through :func:`torch.library.wrap_triton`)."""
-    _launch(src, dst, src_idx, dst_idx, src_start, dst_start, n, p, wrap=True)
+    _launch(src, dst, src_idx, dst_idx, src_start, dst_start, n, p, True, wire, wire_start)
 
 
 if triton is not None:
@@ -75,15 +83,20 @@ def summable(t: torch.Tensor) -> bool:
     return t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1) and t.is_floating_point()
 
 
-def sum_rows_triton(src: torch.Tensor, dst: torch.Tensor, src_rows: Any, dst_rows: Any, n: int, p: int) -> None:
+def sum_rows_triton(src: torch.Tensor, dst: torch.Tensor, src_rows: Any, dst_rows: Any, n: int, p: int,
+                    wire: torch.Tensor | None = None, wire_start: int = 0) -> None:
     """``dst[dst_rows[i]] = sum_j src[src_rows[i * p + j]]`` for ``i < n``, in one launch, cast
-    to ``dst``'s dtype.
+    to ``dst``'s dtype (``p = 1``: a gather that converts). With ``wire``, the source rows
+    ``wire_start .. wire_start + len(wire) - 1`` are read from ``wire`` instead, in its own dtype
+    (partials received in the K/V dtype, :mod:`~torch_dcp.executor.wire`).
 
     Args:
         src: partials ``[R, F]``, dst: ``[R', F]`` (:func:`summable`; any row strides, one device).
         src_rows: the ``n * p`` source rows, row-major (a slice or a 1-D int32/int64 tensor on
             the device, each in ``[0, R)``, not checked); dst_rows: the ``n`` destination rows.
         n, p: destination rows and partials per row (``p >= 1``).
+        wire: ``[m, F]`` (:func:`summable`, on ``src``'s device), the rows from ``wire_start``
+            on; ``wire_start + m <= R``.
 
     Raises:
         RuntimeError: Triton is not available for ``src``'s device.
@@ -95,11 +108,16 @@ def sum_rows_triton(src: torch.Tensor, dst: torch.Tensor, src_rows: Any, dst_row
     if not (summable(src) and summable(dst) and src.shape[1] == dst.shape[1] and dst.device == dev):
         raise ValueError(f"sum_rows_triton: expected src [R, F] and dst [R', F] with unit column strides on one "
                          f"device, got {list(src.shape)} {src.stride()} and {list(dst.shape)} {dst.stride()}")
+    if wire is not None and not (summable(wire) and wire.shape[1] == src.shape[1] and wire.device == dev
+                                 and 0 <= wire_start and wire_start + wire.shape[0] <= src.shape[0]):
+        raise ValueError(f"sum_rows_triton: expected wire [m, {src.shape[1]}] on {dev} for rows inside src's "
+                         f"{src.shape[0]}, got {list(wire.shape)} on {wire.device} from row {wire_start}")
     if n == 0:
         return
     src_start, src_idx, dst_start, dst_idx = partial_rows("sum_rows_triton", src_rows, dst_rows, n, p, src.shape[0],
                                                           dst.shape[0], dev)
-    if not torch.compiler.is_compiling() and _plain(src, dst, *(t for t in (src_idx, dst_idx) if t is not None)):
-        _launch(src, dst, src_idx, dst_idx, src_start, dst_start, n, p, wrap=False)
+    tensors = [t for t in (src_idx, dst_idx, wire) if t is not None]
+    if not torch.compiler.is_compiling() and _plain(src, dst, *tensors):
+        _launch(src, dst, src_idx, dst_idx, src_start, dst_start, n, p, False, wire, int(wire_start))
     else:
-        torch.ops.torch_dcp.sum_rows(src, dst, src_idx, dst_idx, src_start, dst_start, n, p)
+        torch.ops.torch_dcp.sum_rows(src, dst, src_idx, dst_idx, src_start, dst_start, n, p, wire, int(wire_start))

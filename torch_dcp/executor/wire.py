@@ -9,7 +9,14 @@ gathered: :class:`~torch_dcp.executor.device_plan.LaunchStep` ``narrow``); a rec
 buffer of the K/V dtype and is cast into its accumulator rows once its phase completes (one
 operation per run of contiguous rows: a phase's receives, which the compiler lays out side by
 side). The receiver adds the partials in the accumulation dtype, so each partial is rounded once,
-to the inputs' own precision. Where the inputs are in the accumulation dtype (float32, float64)
+to the inputs' own precision.
+
+On CUDA with Triton the received partials are not cast at all: a pass's receives fill one run of
+rows (the compiler lays them side by side), kept in a buffer of the K/V dtype (:func:`keeps_wire`),
+and what reads those rows reads them there, in one launch that converts as it reads
+(:func:`~torch_dcp.executor.triton_sum.sum_rows_triton` with its ``wire`` rows): the sums of
+partials (a reducer's, the home's) and the sends (:func:`wire_send`: a phase's dK/dV sends
+gathered and cast in one launch, a relay's received partial passed on as it came). Where the inputs are in the accumulation dtype (float32, float64)
 nothing is cast: the bytes on the wire are the accumulator's own.
 
 :func:`~torch_dcp.workload.item_token_bytes` counts these bytes; the simulator and the planner
@@ -23,8 +30,9 @@ from typing import Sequence
 import torch
 
 from ..workload import Buf
+from .reduce import triton_runs_on
 
-__all__ = ["NARROWED", "narrowed", "narrow_send", "narrow_receives"]
+__all__ = ["NARROWED", "narrowed", "narrow_send", "narrow_receives", "keeps_wire", "wire_send"]
 
 #: the transfer kind that travels in the K/V dtype rather than in the accumulation dtype
 NARROWED = frozenset({Buf.DKV})
@@ -60,3 +68,26 @@ def narrow_receives(rows: Sequence[slice], flat: torch.Tensor, wire: torch.dtype
         casts.append((flat[start:stop], staging))
         i = j
     return messages, casts
+
+
+def keeps_wire(t: torch.Tensor) -> bool:
+    """Whether the dK/dV partials received into ``t``'s buffer stay in the K/V dtype where they
+    land, read as such by the sums and sends (one Triton launch each), rather than cast into
+    their accumulator rows: on CUDA with Triton (:func:`~torch_dcp.executor.reduce.triton_runs_on`)."""
+    return triton_runs_on(t)
+
+
+def wire_send(flat: torch.Tensor, rows: slice | torch.Tensor, wire: torch.Tensor, wire_start: int) -> torch.Tensor:
+    """The rows ``rows`` of the accumulator ``flat`` (``[R, F]``) in ``wire``'s dtype, ``[n, F]``,
+    in one launch: rows ``wire_start .. wire_start + len(wire) - 1`` are read from ``wire``
+    (received partials kept in the K/V dtype, passed on unchanged), the others cast.
+
+    Raises:
+        RuntimeError: Triton is not available for ``flat``'s device.
+    """
+    from .triton_sum import sum_rows_triton
+
+    n = len(range(flat.shape[0])[rows]) if isinstance(rows, slice) else int(rows.numel())
+    out = torch.empty(n, flat.shape[1], dtype=wire.dtype, device=flat.device)
+    sum_rows_triton(flat, out, rows, slice(0, n), n, 1, wire=wire, wire_start=wire_start)
+    return out
