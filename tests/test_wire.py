@@ -96,8 +96,10 @@ def test_received_partials_kept_in_the_kv_dtype_sum_as_cast_ones(interpret, monk
     cast = torch_dcp.emulate(plan, *inputs)
     sends, sums = [], []
     monkeypatch.setattr(ex, "keeps_wire", lambda t: True)
-    monkeypatch.setattr(ex, "wire_send", lambda *a: sends.append(a[3]) or wire.wire_send(*a))
-    monkeypatch.setattr(ex, "narrow_receives", lambda *a: pytest.fail("a receive was cast"))
+    real_send = wire.wire_send
+    monkeypatch.setattr(wire, "wire_send", lambda *a: sends.append(a[3]) or real_send(*a))
+    monkeypatch.setattr(wire, "narrow_receives", lambda *a: pytest.fail("a receive was cast"))
+    monkeypatch.setattr(wire, "narrow_send", lambda *a: pytest.fail("a send was cast apart"))
     from torch_dcp.executor import reduce
 
     real = reduce._sum_in_one_launch

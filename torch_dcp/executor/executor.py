@@ -32,7 +32,7 @@ from .kernels import DivisionKernel, get_kernel
 from .kernels.base import output_delta
 from .reduce import add_gradients, merge_partials, put_rows, take_rows, triton_runs_on
 from .transport import TransferError, Transport, located
-from .wire import keeps_wire, narrow_receives, narrow_send, narrowed, wire_send
+from .wire import keeps_wire, narrowed, wire_receives, wire_sends
 
 __all__ = ["RankExecutor", "RowChecks", "InstructionTime", "dcp_attention"]
 
@@ -462,14 +462,9 @@ class RankExecutor(RowChecks):
             f[:step.n].copy_(t)
 
     def on_launch(self, step: LaunchStep, bound: dict, run: _Run, scale: float) -> None:
-        # dK/dV partials leave in the K/V dtype, the phase's in one cast of the rows the device plan
-        # gives where the inputs' dtype is narrower than the accumulator's (torch_dcp.executor.wire)
-        dkv = run.bufs.get(Buf.DKV)
-        kept = None if dkv is None else dkv.wire
-        wire = None
-        if bound["narrow"] is not None:
-            wire = (narrow_send(take_rows(dkv.words, bound["narrow"]), self.acc, self.dtype) if kept is None else
-                    wire_send(dkv.flat, bound["narrow"], kept[0].flat, kept[1]))
+        # dK/dV partials leave in the K/V dtype, the phase's in one launch over the rows the device
+        # plan gives where the inputs' dtype is narrower than the accumulator's (torch_dcp.executor.wire)
+        wire = None if bound["narrow"] is None else wire_sends(run.bufs[Buf.DKV], bound["narrow"], self.acc, self.dtype)
         gathered = {kind: run.bufs[kind].words.index_select(0, rows) for kind, rows in bound["gathers"]}
         sends = []
         for (m, rows), span in zip(bound["sends"], step.narrow_spans or [None] * len(bound["sends"])):
@@ -481,13 +476,10 @@ class RankExecutor(RowChecks):
         recvs = [(m.peer, int(m.kind), None if narrowed(m.kind, self.acc, self.dtype) else
                   run.bufs[m.kind].message(rows)) for m, rows in bound["recvs"]]
         wide = [i for i, r in enumerate(recvs) if r[2] is None]
-        if wide and kept is not None:  # received in the K/V dtype and kept there
-            for i in wide:
-                rows = bound["recvs"][i][1]
-                recvs[i] = recvs[i][:2] + (kept[0].message(slice(rows.start - kept[1], rows.stop - kept[1])),)
-        elif wide:  # received in the K/V dtype, cast into the accumulator rows when the phase completes
-            msgs, run.widen[step.phase] = narrow_receives([bound["recvs"][i][1] for i in wide],
-                                                          run.bufs[Buf.DKV].flat, self.dtype)
+        if wide:  # received in the K/V dtype: kept there, or cast into the accumulator rows when the phase completes
+            msgs, casts = wire_receives(run.bufs[Buf.DKV], [bound["recvs"][i][1] for i in wide], self.dtype)
+            if casts:
+                run.widen[step.phase] = casts
             for i, msg in zip(wide, msgs):  # in place, in the order both ends post
                 recvs[i] = recvs[i][:2] + (msg,)
         self.bytes_sent += sum(s[2].numel() for s in sends)

@@ -16,7 +16,8 @@ rows (the compiler lays them side by side), kept in a buffer of the K/V dtype (:
 and what reads those rows reads them there, in one launch that converts as it reads
 (:func:`~torch_dcp.executor.triton_sum.sum_rows_triton` with its ``wire`` rows): the sums of
 partials (a reducer's, the home's) and the sends (:func:`wire_send`: a phase's dK/dV sends
-gathered and cast in one launch, a relay's received partial passed on as it came). Where the inputs are in the accumulation dtype (float32, float64)
+gathered and cast in one launch, a relay's received partial passed on as it came). Where the
+inputs are in the accumulation dtype (float32, float64)
 nothing is cast: the bytes on the wire are the accumulator's own.
 
 :func:`~torch_dcp.workload.item_token_bytes` counts these bytes; the simulator and the planner
@@ -25,14 +26,15 @@ see them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ..workload import Buf
-from .reduce import triton_runs_on
+from .reduce import take_rows, triton_runs_on
 
-__all__ = ["NARROWED", "narrowed", "narrow_send", "narrow_receives", "keeps_wire", "wire_send"]
+__all__ = ["NARROWED", "narrowed", "narrow_send", "narrow_receives", "keeps_wire", "wire_send", "wire_sends",
+           "wire_receives"]
 
 #: the transfer kind that travels in the K/V dtype rather than in the accumulation dtype
 NARROWED = frozenset({Buf.DKV})
@@ -91,3 +93,26 @@ def wire_send(flat: torch.Tensor, rows: slice | torch.Tensor, wire: torch.Tensor
     out = torch.empty(n, flat.shape[1], dtype=wire.dtype, device=flat.device)
     sum_rows_triton(flat, out, rows, slice(0, n), n, 1, wire=wire, wire_start=wire_start)
     return out
+
+
+def wire_sends(buf: Any, rows: slice | torch.Tensor, acc: torch.dtype, wire: torch.dtype) -> torch.Tensor:
+    """A phase's dK/dV sends, ``[n, F]`` in ``wire``: the rows ``rows`` of the executor's dK/dV
+    buffer ``buf`` (``words``, ``flat``, and ``wire``: its received rows kept in the K/V dtype and
+    their first row, or None), in one launch where rows are kept (:func:`wire_send`), else
+    gathered and cast (:func:`narrow_send`)."""
+    if buf.wire is None:
+        return narrow_send(take_rows(buf.words, rows), acc, wire)
+    kept, start = buf.wire
+    return wire_send(buf.flat, rows, kept.flat, start)
+
+
+def wire_receives(buf: Any, rows: Sequence[slice], wire: torch.dtype
+                  ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Message buffers (uint8) for receives in the K/V dtype into contiguous ``rows`` of the
+    executor's dK/dV buffer ``buf``, and the casts that put them in its accumulator rows once
+    they have arrived: none where its received rows are kept in the K/V dtype (``buf.wire``),
+    else :func:`narrow_receives`'s."""
+    if buf.wire is None:
+        return narrow_receives(rows, buf.flat, wire)
+    kept, start = buf.wire
+    return [kept.message(slice(r.start - start, r.stop - start)) for r in rows], []
