@@ -84,3 +84,27 @@ def test_wire_rows_are_read_from_the_wire_buffer(interpret, p):
         sum_rows_triton(src, dst, slice(0, n * p), slice(0, n), n, p, wire=wire, wire_start=n * p + 2)
     with pytest.raises(ValueError, match="wire"):
         sum_rows_triton(src, dst, slice(0, n * p), slice(0, n), n, p, wire=torch.zeros(2, f + 1), wire_start=0)
+
+
+@pytest.mark.parametrize("wire", [False, True])
+def test_compiles_for_a_gpu(wire):
+    """The kernel through Triton's whole compiler for an H100 (sm_90) without one: the
+    interpreter runs Python, so only this catches what the compiler refuses (with and without
+    the wire rows)."""
+    import triton
+    import triton.language as tl
+    from triton.compiler import ASTSource
+
+    from torch_dcp.executor.triton_merge import jitted
+    from torch_dcp.executor.triton_sum import _sum_rows_kernel
+
+    try:
+        from triton.backends.compiler import GPUTarget
+    except ImportError:  # pragma: no cover - an older Triton
+        pytest.skip("this Triton has no GPUTarget")
+    sig = {"src": "*fp32", "dst": "*bf16", "src_idx": "*i64", "dst_idx": "*i64", "wire": "*bf16", "p": "i32",
+           "src_start": "i32", "dst_start": "i32", "wire_start": "i32", "wire_stop": "i32", "F": "i32", "s_r": "i32",
+           "d_r": "i32", "w_r": "i32", **dict.fromkeys(("SRC_IDX", "DST_IDX", "WIRE", "ACC", "BLOCK"), "constexpr")}
+    src = ASTSource(fn=jitted(_sum_rows_kernel), signature=sig,
+                    constexprs={"SRC_IDX": True, "DST_IDX": False, "WIRE": wire, "ACC": tl.float32, "BLOCK": 512})
+    assert "ptx" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm

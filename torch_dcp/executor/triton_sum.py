@@ -43,8 +43,11 @@ def _sum_rows_kernel(src, dst, src_idx, dst_idx, wire, p, src_start, dst_start, 
     j = 0
     while j < p:  # a while loop: one compiled kernel for every p (as the LSE merge's)
         r = tl.load(src_idx + first + j).to(tl.int64) if SRC_IDX else src_start + first + j
-        if WIRE and r >= wire_start and r < wire_stop:  # read from the wire buffer, in its dtype
-            acc += tl.load(wire + (r - wire_start) * w_r + cols, mask=ok, other=0.0).to(ACC)
+        if WIRE:  # rows [wire_start, wire_stop) are read from the wire buffer, in its dtype
+            if (r >= wire_start) & (r < wire_stop):
+                acc += tl.load(wire + (r - wire_start) * w_r + cols, mask=ok, other=0.0).to(ACC)
+            else:
+                acc += tl.load(src + r * s_r + cols, mask=ok, other=0.0).to(ACC)
         else:
             acc += tl.load(src + r * s_r + cols, mask=ok, other=0.0).to(ACC)
         j += 1
