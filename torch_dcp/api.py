@@ -42,7 +42,7 @@ LOCAL_TAIL = 0.25
 NODE_FIRST_EXTRA_DIVISIONS = 2
 #: plans on torch_dcp's executor after the fastest whose local tail is timed too: a placement
 #: whose first schedule is slower can win with its tail (H100 4 x 8 shared-question, long-tail
-#: batch at scale 2: the bytes objective's at N = 8, fourth by its first schedule, 2.39 -> 2.16
+#: batch at scale 2: the bytes objective's at N = 8, third by its first schedule, 2.39 -> 2.16
 #: ms with its tail, 4 % faster than the fastest's schedules); the next two took every such win
 #: on the paper's batches there; only those within :data:`TAIL_WITHIN` of the fastest time so far
 #: (a local tail was at most 14 % faster than its plan's first schedule on the paper's batches)
