@@ -528,8 +528,7 @@ def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple
     itself on ``Routing.NODE`` too, and the other way round."""
     outer = _outer(chosen)
     pl, topo = outer.placement, outer.topology
-    rounds = pl.tile_round
-    per_round = outer.divisions // (1 if rounds is None or rounds.size == 0 else int(rounds.max()) + 1)
+    per_round = _per_round(outer)
     if pl.routing is Routing.RING or pl.runtime is not Runtime.EXECUTOR:  # its own steps, or none
         return []
     variants: list[tuple[str, Plan]] = [(f"T={t}", divide(pl, topo, t)) for t in FEWER_DIVISIONS
@@ -539,7 +538,7 @@ def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple
             t = per_round + NODE_FIRST_EXTRA_DIVISIONS
             t = t if deeper and t <= pl.workload.n_tiles else per_round
             variants.append((f"node first, T={t}", divide(pl, topo, t, node_first=True)))
-        variants.append(("local tail", _outer(_local_tail(outer))))
+        variants.append(("local tail", _local_tail(outer)))
     if pl.routing in (Routing.NODE, Routing.RAILS):  # each schedule on the other node-once routes too
         other = Routing.NODE if pl.routing is Routing.RAILS else Routing.RAILS
         variants += [(f"{name}, {other.value}" if name else other.value, _routed(p, other))
@@ -550,13 +549,18 @@ def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple
     return variants
 
 
+def _per_round(plan: Plan) -> int:
+    """``plan``'s divisions per scheduling round (all of them without rounds)."""
+    rounds = plan.placement.tile_round
+    return plan.divisions // (1 if rounds is None or rounds.size == 0 else int(rounds.max()) + 1)
+
+
 def _local_tail(p: "Plan | HeadParallelPlan") -> "Plan | HeadParallelPlan | None":
     """``p``'s placement divided as ``p`` with a local tail (:data:`LOCAL_TAIL`), wrapped as ``p``
     is; None where it has none (ring attention's own steps, a static runtime, fewer than 3
     divisions per round)."""
     outer = _outer(p)
-    pl, rounds = outer.placement, outer.placement.tile_round
-    per_round = outer.divisions // (1 if rounds is None or rounds.size == 0 else int(rounds.max()) + 1)
+    pl, per_round = outer.placement, _per_round(outer)
     if pl.routing is Routing.RING or pl.runtime is not Runtime.EXECUTOR or per_round < 3:
         return None
     tail = divide(pl, outer.topology, per_round, local_tail=LOCAL_TAIL)

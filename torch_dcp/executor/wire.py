@@ -3,8 +3,8 @@
 The executor adds dK and dV up in the accumulation dtype (float32 for bfloat16 or float16
 inputs), but a partial that leaves the rank travels in the K/V dtype, as TransformerEngine's
 context parallelism sends its ``dkv`` buffers (and as torch_dcp's all-gather and ring runtimes
-do): half the bytes of the returns that end the backward. A phase's dK/dV sends are cast in
-one operation (their rows taken in message order, sliced where they follow one another, else
+do): half the bytes of the returns that end the backward. With torch alone (the CPU), a phase's
+dK/dV sends are cast in one operation (their rows taken in message order, sliced where they follow one another, else
 gathered: :class:`~torch_dcp.executor.device_plan.LaunchStep` ``narrow``); a receive lands in a
 buffer of the K/V dtype and is cast into its accumulator rows once its phase completes (one
 operation per run of contiguous rows: a phase's receives, which the compiler lays out side by
@@ -17,8 +17,8 @@ and what reads those rows reads them there, in one launch that converts as it re
 (:func:`~torch_dcp.executor.triton_sum.sum_rows_triton` with its ``wire`` rows): the sums of
 partials (a reducer's, the home's) and the sends (:func:`wire_send`: a phase's dK/dV sends
 gathered and cast in one launch, a relay's received partial passed on as it came). Where the
-inputs are in the accumulation dtype (float32, float64)
-nothing is cast: the bytes on the wire are the accumulator's own.
+inputs are in the accumulation dtype (float32, float64) nothing is cast: the bytes on the wire
+are the accumulator's own.
 
 :func:`~torch_dcp.workload.item_token_bytes` counts these bytes; the simulator and the planner
 see them.
