@@ -258,3 +258,25 @@ def test_operations_per_pass_and_per_division_come_apart():
     assert got == pytest.approx({"forward": 2, "forward_pass": 5, "backward": 3.5, "backward_pass": 13})
     with pytest.raises(ValueError, match="forward: the plan has 1.0 divisions per rank"):
         per_pass_and_division(rows([1, 0], fwd, bwd), rows([1, 1], fwd, bwd))
+
+
+def test_ops_counts_the_executors_operations_alone():
+    """``ops`` counts what each rank's executor issues, nothing of its own harness: four ranks of
+    all-gather CP in groups of one (each rank its own documents, one attention call per pass)
+    issue the same operations each, forward and backward (each rank's dO was once taken inside
+    the count, one indexing per rank charged to one of them)."""
+    import dataclasses
+
+    import torch_dcp
+    from torch_dcp.api import divide
+    from torch_dcp.benchmarks.ops import count_ops
+    from torch_dcp.planners import Runtime, plan_allgather
+
+    batch = torch_dcp.BatchSpec([256, 256, 256, 256], torch_dcp.Causal(), n_heads=4, n_kv_heads=2, head_dim=16,
+                                dtype="float32")
+    topo = Topology(n_nodes=1, ranks_per_node=4)
+    plan = divide(dataclasses.replace(plan_allgather(batch, topo, cp_size=1), runtime=Runtime.DCP_ALLGATHER), topo, 1)
+    rows = count_ops(plan)
+    for name in ("forward", "backward"):
+        counts = [(r["ops"], r["kernel_calls"]) for r in rows if r["pass"] == name]
+        assert len(counts) == 4 and len(set(counts)) == 1, (name, counts)

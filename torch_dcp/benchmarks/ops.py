@@ -254,9 +254,11 @@ def _count_ops(plan: torch_dcp.Plan, device: str, kernel: str | None, seed: int)
             fwd = _drive([e.forward_steps(*x, keep=True) for e, x in zip(execs, local)], counter, mailbox)
         f_counts = dict(counter.counts)
         counter.counts.clear()
+        # each rank's dO taken before counting (an indexing op of the harness, not the executor's)
+        douts = [go[i] for i in idx]
         with _flex_counted(counter), counter:
-            _drive([e.backward_steps(*x, o, lse, go[i], state=state)
-                    for e, x, (o, lse, state), i in zip(execs, local, fwd, idx)], counter, mailbox)
+            _drive([e.backward_steps(*x, o, lse, dout, state=state)
+                    for e, x, (o, lse, state), dout in zip(execs, local, fwd, douts)], counter, mailbox)
         b_counts = dict(counter.counts)
     from torch_dcp.plan.heads import HeadParallelPlan
 
