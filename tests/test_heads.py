@@ -226,6 +226,40 @@ def test_outer_batch_shares_the_tiles_of_its_batch_and_no_other_mask():
     np.testing.assert_array_equal(fresh.tile_pairs, causal.tile_pairs)
 
 
+def test_block_layouts_of_a_batch_share_its_key_ranges():
+    """Every block layout of a batch (any spans, given in any order) counts its tiles from the
+    batch's key ranges in token order, computed once: the same tiles as a count from scratch;
+    another mask on the same documents gets its own."""
+    from torch_dcp import workload
+
+    lens = [1500, 700, 2200, 90]
+    batch = BatchSpec(lens, Lambda(64, 512), n_heads=4, n_kv_heads=2, head_dim=32)
+    rng = np.random.default_rng(0)
+    doc, start, end = [], [], []
+    for d, n in enumerate(lens):  # uneven spans per document
+        cuts = np.unique(np.concatenate(([0, n], rng.integers(1, n, 3))))
+        doc += [d] * (len(cuts) - 1)
+        start += cuts[:-1].tolist()
+        end += cuts[1:].tolist()
+    order = rng.permutation(len(doc))
+    layouts = [(doc, start, end), tuple(np.asarray(a)[order] for a in (doc, start, end))]
+
+    def counted(b, spans):
+        workload._TILES.clear()
+        wl = workload.Workload.from_spans(b, *spans)
+        return wl.tile_q, wl.tile_kv, wl.tile_pairs
+
+    workload._KEY_RANGES.clear()
+    shared = [counted(batch, spans) for spans in layouts] + [counted(batch, layouts[0])]
+    assert len(workload._KEY_RANGES) == 1
+    for spans, got in zip(layouts + layouts[:1], shared):
+        workload._KEY_RANGES.clear()
+        for a, b in zip(got, counted(batch, spans)):
+            np.testing.assert_array_equal(a, b)
+    causal = counted(BatchSpec(lens, Causal(), n_heads=4, n_kv_heads=2, head_dim=32), layouts[0])
+    assert causal[2].sum() > shared[0][2].sum()  # the window hides pairs that causal sees
+
+
 @pytest.mark.parametrize("kv_heads,n", [(2, 4), (4, 4), (8, 2)])  # replicated key/value heads, one each, several
 def test_executor_results_are_contiguous_and_exact_through_the_all_to_alls(kv_heads, n):
     """The all-to-alls hand back contiguous tensors (a compiled graph views them as declared),

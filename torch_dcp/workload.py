@@ -82,6 +82,12 @@ _UNIFORM_KEEP = 8
 _TILES: "OrderedDict[bytes, tuple[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]]]" = OrderedDict()
 _TILES_KEEP = 8
 _TILES_MAX = 1 << 23
+#: the key ranges of every token of the last few batches (in token order), ``digest of the
+#: documents and their masks' indices -> (masks, (starts, ends))``: every block layout of a batch
+#: lists its tokens in that order (blocks sorted by document and start), so the static rivals'
+#: layouts of one plan share them
+_KEY_RANGES: "OrderedDict[bytes, tuple[tuple, tuple[np.ndarray, np.ndarray]]]" = OrderedDict()
+_KEY_RANGES_KEEP = 4
 
 
 def resident_token_bytes(batch: BatchSpec) -> int:
@@ -255,13 +261,29 @@ class Workload:
         tile_q = np.repeat(np.arange(nb), per_q)
         q_first = np.concatenate(([0], np.cumsum(per_q)[:-1]))
         tile_kv = doc_first[self.block_doc][tile_q] + (np.arange(len(tile_q)) - q_first[tile_q])
-        # key ranges of every token of the batch, rows grouped by block
-        tok_doc, tok_pos = self.block_positions(np.arange(nb))
-        starts, ends = batch.key_ranges(tok_doc, tok_pos)
+        # key ranges of every token of the batch, rows grouped by block (blocks in document order:
+        # the batch's token order)
+        starts, ends = self._token_key_ranges()
         row_ptr = np.concatenate(([0], np.cumsum(self.block_len)))
         pairs = count_visible_pairs(starts, ends, row_ptr, tile_q, self.block_start[tile_kv], self.block_end[tile_kv])
         keep = pairs > 0
         return _frozen(tile_q[keep]), _frozen(tile_kv[keep]), _frozen(pairs[keep])
+
+    def _token_key_ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`~torch_dcp.batch.BatchSpec.key_ranges` of every token of the batch, in token
+        order (shared by every block layout of the documents and masks: :data:`_KEY_RANGES`)."""
+        batch = self.batch
+        key = hashlib.blake2b(b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in (
+            batch.doc_lens, batch.doc_mask)), digest_size=16).digest()
+        hit = _KEY_RANGES.get(key)
+        if hit is not None and len(hit[0]) == len(batch.masks) and all(a is b for a, b in zip(hit[0], batch.masks)):
+            _KEY_RANGES.move_to_end(key)
+            return hit[1]
+        ranges = tuple(_frozen(a) for a in batch.key_ranges(*self.block_positions(np.arange(self.n_blocks))))
+        _KEY_RANGES[key] = (batch.masks, ranges)
+        while len(_KEY_RANGES) > _KEY_RANGES_KEEP:
+            _KEY_RANGES.popitem(last=False)
+        return ranges
 
     # ------------------------------------------------------------------ sizes
     @property
