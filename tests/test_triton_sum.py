@@ -86,11 +86,39 @@ def test_wire_rows_are_read_from_the_wire_buffer(interpret, p):
         sum_rows_triton(src, dst, slice(0, n * p), slice(0, n), n, p, wire=torch.zeros(2, f + 1), wire_start=0)
 
 
-@pytest.mark.parametrize("wire", [False, True])
-def test_compiles_for_a_gpu(wire):
+@pytest.mark.parametrize("p", [1, 2])
+def test_a_row_split_between_two_results(interpret, p):
+    """The backward's last sum: each row's dK then dV (one float32 row, some rows kept in bf16)
+    summed into two separate bf16 results in one launch, as the two per field would give; a
+    second destination whose width or rows do not fit is refused."""
+    g = torch.Generator().manual_seed(p)
+    n, h, d, rows = 4, 2, 8, 4 * p + 5
+    src = _Buffer(rows, [("dk", torch.float32, (h, d)), ("dv", torch.float32, (h, d))], torch.device("cpu"))
+    src.flat.copy_(torch.randn(src.flat.shape, generator=g))
+    kept = _Buffer(3, [("dk", torch.bfloat16, (h, d)), ("dv", torch.bfloat16, (h, d))], torch.device("cpu"))
+    kept.flat.copy_(torch.randn(kept.flat.shape, generator=g))
+    src.wire = (kept, 2)
+    whole = src.flat.clone()
+    whole[2:5] = kept.flat.float()
+    src.flat[2:5] = float("nan")  # read from the kept rows
+    for s_rows in (slice(1, 1 + n * p), torch.randperm(rows, generator=g)[:n * p]):
+        want = whole[torch.arange(rows)[s_rows]].reshape(n, p, 2, h, d).sum(1)
+        got = _Outputs(dk=torch.zeros(n + 1, h, d, dtype=torch.bfloat16), dv=torch.zeros(n + 1, h, d, dtype=torch.bfloat16))
+        merge_partials(ReduceOp.SUM, src, got, s_rows, torch.tensor([3, 0, 4, 1]), n, p, use_triton=True)
+        for i, name in enumerate(("dk", "dv")):
+            assert torch.allclose(got.fields[name][[3, 0, 4, 1]].float(), want[:, i], atol=2 ** -5, rtol=2 ** -7)
+            assert (got.fields[name][2] == 0).all()  # a row not written
+    with pytest.raises(ValueError, match="dst2"):
+        sum_rows_triton(torch.zeros(6, 8), torch.zeros(3, 4), slice(0, 6), slice(0, 3), 3, 2, dst2=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="unit column strides"):
+        sum_rows_triton(torch.zeros(6, 8), torch.zeros(3, 4), slice(0, 6), slice(0, 3), 3, 2, dst2=torch.zeros(3, 5))
+
+
+@pytest.mark.parametrize("wire,split", [(False, False), (True, False), (True, True)])
+def test_compiles_for_a_gpu(wire, split):
     """The kernel through Triton's whole compiler for an H100 (sm_90) without one: the
     interpreter runs Python, so only this catches what the compiler refuses (with and without
-    the wire rows)."""
+    the wire rows, into one result or two)."""
     import triton
     import triton.language as tl
     from triton.compiler import ASTSource
@@ -102,9 +130,11 @@ def test_compiles_for_a_gpu(wire):
         from triton.backends.compiler import GPUTarget
     except ImportError:  # pragma: no cover - an older Triton
         pytest.skip("this Triton has no GPUTarget")
-    sig = {"src": "*fp32", "dst": "*bf16", "src_idx": "*i64", "dst_idx": "*i64", "wire": "*bf16", "p": "i32",
-           "src_start": "i32", "dst_start": "i32", "wire_start": "i32", "wire_stop": "i32", "F": "i32", "s_r": "i32",
-           "d_r": "i32", "w_r": "i32", **dict.fromkeys(("SRC_IDX", "DST_IDX", "WIRE", "ACC", "BLOCK"), "constexpr")}
+    sig = {"src": "*fp32", "dst": "*bf16", "dst2": "*bf16", "src_idx": "*i64", "dst_idx": "*i64", "wire": "*bf16",
+           "p": "i32", "src_start": "i32", "dst_start": "i32", "wire_start": "i32", "wire_stop": "i32", "F": "i32",
+           "F1": "i32", "s_r": "i32", "d_r": "i32", "d2_r": "i32", "w_r": "i32",
+           **dict.fromkeys(("SRC_IDX", "DST_IDX", "WIRE", "SPLIT", "ACC", "BLOCK"), "constexpr")}
     src = ASTSource(fn=jitted(_sum_rows_kernel), signature=sig,
-                    constexprs={"SRC_IDX": True, "DST_IDX": False, "WIRE": wire, "ACC": tl.float32, "BLOCK": 512})
+                    constexprs={"SRC_IDX": True, "DST_IDX": False, "WIRE": wire, "SPLIT": split, "ACC": tl.float32,
+                                "BLOCK": 512})
     assert "ptx" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm

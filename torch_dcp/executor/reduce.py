@@ -114,21 +114,41 @@ def add_gradients(dq_acc: torch.Tensor, q_rows: Any, dq: torch.Tensor, dkv: Any,
 
 
 def _sum_in_one_launch(s: torch.Tensor, d: torch.Tensor, src_rows: Any, dst_rows: Any, n: int, p: int,
-                       wire: tuple[torch.Tensor, int] | None = None) -> bool:
+                       wire: tuple[torch.Tensor, int] | None = None, d2: torch.Tensor | None = None) -> bool:
     """``d[dst_rows] = sum of s[src_rows]`` (``p`` per row) in one Triton launch
     (:func:`~torch_dcp.executor.triton_sum.sum_rows_triton`; ``wire``: the rows kept in the
-    K/V dtype and their first row), where both are rows it takes as ``[rows, F]`` views; whether
-    it ran."""
+    K/V dtype and their first row; ``d2``: the row's columns past ``d``'s go there), where all
+    are rows it takes as ``[rows, F]`` views; whether it ran."""
     from .triton_sum import sum_rows_triton, summable
 
-    if not (dense_rows(s) and dense_rows(d) and (wire is None or dense_rows(wire[0]))):
+    dsts = [d] + ([] if d2 is None else [d2])
+    if not (dense_rows(s) and all(dense_rows(t) for t in dsts) and (wire is None or dense_rows(wire[0]))):
         return False
-    s2, d2 = s.flatten(1), d.flatten(1)  # views: the rows are dense
-    w2 = None if wire is None else wire[0].flatten(1)
-    if not (summable(s2) and summable(d2) and (w2 is None or summable(w2))):
+    s2, w2 = s.flatten(1), None if wire is None else wire[0].flatten(1)  # views: the rows are dense
+    flat = [t.flatten(1) for t in dsts]
+    if not (summable(s2) and all(summable(t) for t in flat) and (w2 is None or summable(w2))):
         return False
-    sum_rows_triton(s2, d2, src_rows, dst_rows, n, p, wire=w2, wire_start=0 if wire is None else wire[1])
+    sum_rows_triton(s2, flat[0], src_rows, dst_rows, n, p, wire=w2, wire_start=0 if wire is None else wire[1],
+                    dst2=flat[1] if d2 is not None else None)
     return True
+
+
+def _split_sum(src: Any, dst: Any, src_rows: Any, dst_rows: Any, n: int, p: int, use_triton: bool | None) -> bool:
+    """A sum whose whole source row (``src.flat``) goes to the two separate results of ``dst``
+    (dK and dV), its fields in the source's order, in one launch (the kept K/V-dtype rows read
+    there): whether it ran (on CUDA with Triton)."""
+    if p == 0 or src.flat is None or dst.flat is not None or len(dst.fields) != 2 or len(src.fields) != 2:
+        return False
+    if not _use_triton(src.flat, use_triton):
+        return False
+    (a, da), (b, db) = zip(src.fields.values(), dst.fields.values())
+    if da.shape[1:] != a.shape[1:] or db.shape[1:] != b.shape[1:]:
+        return False
+    kept = getattr(src, "wire", None)
+    wire = None if kept is None or kept[0].flat is None else (kept[0].flat, kept[1])
+    if kept is not None and wire is None:
+        return False
+    return _sum_in_one_launch(src.flat, da, src_rows, dst_rows, n, p, wire, d2=db)
 
 
 def dense_rows(t: torch.Tensor) -> bool:
@@ -166,8 +186,11 @@ def merge_partials(op: ReduceOp, src: Any, dst: Any, src_rows: Any, dst_rows: An
     if n == 0:
         return
     if op is ReduceOp.SUM:
-        # one typed view of the whole row where the layout has one, else field by field; rows
-        # kept in the K/V dtype (a buffer's ``wire``) are read there, by the one launch
+        # one typed view of the whole row where the layout has one (into two results where they
+        # are apart: dK and dV), else field by field; rows kept in the K/V dtype (a buffer's
+        # ``wire``) are read there, by the one launch
+        if _split_sum(src, dst, src_rows, dst_rows, n, p, use_triton):
+            return
         kept = getattr(src, "wire", None)
         whole = src.flat is not None and dst.flat is not None
         pairs = [(src.flat, dst.flat)] if whole else list(zip(src.fields.values(), dst.fields.values()))
