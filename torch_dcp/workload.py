@@ -90,6 +90,23 @@ _KEY_RANGES: "OrderedDict[bytes, tuple[tuple, tuple[np.ndarray, np.ndarray]]]" =
 _KEY_RANGES_KEEP = 4
 
 
+def _memo(cache: OrderedDict, batch: BatchSpec, arrays: tuple, compute: Any, full: Any) -> Any:
+    """``compute()`` memoised in ``cache`` by a digest of the batch's documents, their masks'
+    indices and ``arrays`` (the masks themselves compared by identity); the oldest entries
+    dropped while ``full()``."""
+    key = hashlib.blake2b(b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in (
+        batch.doc_lens, batch.doc_mask, *arrays)), digest_size=16).digest()
+    hit = cache.get(key)
+    if hit is not None and len(hit[0]) == len(batch.masks) and all(a is b for a, b in zip(hit[0], batch.masks)):
+        cache.move_to_end(key)
+        return hit[1]
+    value = compute()
+    cache[key] = (batch.masks, value)
+    while full():
+        cache.popitem(last=False)
+    return value
+
+
 def resident_token_bytes(batch: BatchSpec) -> int:
     """Resident bytes per token of Q, K, V and O (the memory weight of a token)."""
     return (2 * batch.n_heads + 2 * batch.n_kv_heads) * batch.head_dim * batch.elem_size
@@ -239,18 +256,9 @@ class Workload:
 
     # ------------------------------------------------------------------ tiles
     def _needed_tiles(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        batch = self.batch
-        key = hashlib.blake2b(b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in (
-            batch.doc_lens, batch.doc_mask, self.block_doc, self.block_start, self.block_end)), digest_size=16).digest()
-        hit = _TILES.get(key)
-        if hit is not None and len(hit[0]) == len(batch.masks) and all(a is b for a, b in zip(hit[0], batch.masks)):
-            _TILES.move_to_end(key)
-            return hit[1]
-        tiles = self._count_tiles()
-        _TILES[key] = (batch.masks, tiles)
-        while len(_TILES) > _TILES_KEEP or (len(_TILES) > 1 and sum(len(v[1][0]) for v in _TILES.values()) > _TILES_MAX):
-            _TILES.popitem(last=False)
-        return tiles
+        return _memo(_TILES, self.batch, (self.block_doc, self.block_start, self.block_end), self._count_tiles,
+                     lambda: len(_TILES) > _TILES_KEEP or (
+                         len(_TILES) > 1 and sum(len(v[1][0]) for v in _TILES.values()) > _TILES_MAX))
 
     def _count_tiles(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         batch = self.batch
@@ -272,18 +280,10 @@ class Workload:
     def _token_key_ranges(self) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`~torch_dcp.batch.BatchSpec.key_ranges` of every token of the batch, in token
         order (shared by every block layout of the documents and masks: :data:`_KEY_RANGES`)."""
-        batch = self.batch
-        key = hashlib.blake2b(b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in (
-            batch.doc_lens, batch.doc_mask)), digest_size=16).digest()
-        hit = _KEY_RANGES.get(key)
-        if hit is not None and len(hit[0]) == len(batch.masks) and all(a is b for a, b in zip(hit[0], batch.masks)):
-            _KEY_RANGES.move_to_end(key)
-            return hit[1]
-        ranges = tuple(_frozen(a) for a in batch.key_ranges(*self.block_positions(np.arange(self.n_blocks))))
-        _KEY_RANGES[key] = (batch.masks, ranges)
-        while len(_KEY_RANGES) > _KEY_RANGES_KEEP:
-            _KEY_RANGES.popitem(last=False)
-        return ranges
+        return _memo(_KEY_RANGES, self.batch, (),
+                     lambda: tuple(_frozen(a) for a in self.batch.key_ranges(*self.block_positions(
+                         np.arange(self.n_blocks)))),
+                     lambda: len(_KEY_RANGES) > _KEY_RANGES_KEEP)
 
     # ------------------------------------------------------------------ sizes
     @property
