@@ -212,11 +212,13 @@ def test_exact_head_parallel_with_a_rank_without_tokens_and_repeated_kv_heads():
     from torch_dcp._interleave import interleave
     execs = [make_executor(plan, r, InProcessTransport(mailbox, r)) for r in range(4)]
     idx = [torch.from_numpy(plan.token_indices(r)) for r in range(4)]
-    fwd = interleave([e.forward_steps(q[i], kr[i], vr[i]) for e, i in zip(execs, idx)], lambda: mailbox.events)
-    bwd = interleave([e.backward_steps(q[i], kr[i], vr[i], o, lse, go[i]) for e, i, (o, lse) in zip(execs, idx, fwd)],
-                     lambda: mailbox.events)
     ref = reference_with_grads(batch, q, k, v, go)
-    out = torch.cat([o for o, _ in fwd])[torch.argsort(torch.cat(idx))]
-    assert (out - ref[0]).abs().max().item() < 1e-10
-    dk = torch.cat([g[1] for g in bwd])[torch.argsort(torch.cat(idx))]
-    assert (dk.view(3, 2, rep, 16).sum(2) - ref[2]).abs().max().item() < 1e-10
+    for keep in (False, True):  # and with the head-sharded tensors kept for the backward (only dO travels)
+        fwd = interleave([e.forward_steps(q[i], kr[i], vr[i], keep=keep) for e, i in zip(execs, idx)],
+                         lambda: mailbox.events)
+        bwd = interleave([e.backward_steps(q[i], kr[i], vr[i], f[0], f[1], go[i], state=f[2] if keep else None)
+                          for e, i, f in zip(execs, idx, fwd)], lambda: mailbox.events)
+        out = torch.cat([f[0] for f in fwd])[torch.argsort(torch.cat(idx))]
+        assert (out - ref[0]).abs().max().item() < 1e-10
+        dk = torch.cat([g[1] for g in bwd])[torch.argsort(torch.cat(idx))]
+        assert (dk.view(3, 2, rep, 16).sum(2) - ref[2]).abs().max().item() < 1e-10

@@ -201,6 +201,14 @@ def test_device_plan_built_ahead_is_used_and_checked():
     ref = reference_with_grads(batch, q, k, v, go)[0]
     for (o, _), i in zip(outs, idx):
         assert (o - ref[i]).abs().max() < 1e-10
+    # written into given outputs (a head-parallel layer's kept state), which must fit
+    given = [(torch.empty_like(o), torch.empty_like(lse)) for o, lse in outs]
+    again = interleave([e.forward_steps(q[i], k[i], v[i], out=g) for e, i, g in zip(execs, idx, given)],
+                       lambda: mailbox.events)
+    for (o, lse), (go_, gl), (o0, l0) in zip(again, given, outs):
+        assert o is go_ and lse is gl and torch.equal(o, o0) and torch.equal(lse, l0)
+    with pytest.raises(ValueError, match="out: expected o and lse"):
+        next(execs[0].forward_steps(q[idx[0]], k[idx[0]], v[idx[0]], out=(given[0][0][1:], given[0][1])))
     with pytest.raises(ValueError, match="another plan or rank"):
         RankExecutor(plan, 1, InProcessTransport(mailbox, 1), device_plan=dps[0])
     with pytest.raises(ValueError, match="another kernel"):

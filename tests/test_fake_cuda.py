@@ -412,7 +412,7 @@ def test_device_operations_per_division_on_the_cuda_path():
             assert per_div <= bound, (type(mask).__name__, name, per_div)
 
 
-@pytest.mark.parametrize("role", ["fast", "general", "alone", "gathered", "ring", "node", "heads"])
+@pytest.mark.parametrize("role", ["fast", "general", "alone", "gathered", "ring", "node", "heads", "heads_executor"])
 def test_the_gpu_executor_preset_counts_todays_executor(role):
     """The GPU cost presets' fixed costs per division and per pass (``torch_dcp.cost.GPU_EXECUTOR``)
     are built from device operations counted on the executor (``ops --fake --device cuda

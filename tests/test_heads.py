@@ -1,6 +1,8 @@
 """Head parallelism: layouts, the ulysses and hcp baselines, head-parallel dcp plans, their
 all-to-all bytes, simulation and serialisation."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -136,9 +138,20 @@ def test_ulysses_simulates_as_all_to_all_plus_one_launch():
     assert floor_seconds(p, ex) <= simulate(p, ex).makespan_s
     hcp = torch_dcp.plan(b, Topology.preset("h100", n_nodes=2), planner="hcp")
     assert hcp.outer.world_size == 2 and all_to_all_ops_seconds(hcp, ex, True) == GPU_EXECUTOR.te_a2a[3]
-    # torch_dcp's own head parallelism pays its own counted layouts (the preset's heads role)
+    # torch_dcp's own head parallelism pays its own counted layouts: around torch_dcp's executor
+    # (which writes O and the LSE into the kept state) the preset's heads_executor role, around a
+    # static runtime (all-gather CP alone, Ulysses' shape) its heads role, one copy more forward
     own = torch_dcp.plan(b, topo, planner="greedy", head_parallel=8)
-    assert [all_to_all_ops_seconds(own, ex, bw) for bw in (False, True)] == list(GPU_EXECUTOR.heads)
+    assert [all_to_all_ops_seconds(own, ex, bw) for bw in (False, True)] == list(GPU_EXECUTOR.heads_executor)
+    from torch_dcp.api import divide
+    from torch_dcp.planners import plan_allgather
+
+    lay = HeadLayout.of(b, 8)
+    ob, ot = lay.outer_batch(b), lay.outer_topology(topo)
+    alone = dataclasses.replace(plan_allgather(ob, ot, cp_size=1), runtime=Runtime.DCP_ALLGATHER)
+    ulysses = HeadParallelPlan(divide(alone, ot, 1), b, topo, 8, "allgather/cp1/hp8")
+    assert [all_to_all_ops_seconds(ulysses, ex, bw) for bw in (False, True)] == list(GPU_EXECUTOR.heads)
+    assert GPU_EXECUTOR.heads[0] > GPU_EXECUTOR.heads_executor[0] > 0
     assert min(GPU_EXECUTOR.heads) > 0 and all_to_all_ops_seconds(p, cm, False) == 0.0
 
 

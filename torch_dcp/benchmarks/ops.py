@@ -339,6 +339,16 @@ def _plan(args: argparse.Namespace) -> torch_dcp.Plan:
         return divide(placement, topo, 1)
     # dcp's own placements: the general executor's divisions (its static runtimes are counted apart)
     own = {"rivals": ("ring", "megatron", "allgather", "documents")} if args.planner == "dcp" else {}
+    n = getattr(args, "head_parallel", 1)
+    if n > 1:  # inside head groups of n ranks around dcp's own placement of the outer plan (the executor)
+        from torch_dcp.plan.heads import HeadLayout, HeadParallelPlan
+
+        topo = torch_dcp.Topology.coerce(topo)
+        lay = HeadLayout.of(batch, n)
+        outer = torch_dcp.plan(lay.outer_batch(batch), lay.outer_topology(topo), planner=args.planner,
+                               block_size=args.block_size, divisions=args.divisions, head_parallel=1, cost_model=cost,
+                               **({"rivals": ()} if args.planner == "dcp" else {}))
+        return HeadParallelPlan(outer, batch, topo, n)
     return torch_dcp.plan(batch, topo, planner=args.planner, block_size=args.block_size, divisions=args.divisions,
                           head_parallel=1, cost_model=cost, **own)
 
@@ -393,6 +403,9 @@ PRESET_CASES = {
     # torch_dcp's head parallelism (its all-to-alls' own layouts, per pass): Ulysses' shape, 8-way
     # head groups around the all-gather runtime alone, its outer plan's own operations taken out
     "heads": {"mask": "causal", "divisions": 1, "cp_size": 1, "head_parallel": 8},
+    # the same around torch_dcp's executor (dcp's own placement of the outer plan), which writes O
+    # and the LSE straight into the state the forward keeps
+    "heads_executor": {"mask": "causal", "divisions": 1, "head_parallel": 8},
 }
 #: the roles counted at one division too: their ``forward`` and ``backward`` are operations per
 #: division past the first, ``forward_pass`` and ``backward_pass`` those of a pass whatever its

@@ -197,7 +197,9 @@ class ExecutorCosts:
         heads: seconds per pass, ``(forward, backward)``, of the device operations torch_dcp's
             head parallelism issues around its all-to-alls (its layouts by head group,
             :class:`~torch_dcp.executor.heads.HeadParallelExecutor`), besides its outer plan's
-            (counted, on a GPU preset); None: charged nothing.
+            (counted, on a GPU preset, around a static runtime's outer plan); None: charged nothing.
+        heads_executor: the same around an outer plan on torch_dcp's executor, which writes O and
+            the LSE straight into the state the forward keeps (one copy fewer); None: ``heads``.
     """
 
     general: KernelCosts
@@ -215,6 +217,7 @@ class ExecutorCosts:
     node_allgather: tuple[float, float] | None = None
     te_a2a: tuple[float, float, float, float] | None = None
     heads: tuple[float, float] | None = None
+    heads_executor: tuple[float, float] | None = None
 
     def kernels(self) -> tuple[KernelCosts, ...]:
         return (self.general,) if self.fast is None else (self.general, self.fast)
@@ -239,7 +242,8 @@ class ExecutorCosts:
                    None if d.get("te_ring") is None else tuple(float(x) for x in d["te_ring"]),
                    None if d.get("node_allgather") is None else tuple(float(x) for x in d["node_allgather"]),
                    None if d.get("te_a2a") is None else tuple(float(x) for x in d["te_a2a"]),
-                   None if d.get("heads") is None else tuple(float(x) for x in d["heads"]))
+                   None if d.get("heads") is None else tuple(float(x) for x in d["heads"]),
+                   None if d.get("heads_executor") is None else tuple(float(x) for x in d["heads_executor"]))
 
     def memory(self, kind: str) -> MemoryCosts | None:
         """The costs of a memory-bound instruction of ``kind`` (:func:`memory_kind`); None:

@@ -123,7 +123,8 @@ def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
     two kernels' counts, one executor's) as ``pass_fixed``; the all-gather runtime's operations per pass (its
     ``alone`` and ``gathered`` counts, where the preset has them) likewise, the ring runtime's
     per step (``ring``), the node-once all-gather runtime's per pass (``node``), and those of
-    head parallelism's own around its all-to-alls per pass (``heads``), and those of
+    head parallelism's own around its all-to-alls per pass (``heads``; ``heads_executor`` around
+    an outer plan on torch_dcp's executor), and those of
     TransformerEngine's all-gather CP per pass (``baselines.te_allgather``), of its ring per
     step (``baselines.te_ring``) and of its all-to-all CP per pass (``baselines.te_a2a``),
     counted from its source.
@@ -165,7 +166,8 @@ def gpu_executor(path: "str | Path" = GPU_EXECUTOR_PRESET) -> ExecutorCosts:
         return ExecutorCosts(general=costs("flex", general), fast=costs("varlen", fast), pass_fixed=pass_fixed,
                              allgather=allgather,
                              te_allgather=te_allgather, ring=both("ring"), te_ring=te_ring,
-                             node_allgather=both("node"), te_a2a=te_a2a, heads=both("heads"))
+                             node_allgather=both("node"), te_a2a=te_a2a, heads=both("heads"),
+                             heads_executor=both("heads_executor"))
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a GPU executor preset (counted.fast/general forward and backward, "
                          f"seconds_per_op): {e}") from e

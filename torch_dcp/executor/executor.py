@@ -273,6 +273,8 @@ class RankExecutor(RowChecks):
             kernel, or a device plan for another plan, rank or kernel.
     """
 
+    takes_out = True  #: :meth:`forward_steps` writes into given outputs (a head-parallel layer's kept state)
+
     def __init__(self, plan: Plan, rank: int, transport: Transport, kernel: str | DivisionKernel | None = None,
                  scale: float | None = None, timings: bool = False, device_plan: DevicePlan | None = None):
         self._bind(plan, rank, transport, scale)
@@ -393,9 +395,11 @@ class RankExecutor(RowChecks):
                 rows_to_fill = op.words if pp.fills_null else op.words[-1:]
                 rows_to_fill.copy_(self._null_row.expand_as(rows_to_fill))
 
-    def forward_steps(self, q, k, v, scale: float | None = None, keep: bool = False) -> Generator[None, None, tuple]:
+    def forward_steps(self, q, k, v, scale: float | None = None, keep: bool = False,
+                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> Generator[None, None, tuple]:
         """:meth:`forward` as a generator that yields while waiting for messages (``keep``: as
-        :meth:`forward_keeping`)."""
+        :meth:`forward_keeping`; ``out``: ``(o, lse)`` to write the results into, shaped and
+        typed as :meth:`forward` returns them, e.g. views of a head-parallel layer's kept state)."""
         self._check_inputs(q, k, v)
         up = self.prepare(q.device)
         run = _Run(False)
@@ -404,8 +408,11 @@ class RankExecutor(RowChecks):
         run.local = {Buf.Q: [q], Buf.KV: [k, v]}
         S = self.local_rows
         # the output in the inputs' dtype: the final reduction converts as it writes (no extra pass)
-        run.out[Buf.OUT] = _Outputs(o=torch.empty(S, h, d, dtype=q.dtype, device=q.device),
-                                    lse=torch.empty(S, h, dtype=self.acc, device=q.device))
+        shapes, got = [((S, h, d), q.dtype), ((S, h), self.acc)], [(tuple(t.shape), t.dtype) for t in out or ()]
+        if out is not None and got != shapes:
+            raise ValueError(f"out: expected o and lse shaped and typed {shapes}, got {got}")
+        o, lse = out if out is not None else (torch.empty(*sh, dtype=dt, device=q.device) for sh, dt in shapes)
+        run.out[Buf.OUT] = _Outputs(o=o, lse=lse)
         yield from self._run(up, run, self.scale if scale is None else float(scale))
         out = run.out[Buf.OUT]
         result = out.fields["o"].to(q.dtype), out.fields["lse"]

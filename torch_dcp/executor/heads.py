@@ -67,12 +67,6 @@ class _InnerTransport(Transport):
         return self.base.finish(collective)
 
 
-def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Tensors as one contiguous uint8 message."""
-    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors]) if tensors else \
-        torch.empty(0, dtype=torch.uint8)
-
-
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return int(torch.Size(shape).numel()) * dtype.itemsize
 
@@ -204,19 +198,22 @@ class HeadParallelExecutor:
             raise located(err, f"torch_dcp (plan {self.plan.digest()[:12]}): {A2A_NAMES[phase]}(phase={phase})") \
                 from None
 
-    def _to_heads(self, backward: bool, tensors: list[torch.Tensor], kinds: list[str]) -> Generator:
+    def _to_heads(self, backward: bool, tensors: list[torch.Tensor], kinds: list[str],
+                  into: Sequence[torch.Tensor] | None = None) -> Generator:
         """Sequence-sharded ``[S_r, heads, ...]`` tensors to head-sharded ``[S_g, heads / N, ...]``
         (``kinds``: ``"q"`` query heads, ``"kv"`` key/value heads). Each tensor is laid out by
         inner index in one copy (``[N, S_r, width, ...]``, replicated key/value heads repeated)
-        and traded by one all-to-all, each member's rows received straight into the result."""
+        and traded by one all-to-all, each member's rows received straight into the result (a
+        new tensor, or the contiguous one of ``into`` given for it)."""
         posts, fulls = [], []
-        for t, kind in zip(tensors, kinds):
+        for x, (t, kind) in enumerate(zip(tensors, kinds)):
             width, reps = self._blocks(kind, t)
             s, rest = t.shape[0], tuple(t.shape[2:])
             blocks = self.n // reps
             send = (t.unflatten(1, (blocks, width)).transpose(0, 1).unsqueeze(1)
                     .expand(blocks, reps, s, width, *rest).reshape(self.n * s, width, *rest).contiguous())
-            fulls.append(torch.empty((int(self.chunks[-1]), width) + rest, dtype=t.dtype, device=t.device))
+            fulls.append(into[x] if into is not None else
+                         torch.empty((int(self.chunks[-1]), width) + rest, dtype=t.dtype, device=t.device))
             posts.append((send, fulls[-1], [s] * self.n, self.chunk_rows))
         yield from self._exchange(A2A_PHASES[(backward, "in")], posts)
         return fulls
@@ -271,10 +268,23 @@ class HeadParallelExecutor:
         """:meth:`forward` as a generator that yields while waiting for messages (``keep``: as
         :meth:`forward_keeping`)."""
         self._check_inputs(q, k, v)
-        qg, kg, vg = yield from self._to_heads(False, [q, k, v], ["q", "kv", "kv"])
-        og, lseg = yield from self.outer.forward_steps(qg, kg, vg, scale)
+        if not keep:
+            qg, kg, vg = yield from self._to_heads(False, [q, k, v], ["q", "kv", "kv"])
+            og, lseg = yield from self.outer.forward_steps(qg, kg, vg, scale)
+            return (yield from self._to_rows(False, [og, lseg], ["q", "q"], [q, q]))
+        # the head-sharded tensors land in the kept state itself: Q, K, V received there, O and the
+        # LSE written there by an outer executor that takes them (else packed after it, in one copy)
+        state = torch.empty(self.state_nbytes(k.shape[1]), dtype=torch.uint8, device=q.device)
+        kept = _unpack(state, self._state_specs(k.shape[1]))
+        qg, kg, vg = yield from self._to_heads(False, [q, k, v], ["q", "kv", "kv"], into=kept[:3])
+        if getattr(self.outer, "takes_out", False):
+            og, lseg = yield from self.outer.forward_steps(qg, kg, vg, scale, out=(kept[3], kept[4]))
+        else:
+            og, lseg = yield from self.outer.forward_steps(qg, kg, vg, scale)
+            start = sum(t.numel() * t.element_size() for t in kept[:3])
+            torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in (og, lseg)], out=state[start:])
         out, lse = yield from self._to_rows(False, [og, lseg], ["q", "q"], [q, q])
-        return (out, lse, _pack([qg, kg, vg, og, lseg])) if keep else (out, lse)
+        return out, lse, state
 
     def backward_steps(self, q, k, v, out, lse, dout, scale: float | None = None,
                        state: torch.Tensor | None = None) -> Generator[None, None, tuple]:

@@ -139,14 +139,17 @@ def all_to_all_ops_seconds(plan: HeadParallelPlan, cm: CostModel, backward: bool
     TransformerEngine's ring (the baselines' Ulysses and HCP), those of its all-to-all CP
     (``ExecutorCosts.te_a2a``, counted from its source: with its one attention call where the
     outer plan is one rank, as Ulysses runs without a ring, around the ring's steps otherwise);
-    else torch_dcp's head parallelism's (``ExecutorCosts.heads``, counted on it); 0 with a model
+    else torch_dcp's head parallelism's (``ExecutorCosts.heads``, counted on it; ``heads_executor``
+    around torch_dcp's executor, which writes O and the LSE into the kept state); 0 with a model
     without the count."""
     ex = cm.executor
     if ex is None:
         return 0.0
-    if plan.outer.placement.runtime is Runtime.TE_RING:
+    runtime = plan.outer.placement.runtime
+    if runtime is Runtime.TE_RING:
         return 0.0 if ex.te_a2a is None else float(ex.te_a2a[int(backward) + (0 if plan.outer.world_size == 1 else 2)])
-    return 0.0 if ex.heads is None else float(ex.heads[int(backward)])
+    own = ex.heads_executor if runtime is Runtime.EXECUTOR and ex.heads_executor is not None else ex.heads
+    return 0.0 if own is None else float(own[int(backward)])
 
 
 def head_exchange_seconds(plan: HeadParallelPlan, cm: CostModel) -> float:
