@@ -268,23 +268,22 @@ class HeadParallelExecutor:
         """:meth:`forward` as a generator that yields while waiting for messages (``keep``: as
         :meth:`forward_keeping`)."""
         self._check_inputs(q, k, v)
-        if not keep:
-            qg, kg, vg = yield from self._to_heads(False, [q, k, v], ["q", "kv", "kv"])
-            og, lseg = yield from self.outer.forward_steps(qg, kg, vg, scale)
-            return (yield from self._to_rows(False, [og, lseg], ["q", "q"], [q, q]))
-        # the head-sharded tensors land in the kept state itself: Q, K, V received there, O and the
-        # LSE written there by an outer executor that takes them (else packed after it, in one copy)
-        state = torch.empty(self.state_nbytes(k.shape[1]), dtype=torch.uint8, device=q.device)
-        kept = _unpack(state, self._state_specs(k.shape[1]))
-        qg, kg, vg = yield from self._to_heads(False, [q, k, v], ["q", "kv", "kv"], into=kept[:3])
-        if getattr(self.outer, "takes_out", False):
+        state = kept = None
+        if keep:  # the head-sharded tensors land in the kept state itself: Q, K, V received there, O
+            # and the LSE written there by an outer executor that takes them (else copied in after it)
+            state = torch.empty(self.state_nbytes(k.shape[1]), dtype=torch.uint8, device=q.device)
+            kept = _unpack(state, self._state_specs(k.shape[1]))
+        qg, kg, vg = yield from self._to_heads(False, [q, k, v], ["q", "kv", "kv"],
+                                               into=None if kept is None else kept[:3])
+        if kept is not None and getattr(self.outer, "takes_out", False):
             og, lseg = yield from self.outer.forward_steps(qg, kg, vg, scale, out=(kept[3], kept[4]))
         else:
             og, lseg = yield from self.outer.forward_steps(qg, kg, vg, scale)
-            start = sum(t.numel() * t.element_size() for t in kept[:3])
-            torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in (og, lseg)], out=state[start:])
+            if kept is not None:  # O and the LSE after Q, K, V in the state, in one copy
+                start = sum(t.numel() * t.element_size() for t in kept[:3])
+                torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in (og, lseg)], out=state[start:])
         out, lse = yield from self._to_rows(False, [og, lseg], ["q", "q"], [q, q])
-        return out, lse, state
+        return (out, lse, state) if keep else (out, lse)
 
     def backward_steps(self, q, k, v, out, lse, dout, scale: float | None = None,
                        state: torch.Tensor | None = None) -> Generator[None, None, tuple]:
