@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..executor import InProcessTransport, Mailbox, RankExecutor, get_kernel
-from ..executor.executor import InstructionTime
+from ..executor.timing import InstructionTime
 from ..batch import BatchSpec
 from ..plan import Plan
 from .common import DTYPES, sync
@@ -86,7 +86,7 @@ class RankTimes:
     Attributes:
         forward, backward: float64 ``[W]``: each rank's pass, network copies excluded.
         instructions: per rank, ``(forward, backward)`` lists of
-            :class:`~torch_dcp.executor.executor.InstructionTime` of one timed run, ``pack``
+            :class:`~torch_dcp.executor.timing.InstructionTime` of one timed run, ``pack``
             times without the network copies (empty unless measured with ``instructions``).
     """
 

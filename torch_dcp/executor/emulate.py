@@ -32,7 +32,7 @@ def emulate(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_
     Returns:
         ``out: [T, H, D]`` when ``grad_out`` is None, else ``(out, dq, dk, dv)``, all in
         global token order. With ``timings=True``: ``(that, times)`` where ``times`` maps each
-        rank to its list of :class:`~torch_dcp.executor.executor.InstructionTime`
+        rank to its list of :class:`~torch_dcp.executor.timing.InstructionTime`
         ``(division, kind, seconds, backward)``, forward program first, in program order.
 
     Raises:

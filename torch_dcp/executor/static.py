@@ -13,7 +13,8 @@ import torch
 from ..plan import BlockwiseAttention
 from .device_plan import host_to_device, rows_on
 from .division import build_division
-from .executor import InstructionTime, RowChecks, _Clock, _drain, dcp_attention
+from .executor import RowChecks, _drain, dcp_attention
+from .timing import InstructionTime, _Clock
 from .kernels import DivisionKernel, get_kernel
 from .kernels.base import kernel_rows
 
