@@ -107,6 +107,16 @@ def test_plan_properties(batch, world, block, divisions, planner):
             if hasattr(ins, "tile"):
                 seen[ins.tile] += 1
     assert np.all(seen == 1)
+    # a transfer's tokens are its blocks' (the simulator sizes messages by them); the fetches
+    # (even phases) are one set of transfers for both passes
+    for r in range(world):
+        fwd, bwd = plan.program(r), plan.program(r, True)
+        for ins in fwd.instructions + bwd.instructions:
+            for tr in getattr(ins, "sends", ()) + getattr(ins, "recvs", ()):
+                assert tr.tokens == int(ln[tr.blocks].sum())
+        fetches = [[tr for ins in p.instructions if isinstance(ins, CommLaunch) and ins.phase % 2 == 0
+                    for tr in ins.sends + ins.recvs] for p in (fwd, bwd)]
+        assert len(fetches[0]) == len(fetches[1]) and all(a is b for a, b in zip(*fetches))
     # token layouts partition the batch
     layout = np.concatenate([plan.token_indices(r) for r in range(world)])
     assert np.array_equal(np.sort(layout), np.arange(batch.total_tokens))

@@ -199,6 +199,14 @@ def test_links_back_fill_gaps():
     assert _earliest_common_gap([a, b], 0.0, 1.0) == 5.0
     b.reserve(1.0, 3.0)
     assert b.starts == [1.0, 6.0] and _earliest_common_gap([b], 0.5, 1.0) == 3.0
+    # reservations after every interval append, earlier ones insert: the intervals stay sorted
+    b.reserve(9.0, 10.0)
+    b.reserve(3.0, 4.0)
+    assert b.starts == [1.0, 3.0, 6.0, 9.0] and b.ends == [3.0, 4.0, 8.0, 10.0]
+    assert _earliest_common_gap([b], 0.0, 1.0) == 0.0  # before every interval
+    assert _earliest_common_gap([b], 3.5, 2.0) == 4.0  # [4, 6) fits 2 s
+    assert _earliest_common_gap([b], 3.5, 2.5) == 10.0  # nothing before the last end does
+    assert _earliest_common_gap([b], 11.0, 5.0) == 11.0  # after every interval
 
 
 def test_tables_per_head_dim_and_dtype(tmp_path):

@@ -162,7 +162,7 @@ def samples_of(plan: Plan, times: RankTimes, general: str, fast: str | None) -> 
                     if kind != "alias":
                         memory.append(MemorySample(kind, backward, instruction_bytes(ins, blen, rows), t.seconds))
                 elif isinstance(ins, CommLaunch) and ins.sends:
-                    memory.append(MemorySample("pack", backward, send_bytes(ins, blen, rows), t.seconds))
+                    memory.append(MemorySample("pack", backward, send_bytes(ins, rows), t.seconds))
             busy = (times.backward if backward else times.forward)[r]
             passes.append(PassSample(backward, float(pass_local_bytes(plan, backward)[r]),
                                      float(busy - sum(t.seconds for t in timed))))

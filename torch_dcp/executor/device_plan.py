@@ -234,7 +234,7 @@ class _Builder:
                       if cast and tr.kind in NARROWED)
         for tr in ins.sends:
             if cast and tr.kind in NARROWED:  # sent from the phase's cast rows (narrow_spans)
-                sends.append(Message(tr.peer, tr.kind, Rows(int(self.blen[tr.blocks].sum()))))
+                sends.append(Message(tr.peer, tr.kind, Rows(tr.tokens)))
                 continue
             rows = self.block_rows(tr.rows, tr.blocks)
             if rows.array is None:

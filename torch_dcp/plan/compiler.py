@@ -27,7 +27,7 @@ point-to-point messages match pairwise in order.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, NamedTuple
 
 import numpy as np
 
@@ -71,6 +71,12 @@ def _runs(*cols: np.ndarray) -> list[tuple[int, int, tuple[int, ...]]]:
     return list(zip(starts.tolist(), starts[1:].tolist() + [n], keys))
 
 
+def _cumulative_tokens(blen: np.ndarray, blocks: np.ndarray) -> list[int]:
+    """Tokens of ``blocks[:i]`` for every ``i`` (``len(blocks) + 1`` Python ints): a run's
+    tokens are a difference of two."""
+    return [0] + np.cumsum(blen[blocks]).tolist()
+
+
 def _row_array(row_map: dict[int, int], n_blocks: int) -> np.ndarray:
     """``row_map`` (block -> first row) as an int64 array ``[n_blocks]``, -1 where absent."""
     a = np.full(n_blocks, -1, np.int64)
@@ -88,12 +94,57 @@ def _reduction(op: ReduceOp, src: Buf, dst: Buf, entries: list[tuple[int, int, l
                               np.fromiter(itertools.chain.from_iterable(e[2] for e in entries), np.int64, int(ptr[-1])))
 
 
-def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
-    """The forward (or backward) :class:`Program` of ``rank`` (deterministic)."""
-    wl, pl, t = plan.workload, plan.placement, plan.tables
-    T = plan.divisions
+def _by_rank(rank_col: np.ndarray, *order_by: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of a table grouped by ``rank_col``, each rank's rows sorted by ``order_by`` (last
+    one first, as ``np.lexsort``; ties in table order), as CSR: the rows one rank after
+    another, and every rank's offset (``world + 1``)."""
+    order = np.lexsort((*order_by, rank_col))
+    return order, np.searchsorted(rank_col[order], np.arange(world + 1))
+
+
+def _rank_index(plan: "Plan") -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Every table's rows by the rank they belong to, in each program's order, sorted once for
+    all ranks' programs (a plan compiles ``2 W`` of them): fetches by receiver (``in``) and by
+    sender (``out``), by (division, peer, kind, block); tiles by (division, query block's home,
+    query block, key/value block); returns by receiver and by sender, by (division, peer, block)."""
+    wl, t, w = plan.workload, plan.tables, plan.world_size
+    fr, fs, fb, fk, fd = (t[f"fetch_{c}"] for c in ("rank", "src", "block", "kind", "div"))
+    index = {"fetch_in": _by_rank(fr, fb, fk, fs, fd, world=w), "fetch_out": _by_rank(fs, fb, fk, fr, fd, world=w),
+             "tiles": _by_rank(plan.placement.tile_rank, wl.tile_kv, wl.tile_q, plan.placement.block_rank[wl.tile_q],
+                               plan.tile_division, world=w)}
+    for name in ("q", "kv"):
+        rr, rb, rd, rt = (t[f"ret_{name}_{c}"] for c in ("rank", "block", "div", "dst"))
+        index[f"ret_{name}_in"] = _by_rank(rt, rb, rr, rd, world=w)
+        index[f"ret_{name}_out"] = _by_rank(rr, rb, rt, rd, world=w)
+    return index
+
+
+class _FetchLayout(NamedTuple):
+    """What a rank's forward and backward programs share (:func:`_fetch_layout`): its local
+    blocks and their rows, the rows of its ``Q`` and ``KV`` work buffers (block -> first row,
+    dict and array), their sizes, and its fetch transfers received and sent per division."""
+
+    home: np.ndarray
+    home_row: np.ndarray
+    local_rows: int
+    rows: dict[Buf, dict[int, int]]
+    ws_size: dict[Buf, int]
+    row_of: dict[Buf, np.ndarray]
+    fetch_recv: dict[int, list[Transfer]]
+    fetch_send: dict[int, list[Transfer]]
+
+
+def _mine(plan: "Plan", name: str, rank: int) -> np.ndarray:
+    """``rank``'s rows of a table, in its program's order (:func:`_rank_index`)."""
+    order, ptr = plan.memo("rank_index", None, lambda: _rank_index(plan))[name]
+    return order[ptr[rank]:ptr[rank + 1]]
+
+
+def _fetch_layout(plan: "Plan", rank: int) -> _FetchLayout:
+    """The work buffers' rows and the fetch transfers of ``rank``: the same in both passes
+    (the backward's ``Q`` rows carry more per token, not other rows), built once for both."""
+    wl, t, T = plan.workload, plan.tables, plan.divisions
     blen = wl.block_len
-    br = pl.block_rank
     home = plan.local_blocks(rank)
     home_row = np.concatenate(([0], np.cumsum(blen[home])[:-1])).astype(np.int64)
     S = int(blen[home].sum())
@@ -103,9 +154,7 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
     # fetches, received (I fetch) and sent (others fetch my blocks), by (division, peer, kind, block)
     fb_all, fk_all, fd_all = t["fetch_block"], t["fetch_kind"], t["fetch_div"]
     fetches = []
-    for sel_mask, peer_arr in ((t["fetch_rank"] == rank, src_of), (src_of == rank, t["fetch_rank"])):
-        sel = np.nonzero(sel_mask)[0]
-        sel = sel[np.lexsort((fb_all[sel], fk_all[sel], peer_arr[sel], fd_all[sel]))]
+    for sel, peer_arr in ((_mine(plan, "fetch_in", rank), src_of), (_mine(plan, "fetch_out", rank), t["fetch_rank"])):
         fetches.append((fb_all[sel], fk_all[sel], fd_all[sel], peer_arr[sel]))
 
     # rows of the work buffers: local blocks first, then fetched blocks by (division, peer, block)
@@ -128,12 +177,25 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
     for (blocks, kinds, divs, peers), out in zip(fetches, (fetch_recv, fetch_send)):
         # a sender sends from its local rows; a transfer's blocks and rows are slices of these
         block_rows = np.where(kinds == 0, row_of[Buf.Q][blocks], row_of[Buf.KV][blocks])
+        cum = _cumulative_tokens(blen, blocks)
         for a, b, (d, peer, k) in _runs(divs, peers, kinds):
-            out[d].append(Transfer(peer, kind_of[k], blocks[a:b], block_rows[a:b]))
+            out[d].append(Transfer(peer, kind_of[k], blocks[a:b], block_rows[a:b], cum[b] - cum[a]))
+
+    return _FetchLayout(home, home_row, S, rows, ws_size, row_of, fetch_recv, fetch_send)
+
+
+def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
+    """The forward (or backward) :class:`Program` of ``rank`` (deterministic)."""
+    wl, pl, t = plan.workload, plan.placement, plan.tables
+    T = plan.divisions
+    blen = wl.block_len
+    layout = plan.memo(("fetch_layout", rank), None, lambda: _fetch_layout(plan, rank))
+    home, home_row, S = layout.home, layout.home_row, layout.local_rows
+    rows, ws_size, row_of = layout.rows, layout.ws_size, layout.row_of
+    fetch_recv, fetch_send = layout.fetch_recv, layout.fetch_send
 
     # tiles of this rank, grouped by (division, query block); groups by (home rank, query block)
-    tiles = np.nonzero(pl.tile_rank == rank)[0]
-    tiles = tiles[np.lexsort((wl.tile_kv[tiles], wl.tile_q[tiles], br[wl.tile_q[tiles]], plan.tile_division[tiles]))]
+    tiles = _mine(plan, "tiles", rank)
     tdiv = plan.tile_division[tiles]
     tq = wl.tile_q[tiles]
     tkv = wl.tile_kv[tiles]
@@ -190,10 +252,9 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
         name = "q" if side == Buf.Q else "kv"
         rr, rb, rd, rt = t[f"ret_{name}_rank"], t[f"ret_{name}_block"], t[f"ret_{name}_div"], t[f"ret_{name}_dst"]
         # receives: partials sent to me, by (division, peer, block)
-        sel = np.nonzero(rt == rank)[0]
-        sel = sel[np.lexsort((rb[sel], rr[sel], rd[sel]))]
+        sel = _mine(plan, f"ret_{name}_in", rank)
         blocks_all = rb[sel]
-        blocks_l = blocks_all.tolist()
+        blocks_l, cum = blocks_all.tolist(), _cumulative_tokens(blen, blocks_all)
         for a, e, (d, peer) in _runs(rd[sel], rr[sel]):
             blocks = blocks_all[a:e]
             dst_rows = []
@@ -205,13 +266,12 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
                 dst_rows.append(row)
                 recv_slots[side].setdefault(b, []).append(row)
                 recv_phase[side].setdefault(b, set()).add(2 * d + 1)
-            ret_recv[d].append(Transfer(peer, kind, blocks, _i64(dst_rows)))
+            ret_recv[d].append(Transfer(peer, kind, blocks, _i64(dst_rows), cum[e] - cum[a]))
         # sends: my partials of blocks held elsewhere, after the last division using them
-        sel = np.nonzero(rr == rank)[0]
-        sel = sel[np.lexsort((rb[sel], rt[sel], rd[sel]))]
+        sel = _mine(plan, f"ret_{name}_out", rank)
         op = ReduceOp.SUM if backward else ReduceOp.LSE_MERGE
         blocks_all = rb[sel]
-        blocks_l = blocks_all.tolist()
+        blocks_l, cum = blocks_all.tolist(), _cumulative_tokens(blen, blocks_all)
         for a, e, (d, peer) in _runs(rd[sel], rt[sel]):
             blocks = blocks_all[a:e]
             send_rows = []
@@ -232,7 +292,7 @@ def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
                     row, kv_part_rows = kv_part_rows, kv_part_rows + blen_l[b]
                 pre_send_reductions.setdefault((d, op, kind), []).append((b, row, slots))
                 send_rows.append(row)
-            ret_send[d].append(Transfer(peer, kind, blocks, _i64(send_rows)))
+            ret_send[d].append(Transfer(peer, kind, blocks, _i64(send_rows), cum[e] - cum[a]))
     stray = [b for side in recv_slots.values() for b in side if b not in home_set]
     if stray:
         raise PlanError(f"rank {rank} receives partials of block {stray[0]}, which it neither holds nor passes on")

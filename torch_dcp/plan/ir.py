@@ -53,13 +53,15 @@ class Transfer:
     """Blocks of one kind moving between this rank and ``peer``.
 
     ``rows[i]`` is the first row of ``blocks[i]`` in this rank's buffer ``kind`` (the source of a
-    send, the destination of a receive). Message order is ``blocks`` order.
+    send, the destination of a receive). Message order is ``blocks`` order. ``tokens``: the
+    blocks' tokens together (the message's rows).
     """
 
     peer: int
     kind: Buf
     blocks: np.ndarray
     rows: np.ndarray
+    tokens: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -140,18 +140,12 @@ class _Link:
         self.starts: list[float] = []
         self.ends: list[float] = []
 
-    def conflict_end(self, t: float, dur: float) -> float | None:
-        """End of the first busy interval overlapping ``[t, t + dur)``, or None if free."""
-        i = bisect.bisect_right(self.starts, t) - 1
-        if i >= 0 and self.ends[i] > t:
-            return self.ends[i]
-        j = i + 1
-        if j < len(self.starts) and self.starts[j] < t + dur:
-            return self.ends[j]
-        return None
-
     def reserve(self, start: float, end: float) -> None:
         if end <= start:
+            return
+        if not self.starts or start > self.starts[-1]:  # after every interval: the usual case
+            self.starts.append(start)
+            self.ends.append(end)
             return
         i = bisect.bisect_left(self.starts, start)
         self.starts.insert(i, start)
@@ -187,9 +181,10 @@ def pass_local_bytes(plan: Plan, backward: bool) -> np.ndarray:
     return local * (itb[(backward, Buf.Q)] + itb[(backward, Buf.KV)])
 
 
-def send_bytes(ins: CommLaunch, blen: np.ndarray, row_bytes: dict[Buf, int]) -> float:
-    """Bytes a ``CommLaunch`` sends (the executor gathers them)."""
-    return sum(float(blen[tr.blocks].sum()) * row_bytes[tr.kind] for tr in ins.sends)
+def send_bytes(ins: CommLaunch, row_bytes: dict[Buf, int]) -> float:
+    """Bytes a ``CommLaunch`` sends (the executor gathers them); ``row_bytes``: per token row of
+    each buffer (:func:`pass_row_bytes`)."""
+    return float(sum(tr.tokens * row_bytes[tr.kind] for tr in ins.sends))
 
 
 def _memory_seconds(cm: CostModel, ins: BlockwiseCopy | BlockwiseReduction, blen: np.ndarray,
@@ -221,14 +216,22 @@ def _transfer_links(topology, links: dict[tuple, _Link], src: int, dst: int) -> 
 
 
 def _earliest_common_gap(links: list[_Link], ready: float, dur: float) -> float:
-    """Earliest ``t >= ready`` at which every link is free for ``dur`` seconds."""
+    """Earliest ``t >= ready`` at which every link is free for ``dur`` seconds: ``t`` moves to
+    the end of the first busy interval of a link that overlaps ``[t, t + dur)`` until none does
+    (written out, no call per link and step: it runs for every transfer simulated)."""
     t = ready
+    bisect_right = bisect.bisect_right
     while True:
         moved = False
         for lk in links:
-            end = lk.conflict_end(t, dur)
-            if end is not None:
-                t, moved = end, True
+            starts, ends = lk.starts, lk.ends
+            if not ends or t >= ends[-1]:  # after every interval (ends are sorted too)
+                continue
+            i = bisect_right(starts, t) - 1
+            if i >= 0 and ends[i] > t:
+                t, moved = ends[i], True
+            elif i + 1 < len(starts) and starts[i + 1] < t + dur:
+                t, moved = ends[i + 1], True
         if not moved:
             return t
 
@@ -242,13 +245,13 @@ class _Pass:
         self.plan, self.cm, self.backward = plan, cm, backward
         self.itb = plan.placement.token_bytes()
         self.blen = plan.workload.block_len
-        self.blen_l = self.blen.tolist()  # for a transfer's few blocks: exact int sums, no NumPy call per transfer
         self.row_bytes = _row_bytes(self.itb, backward)
         w = plan.world_size
         self.pc = [0] * w
-        self.clock = np.zeros(w)
-        self.busy = np.zeros(w)
-        self.exposed = np.zeros(w)
+        # per rank, as Python floats while the pass runs (NumPy arrays in its result)
+        self.clock = [0.0] * w
+        self.busy = [0.0] * w
+        self.exposed = [0.0] * w
         self.events: list[list[tuple[str, float, float]]] = [[] for _ in range(w)]
         # one outgoing and one incoming NVLink/NVSwitch port per rank, one outgoing and one
         # incoming link per network rail of every node
@@ -310,7 +313,10 @@ class _Pass:
                                                  topo.rail_bandwidth if inter else topo.intra_bandwidth)
         used, inter, latency, bandwidth = hit
         dur = latency + self.nbytes.get(key, 0.0) / bandwidth  # CostModel.transfer_seconds
-        start = _earliest_common_gap(used, max(s, r), dur)
+        ready = s if s > r else r
+        # free from ``ready`` on: no interval of any of its links ends later (ends are sorted)
+        start = ready if all(not lk.ends or lk.ends[-1] <= ready for lk in used) else \
+            _earliest_common_gap(used, ready, dur)
         for lk in used:
             lk.reserve(start, start + dur)
         self.end_of[key] = start + dur
@@ -319,7 +325,7 @@ class _Pass:
         if self.cm.executor is not None and ins.sends and not self.packed.get((r, ins.phase)):
             # the executor gathers the rows it sends (compute), then posts the transfers
             self.packed[(r, ins.phase)] = True
-            sent = send_bytes(ins, self.blen, self.row_bytes)
+            sent = send_bytes(ins, self.row_bytes)
             self.pc[r] -= 1  # _compute moves on; this instruction still posts its transfers
             self._compute(r, t, "pack", float(self.cm.executor.pack.seconds(sent)))
             return
@@ -328,8 +334,7 @@ class _Pass:
             key = (ins.phase, r, tr.peer) if outgoing else (ins.phase, tr.peer, r)
             slot = self.launched.setdefault(key, [None, None])
             if outgoing:
-                tokens = float(sum(map(self.blen_l.__getitem__, tr.blocks.tolist())))
-                self.nbytes[key] = self.nbytes.get(key, 0.0) + tokens * self.itb[(self.backward, tr.kind)]
+                self.nbytes[key] = self.nbytes.get(key, 0.0) + float(tr.tokens) * self.itb[(self.backward, tr.kind)]
                 slot[0] = t
             else:
                 slot[1] = t
@@ -376,12 +381,14 @@ class _Pass:
                     self.events[r].append(("pass", 0.0, sec))
                     self.busy[r] += sec
                     self.clock[r] = sec
-            self.heap = [(float(self.clock[r]), r) for r in range(w)]
+            self.heap = [(self.clock[r], r) for r in range(w)]
         while self.heap:
             t, r = heapq.heappop(self.heap)
             if self.pc[r] < len(progs[r]):
                 dispatch(self, progs[r][self.pc[r]], r, t)
         if self.blocked or any(self.pc[r] < len(progs[r]) for r in range(w)):
             raise RuntimeError(f"simulation deadlock: ranks {sorted(self.blocked)} wait for messages never sent")
-        makespan = float(self.clock.max()) if w else 0.0
-        return PassResult(makespan, self.busy, self.exposed, makespan - self.clock, self.clock.copy(), self.events)
+        clock = np.asarray(self.clock, np.float64)
+        makespan = float(clock.max()) if w else 0.0
+        return PassResult(makespan, np.asarray(self.busy, np.float64), np.asarray(self.exposed, np.float64),
+                          makespan - clock, clock, self.events)
