@@ -329,23 +329,31 @@ class _Pass:
             self.pc[r] -= 1  # _compute moves on; this instruction still posts its transfers
             self._compute(r, t, "pack", float(self.cm.executor.pack.seconds(sent)))
             return
-        keys = []
-        for tr, outgoing in [(x, True) for x in ins.sends] + [(x, False) for x in ins.recvs]:
-            key = (ins.phase, r, tr.peer) if outgoing else (ins.phase, tr.peer, r)
-            slot = self.launched.setdefault(key, [None, None])
-            if outgoing:
-                self.nbytes[key] = self.nbytes.get(key, 0.0) + float(tr.tokens) * self.itb[(self.backward, tr.kind)]
-                slot[0] = t
-            else:
-                slot[1] = t
-            if key not in keys:
-                keys.append(key)
+        # this rank's messages of the phase (one per peer and direction, sends first), each
+        # marked launched at its end; the message's bytes add up its transfers' (kinds)
+        launched, nbytes, phase = self.launched, self.nbytes, ins.phase
+        keys: dict[tuple[int, int, int], None] = {}
+        for tr in ins.sends:
+            key = (phase, r, tr.peer)
+            slot = launched.get(key)
+            if slot is None:
+                slot = launched[key] = [None, None]
+            nbytes[key] = nbytes.get(key, 0.0) + float(tr.tokens) * self.itb[(self.backward, tr.kind)]
+            slot[0] = t
+            keys[key] = None
+        for tr in ins.recvs:
+            key = (phase, tr.peer, r)
+            slot = launched.get(key)
+            if slot is None:
+                slot = launched[key] = [None, None]
+            slot[1] = t
+            keys[key] = None
         scheduled = False
         for key in keys:
-            if None not in self.launched[key] and key not in self.end_of:
+            if None not in launched[key] and key not in self.end_of:
                 self._schedule(key)
                 scheduled = True
-        self.phase_keys[r][ins.phase] = keys
+        self.phase_keys[r][ins.phase] = list(keys)
         self.pc[r] += 1
         # ranks waiting on transfers that just got scheduled may go on (none other can)
         for q, need in list(self.blocked.items()) if scheduled else ():
