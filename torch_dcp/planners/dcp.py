@@ -246,8 +246,9 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
                 moves.append((c, t))
                 loads[t] += size  # reserve room (undone below, applied once)
                 left -= size
+            wc_l = wc.tolist()
             for c, t in moves:
-                loads[t] -= float(weight[cand[c]])
+                loads[t] -= wc_l[c]
             load = np.asarray(loads)
         if moves:
             vs = cand[[c for c, _ in moves]]
@@ -257,9 +258,9 @@ def _rebalance(hg: DCPHypergraph, part: np.ndarray, w: int, weight: np.ndarray, 
             np.add.at(cnt, (nets.ravel(), np.repeat(ts, nets.shape[1])), 1)
             part[vs] = ts
             loads = load.tolist()
-            for v, t in zip(vs.tolist(), ts.tolist()):
-                loads[r] -= float(weight[v])
-                loads[t] += float(weight[v])
+            for wv, t in zip(weight[vs].tolist(), ts.tolist()):
+                loads[r] -= wv
+                loads[t] += wv
             load = np.asarray(loads)
     return part
 
