@@ -103,6 +103,34 @@ def test_direct_routes_are_unchanged_by_the_routing_table():
     assert np.array_equal(t["ret_kv_dst"], home[t["ret_kv_block"]])
 
 
+def test_node_once_routes_with_one_rank_per_node_are_direct():
+    """With one rank per node (a head-parallel plan's outer plan across nodes) no node has a
+    rank to choose as gateway, reducer or relay: both node-once routings are the direct routes,
+    so the planner times each schedule on one of them only."""
+    from torch_dcp.api import _reschedules, divide
+
+    topo = Topology(n_nodes=4, ranks_per_node=1, nics_per_node=1)
+    plan = torch_dcp.plan(_batch([300, 37, 100, 5, 64, 200]), topo, planner="dcp", block_size=16, head_parallel=1)
+    direct = direct_routes(plan)
+    for routing in (Routing.NODE, Routing.RAILS):
+        routed = divide(dataclasses.replace(plan.placement, routing=routing, runtime=Runtime.EXECUTOR), topo, 4)
+        assert routed.tables.keys() == direct.keys()
+        assert all(np.array_equal(routed.tables[k], v) for k, v in direct_routes(routed).items())
+        labels = [name for name, _ in _reschedules(routed, True)]
+        assert labels and not any(_on_routing(name) for name in labels)
+    # on nodes of two ranks each variant is timed on both
+    topo2 = Topology(n_nodes=2, ranks_per_node=2, nics_per_node=2)
+    plan2 = torch_dcp.plan(_batch([300, 37, 100, 5, 64, 200]), topo2, planner="dcp", block_size=16, head_parallel=1)
+    routed = divide(dataclasses.replace(plan2.placement, routing=Routing.RAILS, runtime=Runtime.EXECUTOR), topo2, 4)
+    labels = [name for name, _ in _reschedules(routed, True)]
+    assert sum(map(_on_routing, labels)) == (len(labels) + 1) // 2 > 1  # the plan and every variant
+
+
+def _on_routing(label: str) -> bool:
+    """Whether a reschedule's label names another node-once routing (``"node"``, ``"T=3, rails"``)."""
+    return any(label == r.value or label.endswith(f", {r.value}") for r in (Routing.NODE, Routing.RAILS))
+
+
 def test_ring_step_formula_on_a_hand_computable_case():
     # one document of 4n tokens, full mask, 2 ranks on one node: rank 0 holds chunks 0 and 3,
     # rank 1 chunks 1 and 2; each step is 2 x 2 chunks of n x n pairs on each rank

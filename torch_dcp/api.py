@@ -525,7 +525,8 @@ def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple
     else at its ``T``), then a local tail (:data:`LOCAL_TAIL`). Empty where the placement has no
     such variant (ring attention's own steps; node first and local tail need 3 divisions per
     round). On ``Routing.RAILS`` (dcp's default on several nodes), each of them and ``chosen``
-    itself on ``Routing.NODE`` too, and the other way round."""
+    itself on ``Routing.NODE`` too, and the other way round, where nodes have several ranks (with
+    one, e.g. a head-parallel plan's outer plan across nodes, the two route alike)."""
     outer = _outer(chosen)
     pl, topo = outer.placement, outer.topology
     per_round = _per_round(outer)
@@ -539,7 +540,7 @@ def _reschedules(chosen: "Plan | HeadParallelPlan", deeper: bool) -> "list[tuple
             t = t if deeper and t <= pl.workload.n_tiles else per_round
             variants.append((f"node first, T={t}", divide(pl, topo, t, node_first=True)))
         variants.append(("local tail", _local_tail(outer)))
-    if pl.routing in (Routing.NODE, Routing.RAILS):  # each schedule on the other node-once routes too
+    if pl.routing in (Routing.NODE, Routing.RAILS) and topo.ranks_per_node > 1:  # each on the other node-once routes
         other = Routing.NODE if pl.routing is Routing.RAILS else Routing.RAILS
         variants += [(f"{name}, {other.value}" if name else other.value, _routed(p, other))
                      for name, p in [("", outer), *variants]]
