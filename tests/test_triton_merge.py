@@ -160,6 +160,28 @@ def test_float32_partials_to_bfloat16_output(interpret):
     assert torch.allclose(dst.fields["o"].float(), want_o, rtol=2 ** -7, atol=1e-6)
 
 
+def test_one_partial_writes_a_kernels_output_into_a_mixed_row(interpret):
+    """How the executor writes a division's output into its partial rows (O in the inputs' dtype,
+    the LSE in float32, one row) on a GPU: the merge of one partial per row, one launch, which
+    writes a bfloat16 O and its LSE unchanged (weight exp(0) = 1; the LSE taken as the kernel
+    gave it, here a transposed view); a row with LSE -inf gets output 0; a float32 O is cast."""
+    n, h, d = 6, 3, 16
+    g = torch.Generator().manual_seed(4)
+    lse = (torch.randn(h, n, generator=g) * 3).t()  # [n, h], strided as the varlen kernel returns it
+    lse[2] = -math.inf
+    o = torch.randn(n, h, d, generator=g).bfloat16()
+    o[2] = 0
+    for d_rows in (slice(3, 3 + n), torch.tensor([9, 0, 4, 1, 7, 2])):
+        row = _Buffer(10, [("o", torch.bfloat16, (h, d)), ("lse", torch.float32, (h,))], torch.device("cpu"))
+        assert row.flat is None  # two dtypes: no typed view of the whole row
+        row.words.fill_(0)
+        merge_partials(LSE, _Outputs(o=o, lse=lse), row, slice(0, n), d_rows, n, 1, use_triton=True)
+        assert torch.equal(row.fields["o"][d_rows], o) and torch.equal(row.fields["lse"][d_rows], lse)
+    row.words.fill_(0)
+    merge_partials(LSE, _Outputs(o=o.float() / 3, lse=lse), row, slice(0, n), slice(0, n), n, 1, use_triton=True)
+    assert torch.allclose(row.fields["o"][:n].float(), o.float() / 3, rtol=2 ** -7, atol=0)
+
+
 def test_executor_end_to_end(interpret, calls, monkeypatch):
     """A whole forward and backward with every LSE merge in Triton."""
     import torch_dcp
@@ -217,3 +239,29 @@ def test_cuda_matches_torch(calls, monkeypatch, h, d):
     merge_partials(LSE, src64, dst, slice(0, 192), slice(0, 64), 64, 3)
     _close(dst.fields["o"], want_o, 1e-12)
     _close(dst.fields["lse"], want_l, 1e-12)
+
+
+@pytest.mark.parametrize("dst_idx", [False, True])
+def test_compiles_for_a_gpu_with_bfloat16_partials(dst_idx):
+    """The merge kernel through Triton's whole compiler for an H100 (sm_90) without one, as the
+    executor launches it on partial rows whose O is bfloat16 (a division's output written into
+    them, and their merges): the interpreter runs Python, so only this catches what the compiler
+    refuses for that dtype."""
+    import triton
+    import triton.language as tl
+    from triton.compiler import ASTSource
+
+    from torch_dcp.executor.triton_merge import _merge_lse_kernel, jitted
+
+    try:
+        from triton.backends.compiler import GPUTarget
+    except ImportError:  # pragma: no cover - an older Triton
+        pytest.skip("this Triton has no GPUTarget")
+    sig = {"src_o": "*bf16", "src_lse": "*fp32", "dst_o": "*bf16", "dst_lse": "*fp32", "src_idx": "*i64",
+           "dst_idx": "*i64", "p": "i32", "src_start": "i32", "dst_start": "i32", "H": "i32",
+           **dict.fromkeys(("so_r", "so_h", "so_d", "sl_r", "sl_h", "do_r", "do_h", "do_d", "dl_r", "dl_h"), "i32"),
+           **dict.fromkeys(("SRC_IDX", "DST_IDX", "SA", "DA", "ACC", "D", "BLOCK_H", "BLOCK_D"), "constexpr")}
+    src = ASTSource(fn=jitted(_merge_lse_kernel), signature=sig,
+                    constexprs={"SRC_IDX": False, "DST_IDX": dst_idx, "SA": 8, "DA": 8, "ACC": tl.float32, "D": 128,
+                                "BLOCK_H": 8, "BLOCK_D": 128})
+    assert "ptx" in triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm

@@ -1,7 +1,8 @@
-"""dK/dV partials on the wire in the K/V dtype (torch_dcp.executor.wire): what narrows and the
-bytes per token, the casts at both ends, bfloat16 close to the float64 reference through node
-routes' reducers and relays, float64 exact (nothing cast). That the executor moves the bytes the
-plan counts, bfloat16 too: tests/test_plan.py::test_stats_match_bytes_the_executor_moves."""
+"""dK/dV partials on the wire in the K/V dtype (torch_dcp.executor.wire), partial outputs kept and
+sent in it: what narrows and the bytes per token, the casts at both ends, bfloat16 close to the
+float64 reference through node routes' reducers and relays, float64 exact (nothing cast). That
+the executor moves the bytes the plan counts, bfloat16 too:
+tests/test_plan.py::test_stats_match_bytes_the_executor_moves."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ def test_only_dkv_narrows_and_only_below_the_accumulation_dtype():
     batch = BatchSpec([100], Causal(), n_heads=8, n_kv_heads=2, head_dim=64, dtype="bfloat16")
     itb = item_token_bytes(batch)
     assert itb[(True, Buf.DKV)] == itb[(True, Buf.KV)] == 2 * 2 * 64 * 2
-    assert itb[(True, Buf.DQ)] == 8 * 64 * 4 and itb[(False, Buf.OPART)] == (8 * 64 + 8) * 4
+    assert itb[(True, Buf.DQ)] == 8 * 64 * 4
+    # partial outputs are kept and sent in the inputs' dtype as they are (no cast): O in bfloat16,
+    # its LSE in float32
+    assert itb[(False, Buf.OPART)] == 8 * 64 * 2 + 8 * 4
 
 
 def test_a_send_casts_its_rows_and_receives_land_cast_in_their_rows():
@@ -47,9 +51,10 @@ def test_a_send_casts_its_rows_and_receives_land_cast_in_their_rows():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
 def test_returned_dkv_partials_stay_close_to_the_reference(dtype):
-    """The greedy layout on 2 nodes x 2 ranks on node routes (dK/dV partials summed by a node's
-    reducer, relayed home, under the shared-question mask): bfloat16, each partial rounded once
-    to the K/V dtype on its way, stays within the bfloat16 bound of the float64 reference;
+    """The greedy layout on 2 nodes x 2 ranks on node routes (dK/dV partials and partial outputs
+    summed by a node's reducer, relayed home, under the shared-question mask): bfloat16, each
+    dK/dV partial rounded once to the K/V dtype on its way and every partial output kept and sent
+    in bfloat16 (merged in float32), stays within the bfloat16 bound of the float64 reference;
     float64, where nothing is cast, is exact."""
     import dataclasses
 
@@ -66,6 +71,7 @@ def test_returned_dkv_partials_stay_close_to_the_reference(dtype):
     node = topo.node_of
     assert np.any(node(t["ret_kv_rank"]) != node(t["ret_kv_dst"]))  # dK/dV partials cross nodes
     assert np.any(t["ret_kv_dst"] != plan.placement.block_rank[t["ret_kv_block"]])  # to a reducer or a relay
+    assert np.any(node(t["ret_q_rank"]) != node(t["ret_q_dst"]))  # partial outputs cross nodes too
     if dtype == "float64":
         assert_emulation_exact(plan, batch)
     else:

@@ -47,7 +47,8 @@ class Buf(enum.IntEnum):
 
     * ``Q``: query side -- Q forward; Q, dO, LSE and ``delta = rowsum(dO * O)`` backward.
     * ``KV``: K and V.
-    * ``OPART``: partial outputs with their LSE (forward, accumulation dtype).
+    * ``OPART``: partial outputs (in the inputs' dtype) with their LSE (forward, accumulation
+      dtype).
     * ``DQ``, ``DKV``: dQ and dK/dV accumulators and received gradient partials (backward;
       dK/dV partials travel in the K/V dtype, :func:`item_token_bytes`).
     * ``OUT``, ``OUT_DQ``, ``OUT_DKV``: the rank's results in local token order: O and LSE
@@ -115,7 +116,9 @@ def resident_token_bytes(batch: BatchSpec) -> int:
 def item_token_bytes(batch: BatchSpec) -> dict[tuple[bool, str], int]:
     """Bytes per token of every transfer kind, keyed ``(backward, kind)`` with ``kind`` a :class:`Buf`.
 
-    Forward: ``Q`` (Q), ``KV`` (K, V), ``OPART`` (partial O and its LSE, accumulation dtype).
+    Forward: ``Q`` (Q), ``KV`` (K, V), ``OPART`` (partial O in the inputs' dtype, as an
+    attention kernel writes it, and its LSE in the accumulation dtype: torch_dcp's executor keeps
+    and sends its partial outputs so, and merges them in the accumulation dtype).
     Backward: ``Q`` (Q, dO, LSE, delta), ``KV`` (K, V), ``DQ`` (dQ partials, accumulation
     dtype) and ``DKV`` (dK/dV partials in the K/V dtype, as TransformerEngine's context
     parallelism sends them: torch_dcp's executor casts its float32 partials as it sends them and
@@ -126,7 +129,7 @@ def item_token_bytes(batch: BatchSpec) -> dict[tuple[bool, str], int]:
     return {
         (False, Buf.Q): hd * e,
         (False, Buf.KV): 2 * kvd * e,
-        (False, Buf.OPART): hd * a + h * a,
+        (False, Buf.OPART): hd * e + h * a,
         (True, Buf.Q): 2 * hd * e + 2 * h * a,
         (True, Buf.KV): 2 * kvd * e,
         (True, Buf.DQ): hd * a,

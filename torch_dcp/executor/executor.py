@@ -14,7 +14,11 @@ buffers in place wherever their rows are contiguous, but for dK/dV partials, whi
 K/V dtype (:mod:`~torch_dcp.executor.wire`).
 
 Work buffers hold one row per token with typed fields side by side (``Buf.Q`` in the backward:
-Q, dO, LSE, delta), so a row moves -- gathered, sent, received -- as one unit.
+Q, dO, LSE, delta), so a row moves -- gathered, sent, received -- as one unit. A partial
+output's row (``Buf.OPART``) holds O in the inputs' dtype, as an attention kernel computes it
+on a GPU, and its LSE in the accumulation dtype: it is kept, sent and received so (half the
+bytes of a float32 O for bfloat16 inputs), and merged in the accumulation dtype; on CUDA a
+division's output is written into such rows in one launch (the Triton LSE merge of one partial).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any, Generator
 
 import torch
 
-from ..plan import Plan
+from ..plan import Plan, ReduceOp
 from ..workload import Buf
 from .device_plan import AttentionStep, CopyStep, DevicePlan, LaunchStep, ReductionStep, UploadedPlan, WaitStep
 from .kernels import DivisionKernel, get_kernel
@@ -83,9 +87,12 @@ class _Buffer:
         return self.words[rows].reshape(-1).view(torch.uint8)
 
 
-def _partial_fields(h: int, d: int, acc: torch.dtype) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """The forward's partial-output row: ``o [h, d]`` and ``lse [h]`` in ``acc``."""
-    return [("o", acc, (h, d)), ("lse", acc, (h,))]
+def _partial_fields(h: int, d: int, o_dtype: torch.dtype, acc: torch.dtype
+                    ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The forward's partial-output row: ``o [h, d]`` in ``o_dtype`` and ``lse [h]`` in ``acc``
+    (a plan's partials: ``o`` in the inputs' dtype, as the kernels compute it on a GPU and as it
+    travels, merged in ``acc``; a ring's running output: ``acc``)."""
+    return [("o", o_dtype, (h, d)), ("lse", acc, (h,))]
 
 
 class _Outputs:
@@ -244,7 +251,7 @@ class RankExecutor(RowChecks):
         self._uploaded = self.device_plan.upload(device)
         # the forward's null row (output 0, LSE -inf), copied in with one operation per call
         b = self.plan.batch
-        null = _Buffer(1, _partial_fields(b.n_heads, b.head_dim, self.acc), device)
+        null = _Buffer(1, _partial_fields(b.n_heads, b.head_dim, self.dtype, self.acc), device)
         null.fields["o"].zero_()
         null.fields["lse"].fill_(-math.inf)
         self._null_row = null.words
@@ -323,7 +330,7 @@ class RankExecutor(RowChecks):
             if got is not None and narrowed(Buf.DKV, acc, e) and keeps_wire(dkv.words):
                 dkv.wire = (_Buffer(got[1] - got[0], [("dk", e, (hkv, d)), ("dv", e, (hkv, d))], dev), got[0])
         else:
-            run.bufs[Buf.OPART] = op = _Buffer(rows[Buf.OPART] + 1, _partial_fields(h, d, acc), dev)
+            run.bufs[Buf.OPART] = op = _Buffer(rows[Buf.OPART] + 1, _partial_fields(h, d, e, acc), dev)
             if pp.needs_null_row or pp.fills_null:  # the row missing partials point at: output 0, LSE -inf
                 # (every row, where a kernel leaves some rows of a division out); prepare() built it
                 # for this device and the plan's heads, which _check_inputs holds the inputs to
@@ -463,6 +470,10 @@ class RankExecutor(RowChecks):
             op = run.bufs[Buf.OPART]
             if isinstance(bound["out"], slice) and op.flat is not None:  # the row is o then lse: one write
                 torch.cat((out.flatten(1), lse), 1, out=op.flat[bound["out"]])
+            elif triton_runs_on(out):  # o (the inputs' dtype) and lse (float32) in one launch: the
+                # LSE merge of one partial, which writes it unchanged (weight exp(0) = 1)
+                merge_partials(ReduceOp.LSE_MERGE, _Outputs(o=out, lse=lse), op, slice(0, out.shape[0]), bound["out"],
+                               out.shape[0], 1)
             else:
                 put_rows(op.fields["o"], bound["out"], out)
                 put_rows(op.fields["lse"], bound["out"], lse)

@@ -501,7 +501,7 @@ class VarlenKernel:
         """Partial output ``[n_q, H, D]`` and LSE ``[n_q, H]`` of the division's queries."""
         results = [self._call_forward(c, take_rows(q, c.q), take_rows(k, c.k), take_rows(v, c.k), scale, acc_dtype)
                    for c in meta.calls]
-        if meta.mode == "single":  # the executor converts to the accumulation dtype as it writes
+        if meta.mode == "single":  # the executor converts to its partial rows' dtypes as it writes
             return results[0]
         h, d = q.shape[1], q.shape[2]
         if meta.mode == "direct":
