@@ -186,7 +186,7 @@ def _fetch_layout(plan: "Plan", rank: int) -> _FetchLayout:
 
 def compile_program(plan: "Plan", rank: int, backward: bool) -> Program:
     """The forward (or backward) :class:`Program` of ``rank`` (deterministic)."""
-    wl, pl, t = plan.workload, plan.placement, plan.tables
+    wl, t = plan.workload, plan.tables
     T = plan.divisions
     blen = wl.block_len
     layout = plan.memo(("fetch_layout", rank), None, lambda: _fetch_layout(plan, rank))
