@@ -84,7 +84,8 @@ def test_exposed_final_reduction():
     a_full, a_diag = _tile_seconds(batch, B * B), _tile_seconds(batch, B * (B + 1) // 2)
     b = batch
     copy1 = 2 * B * (b.n_heads * b.head_dim * b.elem_size) / mem_bw + 2 * B * (2 * b.n_kv_heads * b.head_dim * b.elem_size) / mem_bw
-    row = (b.n_heads * b.head_dim + b.n_heads) * b.acc_size
+    row = itb[(False, Buf.OPART)]  # a partial's row: O in the inputs' dtype, its LSE in float32
+    assert row == b.n_heads * b.head_dim * b.elem_size + b.n_heads * b.acc_size
     xq = _xfer(B * itb[(False, Buf.Q)])
     xo = _xfer(B * itb[(False, Buf.OPART)])
     # rank 1: copies, local tile, waits for Q of block 0 (sent once rank 0 has copied too),

@@ -225,8 +225,7 @@ def te_ring_step_seconds(plan: Plan, cost_model: CostModel | None = None) -> flo
         # merge (forward) or the dK/dV partials' sum (backward): read two slots, write one
         cell = pl.tile_rank.astype(np.int64) * w + np.asarray(plan.tile_division, np.int64)
         compute = cm.launch_seconds(wl, np.arange(wl.n_tiles), cell, w * w, backward).reshape(w, w)
-        # (TransformerEngine's running output and LSE in the accumulation dtype)
-        row = itb[(True, Buf.DKV)] if backward else plan.batch.n_heads * (plan.batch.head_dim + 1) * plan.batch.acc_size
+        row = itb[(True, Buf.DKV)] if backward else itb[(False, Buf.OPART)]
         busy = compute[:, 1:] > 0  # a step without tiles (a sparse mask's) has nothing to merge
         compute[:, 1:] += np.where(busy, cm.memory_seconds_array(3.0 * rows * row)[:, None], 0.0)
         # staging the rank's own K/V (and Q side) rows for the first step: read + write
