@@ -313,10 +313,7 @@ class _Pass:
                                                  topo.rail_bandwidth if inter else topo.intra_bandwidth)
         used, inter, latency, bandwidth = hit
         dur = latency + self.nbytes.get(key, 0.0) / bandwidth  # CostModel.transfer_seconds
-        ready = s if s > r else r
-        # free from ``ready`` on: no interval of any of its links ends later (ends are sorted)
-        start = ready if all(not lk.ends or lk.ends[-1] <= ready for lk in used) else \
-            _earliest_common_gap(used, ready, dur)
+        start = _earliest_common_gap(used, max(s, r), dur)
         for lk in used:
             lk.reserve(start, start + dur)
         self.end_of[key] = start + dur
