@@ -440,7 +440,7 @@ class Job:
         rows = []
         it = iter(planned)
         while True:
-            t0 = time.perf_counter()
+            t0 = time.perf_counter(), time.process_time()
             pb = next(it, None)
             if pb is None:
                 return rows
@@ -467,7 +467,7 @@ class Job:
         """PyTorch's context parallelism (--cp-impl torch) or one process without (none)."""
         rows = []
         for step, docs in enumerate(self.batches()):
-            t0 = time.perf_counter()
+            t0 = time.perf_counter(), time.process_time()
             spec, (tokens, labels, positions, lens) = self.to_batch(docs)
             row: dict = {"step": step}
             attn_mask = None
@@ -489,10 +489,13 @@ class Job:
         return rows
 
     @staticmethod
-    def _finish(row: dict, loss: float, grad_norm: float, lens: list[int], t0: float, emit) -> dict:
-        dt = time.perf_counter() - t0
+    def _finish(row: dict, loss: float, grad_norm: float, lens: list[int], t0: tuple[float, float], emit) -> dict:
+        """The step's row: ``t0`` is its start, ``(time.perf_counter(), time.process_time())``;
+        ``cpu_ms`` is this process's CPU time over the step (all its threads; not the planning
+        workers, processes of their own)."""
+        dt, cpu = time.perf_counter() - t0[0], time.process_time() - t0[1]
         row.update(loss=round(loss, 6), grad_norm=round(grad_norm, 6), docs=len(lens), longest=max(lens),
-                   tokens_per_s=round(sum(lens) / dt, 1), step_s=round(dt, 4))
+                   tokens_per_s=round(sum(lens) / dt, 1), step_s=round(dt, 4), cpu_ms=round(1000 * cpu, 1))
         emit(row)
         return row
 

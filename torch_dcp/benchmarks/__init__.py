@@ -15,6 +15,7 @@
     python -m torch_dcp.benchmarks calibrate [--check] ...           this device's cost model, from the executor
     python -m torch_dcp.benchmarks loader [--workers 2] ...           steps/s the planning loader sustains (32 ranks)
     python -m torch_dcp.benchmarks scale [--cases 131k,1m,4m] ...      dcp's default plan at 32 to 1,024 ranks
+    python -m torch_dcp.benchmarks main-job [--pairs 3] [-- ARGS]      the main job vs PyTorch's context_parallel, side by side
     python -m torch_dcp.benchmarks gpu-report --out DIR [--quick | --dry-run | --stages a,b]
                                                                       every GPU figure against its target, one command
 
@@ -23,7 +24,7 @@ Modules: :mod:`.common` (masks by name, batches, length sources, progress bar),
 :mod:`.compare` and :mod:`.static_cp` (``compare``: baselines at their best CP size), :mod:`.why` (``why``),
 :mod:`.pictures` and :mod:`.viz` (``pictures``; matplotlib), :mod:`.kernels` (``kernels ...``),
 :mod:`.ops` (``ops``), :mod:`.step` (``step``), :mod:`.calibrate` and :mod:`.measure` (``calibrate``), :mod:`.loader` (``loader``), :mod:`.scale` (``scale``),
-:mod:`.gpu_report` (``gpu-report``),
+:mod:`.main_job` (``main-job``), :mod:`.gpu_report` (``gpu-report``),
 :mod:`.cli` (the argument parser). The progress bar needs tqdm and the pictures matplotlib:
 ``pip install 'torch-dcp[benchmarks]'``.
 """

@@ -5,8 +5,8 @@
 (:mod:`~torch_dcp.benchmarks.routes`), ``pictures`` (:mod:`~torch_dcp.benchmarks.pictures`),
 ``kernels reduce|table|division|plan`` (:mod:`~torch_dcp.benchmarks.kernels`), ``ops``
 (:mod:`~torch_dcp.benchmarks.ops`), ``step`` (:mod:`~torch_dcp.benchmarks.step`), ``loader``
-(:mod:`~torch_dcp.benchmarks.loader`), ``scale`` (:mod:`~torch_dcp.benchmarks.scale`) and ``gpu-report``
-(:mod:`~torch_dcp.benchmarks.gpu_report`)."""
+(:mod:`~torch_dcp.benchmarks.loader`), ``scale`` (:mod:`~torch_dcp.benchmarks.scale`), ``main-job``
+(:mod:`~torch_dcp.benchmarks.main_job`) and ``gpu-report`` (:mod:`~torch_dcp.benchmarks.gpu_report`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import json
 import sys
 
 from ..topology import TOPOLOGY_PRESETS, Topology
-from . import (balance, calibrate, common, compare, gpu_report, kernels, loader, ops, pictures, planners, readiness,
-               routes, scale, step, sweeps, why)
+from . import (balance, calibrate, common, compare, gpu_report, kernels, loader, main_job, ops, pictures, planners,
+               readiness, routes, scale, step, sweeps, why)
 from .common import MASKS
 
 _DIVISIONS_HELP = ("divisions T per rank (default: each planner's own: T = 4 on these batches, where dcp's time "
@@ -225,6 +225,10 @@ def parser() -> argparse.ArgumentParser:
                         "simulated time against the rivals", description=scale.__doc__, formatter_class=raw)
     scale.add_arguments(sc)
     sc.set_defaults(run=scale.run)
+    mj = sub.add_parser("main-job", help="the main job against PyTorch's context_parallel, alternating runs: tokens/s "
+                        "and CPU per step", description=main_job.__doc__, formatter_class=raw)
+    main_job.add_arguments(mj)
+    mj.set_defaults(run=_main_job)
     gr = sub.add_parser("gpu-report", help="the whole GPU report: every GPU figure and its target, each stage in "
                         "its own subprocess and time limit", description=gpu_report.__doc__, formatter_class=raw)
     gpu_report.add_arguments(gr)
@@ -242,6 +246,15 @@ def _calibrate(args) -> int:
     res = calibrate.run(args)
     if args.check:  # the exit status says whether every case held
         return calibrate.check_status(res)
+    return 0
+
+
+def _main_job(args) -> int:
+    try:
+        main_job.run(args)
+    except main_job.MainJobError as e:
+        print(e, file=sys.stderr)
+        return 2
     return 0
 
 
