@@ -84,3 +84,17 @@ def test_tensor_parallel_dcp_matches_tensor_parallel_alone(tmp_path):
         assert a["docs"] == b["docs"]
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(b[key]), (key, a, b)
+
+
+def test_compare_precomputed_times_every_mode(tmp_path):
+    """``--compare-precomputed`` (recipes/loader_modes.py): the same steps with plans from the
+    loader, made before the round and made in line, each mode timed; rank 0 writes one row."""
+    args = ["--steps", "2", "--tokens-per-step", "1024", "--max-doc-len", "512", "--block-size", "128", "--dim", "32",
+            "--layers", "1", "--ffn-hidden", "64", "--compare-precomputed", "1",
+            "--compare-modes", "loader,precomputed,inline"]
+    ((out,),) = _runs((args, tmp_path / "modes.jsonl", 2))
+    assert out["ranks"] == 2 and out["rounds"] == 1 and out["inline_plan_ms_per_step"] > 0
+    for mode in ("loader", "precomputed", "inline"):
+        assert out[mode]["mean_step_s"] > 0 and out[mode]["plan_wait_ms"] >= 0
+    assert out["precomputed"]["ratio_to_precomputed"] == 1.0
+    assert out["precomputed"]["store_ms"] == 0.0 and out["inline"]["store_ms"] == 0.0
