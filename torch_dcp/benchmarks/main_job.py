@@ -119,7 +119,8 @@ def summarize(pairs: list[dict[str, dict]]) -> dict:
     out = []
     for p in pairs:
         d, t = p["torch_dcp"], p["torch"]
-        out.append({"torch_dcp_tokens_per_s": round(d["tokens_per_s"], 1), "torch_tokens_per_s": round(t["tokens_per_s"], 1),
+        out.append({"torch_dcp_tokens_per_s": round(d["tokens_per_s"], 1),
+                    "torch_tokens_per_s": round(t["tokens_per_s"], 1),
                     "speedup": round(d["tokens_per_s"] / t["tokens_per_s"], 4),
                     "torch_dcp_cpu_ms": d["cpu_ms"], "torch_cpu_ms": t["cpu_ms"],
                     "cpu_ratio": round(t["cpu_ms"] / d["cpu_ms"], 4) if d["cpu_ms"] > 0 else None,

@@ -167,8 +167,8 @@ class RingExecutor(StaticRuntime):
         held = self._held(k, v)
         nxt = torch.empty_like(held) if w > 1 else None
         # the running output and LSE (rows [0, S)), then the step's partials (rows [S, S + n))
-        part = _Buffer(s + max((st.n for st in steps if st is not None), default=0), _partial_fields(h, d, self.acc, self.acc),
-                       q.device)
+        part = _Buffer(s + max((st.n for st in steps if st is not None), default=0),
+                       _partial_fields(h, d, self.acc, self.acc), q.device)
         running = _Outputs(o=part.fields["o"][:s], lse=part.fields["lse"][:s])
         first = steps[0] if steps else None
         # the first step writes every row in order: straight into the running output
